@@ -1,0 +1,48 @@
+// Kimi Delta Attention (KDA) and the gated delta rule (GDN), following flash-linear-attention.
+//
+// q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (KDA, per-channel log decay) or
+// [B, T, HV] (GDN, one decay per head); beta [B, T, HV]. HV is a multiple of H: value head hv
+// reads q/k head hv / (HV / H). With cu_seqlens (int32 or int64 [N + 1]) B must be 1 and the
+// state restarts at each sequence. States are fp32 [N, HV, K, V].
+//   S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,  o_t = scale S_t^T q_t
+#pragma once
+
+#include "flare/status.h"
+#include "flare/tensor.h"
+#include "flare/types.h"
+
+namespace flare {
+
+struct KdaOptions {
+  float scale = 0.f;                // 0: K^-0.5
+  bool qk_l2norm = false;           // q, k <- x / sqrt(sum x^2 + 1e-6) per token and head
+  bool beta_sigmoid = false;        // beta <- sigmoid(beta) (2*sigmoid with allow_neg_eigval)
+  bool allow_neg_eigval = false;
+  bool gate_in_kernel = false;      // g is raw: g <- -exp(A_log) * softplus(g + dt_bias), or with
+  float lower_bound = 0.f;          // lower_bound < 0: lower_bound * sigmoid(exp(A_log)(g + dt_bias))
+};
+
+struct KdaForwardParams {
+  TensorView q, k, v, g, beta;
+  TensorView A_log;           // fp32 [HV], with gate_in_kernel (optional with lower_bound)
+  TensorView dt_bias;         // optional fp32 [HV * K] (KDA) or [HV] (GDN)
+  TensorView initial_state;   // optional fp32 [N, HV, K, V]
+  TensorView cu_seqlens;      // optional
+  TensorView out;             // [B, T, HV, V], dtype of q
+  TensorView final_state;     // optional fp32 [N, HV, K, V]
+  KdaOptions options;
+  Stream stream = nullptr;
+};
+
+struct KdaBackwardParams {
+  TensorView q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens;
+  TensorView dout;            // [B, T, HV, V]
+  TensorView d_final_state;   // optional fp32 [N, HV, K, V]
+  TensorView dq, dk, dv, dg, dbeta;  // shaped like their inputs
+  TensorView d_initial_state;        // optional (required when initial_state is given)
+  TensorView dA_log, ddt_bias;       // with gate_in_kernel
+  KdaOptions options;
+  Stream stream = nullptr;
+};
+
+}  // namespace flare

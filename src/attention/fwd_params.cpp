@@ -1,0 +1,56 @@
+#include "src/attention/fwd_params.h"
+
+#include <cmath>
+
+namespace flare::detail {
+
+RowStrides row_strides(const TensorView& t, bool varlen) {
+  RowStrides r;
+  if (varlen) {
+    r.row = t.stride[0];
+    r.head = t.stride[1];
+  } else {
+    r.batch = t.stride[0];
+    r.row = t.stride[1];
+    r.head = t.stride[2];
+  }
+  return r;
+}
+
+FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const AttentionShape& s) {
+  FwdKernelParams k;
+  k.q = p.q.data;
+  k.k = p.k.data;
+  k.v = p.v.data;
+  k.out = p.out.data;
+  k.lse = static_cast<float*>(p.lse.data);
+  k.q_str = row_strides(p.q, s.varlen);
+  k.k_str = row_strides(p.k, s.varlen);
+  k.v_str = row_strides(p.v, s.varlen);
+  k.out_str = row_strides(p.out, s.varlen);
+  if (s.varlen) {
+    k.lse_head_stride = s.total_q;
+  } else {
+    k.lse_batch_stride = int64_t{s.heads} * s.seqlen_q;
+    k.lse_head_stride = s.seqlen_q;
+  }
+  k.cu_seqlens_q = static_cast<const int*>(p.cu_seqlens_q.data);
+  k.cu_seqlens_k = static_cast<const int*>(p.cu_seqlens_k.data);
+  k.batch = s.batch;
+  k.heads = s.heads;
+  k.heads_kv = s.heads_kv;
+  k.group = s.heads / s.heads_kv;
+  k.head_dim = s.head_dim;
+  k.seqlen_q = s.seqlen_q;
+  k.seqlen_k = s.seqlen_k;
+  k.scale = s.softmax_scale;
+  k.scale_log2 = s.softmax_scale * static_cast<float>(M_LOG2E);
+  k.softcap = p.softcap;
+  k.sinks = static_cast<const float*>(p.sinks.data);
+  k.causal = p.mask.causal;
+  k.window_left = p.mask.window_left;
+  k.window_right = p.mask.window_right;
+  return k;
+}
+
+}  // namespace flare::detail

@@ -1,0 +1,74 @@
+// The attention forward as the kernels see it: host params turned into device params once.
+#pragma once
+
+#include <cstdint>
+
+#include "flare/attention.h"
+#include "src/attention/attention_args.h"
+#include "src/scheduling/mask_math.h"
+
+namespace flare::detail {
+
+// Row strides of one q/k/v-like operand, in elements. batch stride is 0 for varlen.
+struct RowStrides {
+  int64_t batch = 0, row = 0, head = 0;
+};
+
+struct FwdKernelParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // optional
+  RowStrides q_str, k_str, v_str, out_str;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;  // lse offset: b*bs + h*hs + q_start + i
+  const int* cu_seqlens_q = nullptr;                  // varlen when non-null
+  const int* cu_seqlens_k = nullptr;
+  int batch = 0, heads = 0, heads_kv = 0, group = 1, head_dim = 0;
+  int seqlen_q = 0, seqlen_k = 0;  // batched lengths, or the max lengths when varlen
+  float scale = 1.f;               // softmax scale
+  float scale_log2 = 1.f;          // scale * log2(e): the online softmax runs in exp2
+  float softcap = 0.f;             // 0: off
+  const float* sinks = nullptr;    // optional, [heads], natural-log units
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+};
+
+// A sequence's place in the packed or batched tensors.
+struct SeqInfo {
+  int64_t q_start = 0, k_start = 0;  // first row (varlen) or 0
+  int seqlen_q = 0, seqlen_k = 0;
+};
+
+FLARE_HD SeqInfo seq_info(const FwdKernelParams& p, int b) {
+  SeqInfo s;
+  if (p.cu_seqlens_q != nullptr) {
+    s.q_start = p.cu_seqlens_q[b];
+    s.k_start = p.cu_seqlens_k[b];
+    int lq = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    int lk = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    // Device values are not validated on the host: a malformed list yields empty sequences.
+    s.seqlen_q = lq < 0 ? 0 : (lq > p.seqlen_q ? p.seqlen_q : lq);
+    s.seqlen_k = lk < 0 ? 0 : (lk > p.seqlen_k ? p.seqlen_k : lk);
+  } else {
+    s.seqlen_q = p.seqlen_q;
+    s.seqlen_k = p.seqlen_k;
+  }
+  return s;
+}
+
+FLARE_HD int64_t row_offset(const RowStrides& st, int b, int64_t row, int h) {
+  return b * st.batch + row * st.row + h * st.head;
+}
+
+FLARE_HD sched::Band band_of(const FwdKernelParams& p, const SeqInfo& s) {
+  return sched::Band::make(p.causal, p.window_left, p.window_right, s.seqlen_q, s.seqlen_k);
+}
+
+RowStrides row_strides(const TensorView& t, bool varlen);
+FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const AttentionShape& s);
+
+// The simple fp32-arithmetic kernel (Backend::kReference).
+Status naive_attention_forward(const FwdKernelParams& p, DType dtype, Stream stream);
+
+}  // namespace flare::detail

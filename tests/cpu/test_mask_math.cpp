@@ -1,0 +1,96 @@
+// Mask arithmetic against brute force over many small shapes and bands.
+#include <gtest/gtest.h>
+
+#include "reference/attention_ref.h"
+#include "src/scheduling/mask_math.h"
+
+namespace flare::sched {
+namespace {
+
+struct Case {
+  bool causal;
+  int left, right;
+};
+const Case kCases[] = {{false, -1, -1}, {true, -1, -1}, {false, 3, 2}, {true, 5, -1},
+                       {false, 0, 0},   {false, -1, 4}, {false, 7, -1}, {true, 0, 0}};
+
+TEST(Band, VisibleMatchesOracle) {
+  for (const Case& c : kCases)
+    for (int sq : {1, 5, 13})
+      for (int sk : {1, 6, 13, 20}) {
+        Band band = Band::make(c.causal, c.left, c.right, sq, sk);
+        MaskParams m{c.causal, c.left, c.right};
+        for (int i = 0; i < sq; ++i) {
+          int lo = sk, hi = 0;
+          for (int j = 0; j < sk; ++j) {
+            bool v = ref::dense_visible(m, i, j, sq, sk);
+            ASSERT_EQ(band.visible(i, j), v) << sq << " " << sk << " " << i << " " << j;
+            if (v) lo = std::min(lo, j), hi = std::max(hi, j + 1);
+          }
+          if (lo < hi) {
+            EXPECT_EQ(band.row_lo(i), lo);
+            EXPECT_EQ(band.row_hi(i, sk), hi);
+          } else {
+            EXPECT_GE(band.row_lo(i), band.row_hi(i, sk));
+          }
+        }
+      }
+}
+
+TEST(Band, TileClassificationAndBlockRangesMatchBruteForce) {
+  for (const Case& c : kCases)
+    for (int sq : {1, 7, 16, 33})
+      for (int sk : {1, 9, 16, 40})
+        for (int bq : {1, 4, 8})
+          for (int bk : {1, 4, 16}) {
+            Band band = Band::make(c.causal, c.left, c.right, sq, sk);
+            for (int r0 = 0; r0 < sq; r0 += bq) {
+              int r1 = std::min(sq, r0 + bq);
+              int first = -1, last = -1;
+              for (int c0 = 0; c0 < sk; c0 += bk) {
+                int vis = 0, all = 0;
+                for (int i = r0; i < r1; ++i)
+                  for (int j = c0; j < c0 + bk; ++j) vis += j < sk && band.visible(i, j), ++all;
+                TileKind want = vis == 0 ? TileKind::kEmpty : vis == all ? TileKind::kFull : TileKind::kPartial;
+                ASSERT_EQ(classify_tile(band, r0, r1, c0, c0 + bk, sk), want)
+                    << "sq=" << sq << " sk=" << sk << " rows " << r0 << " cols " << c0 << " causal=" << c.causal
+                    << " l=" << c.left << " r=" << c.right;
+                if (vis) {
+                  if (first < 0) first = c0 / bk;
+                  last = c0 / bk + 1;
+                }
+              }
+              BlockRange r = kv_block_range(band, r0, r1, sk, bk);
+              if (first < 0) {
+                EXPECT_GE(r.first, r.last);
+              } else {
+                EXPECT_EQ(r.first, first);
+                EXPECT_EQ(r.last, last);
+              }
+            }
+            // The transposed range: q blocks that see each key block.
+            for (int c0 = 0; c0 < sk; c0 += bk) {
+              int c1 = std::min(sk, c0 + bk);
+              int first = -1, last = -1;
+              for (int r0 = 0; r0 < sq; r0 += bq) {
+                bool any = false;
+                for (int i = r0; i < std::min(sq, r0 + bq); ++i)
+                  for (int j = c0; j < c1; ++j) any |= band.visible(i, j);
+                if (any) {
+                  if (first < 0) first = r0 / bq;
+                  last = r0 / bq + 1;
+                }
+              }
+              BlockRange r = q_block_range(band, c0, c1, sq, bq);
+              if (first < 0) {
+                EXPECT_GE(r.first, r.last);
+              } else {
+                EXPECT_EQ(r.first, first) << "cols " << c0;
+                EXPECT_EQ(r.last, last) << "cols " << c0;
+              }
+            }
+          }
+}
+
+}  // namespace
+}  // namespace flare::sched

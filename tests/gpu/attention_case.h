@@ -1,0 +1,180 @@
+// One attention test problem: random host inputs, their device copies, the params for the GPU
+// op and the CPU oracle (exact and in the input dtype), and the checks of every output.
+#pragma once
+
+#include <memory>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include "flare/attention.h"
+#include "reference/attention_ref.h"
+#include "tests/gpu/gpu_harness.h"
+
+namespace flare::test {
+
+struct AttnCase {
+  int batch = 1, seqlen_q = 128, seqlen_k = 128, heads = 2, heads_kv = 2, head_dim = 64;
+  DType dtype = DType::kBFloat16;
+  MaskParams mask{};
+  float softcap = 0.f;
+  bool sinks = false;
+  std::vector<int> varlen_q, varlen_k;  // per-sequence lengths: varlen when non-empty
+  uint64_t seed = 1;
+
+  bool varlen() const { return !varlen_q.empty(); }
+  std::string name() const {
+    std::ostringstream s;
+    s << "b" << batch << " sq" << seqlen_q << " sk" << seqlen_k << " h" << heads << "/" << heads_kv << " d"
+      << head_dim << (dtype == DType::kBFloat16 ? " bf16" : " fp16") << (mask.causal ? " causal" : "")
+      << " win(" << mask.window_left << "," << mask.window_right << ")" << (softcap > 0 ? " softcap" : "")
+      << (sinks ? " sinks" : "") << (varlen() ? " varlen" : "") << " seed " << seed;
+    return s.str();
+  }
+};
+
+class AttnProblem {
+ public:
+  explicit AttnProblem(const AttnCase& c) : c_(c) {
+    std::mt19937_64 rng(c.seed);
+    int64_t tq = c.batch * int64_t{c.seqlen_q}, tk = c.batch * int64_t{c.seqlen_k};
+    if (c.varlen()) {
+      tq = tk = 0;
+      cu_q.reset(DType::kInt32, {int64_t(c.varlen_q.size()) + 1});
+      cu_k.reset(DType::kInt32, {int64_t(c.varlen_k.size()) + 1});
+      cu_q.set(0, 0);
+      cu_k.set(0, 0);
+      for (size_t b = 0; b < c.varlen_q.size(); ++b) {
+        tq += c.varlen_q[b];
+        tk += c.varlen_k[b];
+        cu_q.set(b + 1, tq);
+        cu_k.set(b + 1, tk);
+        max_q = std::max(max_q, c.varlen_q[b]);
+        max_k = std::max(max_k, c.varlen_k[b]);
+      }
+      max_q = std::max(max_q, 1);
+      max_k = std::max(max_k, 1);
+      q_shape = {tq, c.heads, c.head_dim};
+      k_shape = {tk, c.heads_kv, c.head_dim};
+      lse_shape = {c.heads, tq};
+    } else {
+      q_shape = {c.batch, c.seqlen_q, c.heads, c.head_dim};
+      k_shape = {c.batch, c.seqlen_k, c.heads_kv, c.head_dim};
+      lse_shape = {c.batch, c.heads, c.seqlen_q};
+    }
+    q.reset(c.dtype, q_shape);
+    k.reset(c.dtype, k_shape);
+    v.reset(c.dtype, k_shape);
+    q.fill_normal(rng);
+    k.fill_normal(rng);
+    v.fill_normal(rng);
+    if (c.sinks) {
+      sinks.reset(DType::kFloat32, {c.heads});
+      sinks.fill_normal(rng);
+    }
+    dq_ = std::make_unique<DeviceTensor>(q);
+    dk_ = std::make_unique<DeviceTensor>(k);
+    dv_ = std::make_unique<DeviceTensor>(v);
+    dq_->upload(q);
+    dk_->upload(k);
+    dv_->upload(v);
+    if (c.sinks) {
+      dsinks_ = std::make_unique<DeviceTensor>(sinks);
+      dsinks_->upload(sinks);
+    }
+    if (c.varlen()) {
+      dcu_q_ = std::make_unique<DeviceTensor>(cu_q);
+      dcu_k_ = std::make_unique<DeviceTensor>(cu_k);
+      dcu_q_->upload(cu_q);
+      dcu_k_->upload(cu_k);
+    }
+    out_host.reset(c.dtype, q_shape);
+    lse_host.reset(DType::kFloat32, lse_shape);
+    dout_ = std::make_unique<DeviceTensor>(out_host);
+    dlse_ = std::make_unique<DeviceTensor>(lse_host);
+  }
+
+  // Params of the GPU forward, outputs poisoned.
+  AttentionForwardParams forward_params(Backend backend) {
+    dout_->poison();
+    dlse_->poison();
+    AttentionForwardParams p;
+    p.q = *dq_;
+    p.k = *dk_;
+    p.v = *dv_;
+    p.out = *dout_;
+    p.lse = *dlse_;
+    fill_common(p);
+    p.backend = backend;
+    return p;
+  }
+
+  // The oracle's outputs: exact (fp64) and in the input dtype.
+  void run_oracle() {
+    out_ref.reset(DType::kFloat64, q_shape);
+    out_lowp.reset(DType::kFloat64, q_shape);
+    lse_ref.reset(DType::kFloat64, lse_shape);
+    lse_lowp.reset(DType::kFloat64, lse_shape);
+    AttentionForwardParams p;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    fill_common_host(p);
+    p.out = out_ref;
+    p.lse = lse_ref;
+    ASSERT_TRUE(ref::attention_forward(p).ok());
+    p.out = out_lowp;
+    p.lse = lse_lowp;
+    ASSERT_TRUE(ref::attention_forward(p, {true}).ok());
+  }
+
+  // Downloads the GPU outputs and checks them against the oracle.
+  void check_forward() {
+    dout_->download(out_host);
+    dlse_->download(lse_host);
+    ErrorReport ro = compare(out_host, out_ref, &out_lowp);
+    EXPECT_TRUE(within_tolerance(ro, "out")) << c_.name();
+    ErrorReport rl = compare(lse_host, lse_ref, &lse_lowp);
+    // The LSE is fp32 in every implementation: judge it by a relative fp32-level tolerance.
+    rl.lowp_err = std::max(rl.lowp_err, 1e-4);
+    EXPECT_TRUE(within_tolerance(rl, "lse")) << c_.name();
+  }
+
+  const AttnCase& spec() const { return c_; }
+
+  ref::HostTensor q, k, v, sinks, cu_q, cu_k;
+  ref::HostTensor out_host, lse_host, out_ref, out_lowp, lse_ref, lse_lowp;
+  std::vector<int64_t> q_shape, k_shape, lse_shape;
+  int max_q = 0, max_k = 0;
+
+ private:
+  template <typename P>
+  void fill_common(P& p) {
+    p.mask = c_.mask;
+    p.softcap = c_.softcap;
+    if (dsinks_) p.sinks = *dsinks_;
+    if (c_.varlen()) {
+      p.cu_seqlens_q = *dcu_q_;
+      p.cu_seqlens_k = *dcu_k_;
+      p.max_seqlen_q = max_q;
+      p.max_seqlen_k = max_k;
+    }
+  }
+  template <typename P>
+  void fill_common_host(P& p) {
+    p.mask = c_.mask;
+    p.softcap = c_.softcap;
+    if (c_.sinks) p.sinks = sinks;
+    if (c_.varlen()) {
+      p.cu_seqlens_q = cu_q;
+      p.cu_seqlens_k = cu_k;
+      p.max_seqlen_q = max_q;
+      p.max_seqlen_k = max_k;
+    }
+  }
+
+  AttnCase c_;
+  std::unique_ptr<DeviceTensor> dq_, dk_, dv_, dsinks_, dcu_q_, dcu_k_, dout_, dlse_;
+};
+
+}  // namespace flare::test

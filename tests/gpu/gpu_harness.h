@@ -1,0 +1,110 @@
+// GPU test helpers: device buffers, poisoned outputs, and the FlashAttention error rule:
+// a kernel passes when max|out - ref64| <= k * max|lowp - ref64| + atol, where lowp is the same
+// computation done in the input dtype (the oracle with emulate_input_dtype) and no element is
+// left unwritten (poison shows as NaN).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "reference/host_tensor.h"
+
+namespace flare::test {
+
+#define FLARE_CUDA_OK(expr)                                                               \
+  do {                                                                                    \
+    cudaError_t _e = (expr);                                                              \
+    ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);                \
+  } while (0)
+
+inline bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define FLARE_REQUIRE_GPU()                                         \
+  do {                                                              \
+    if (!::flare::test::gpu_present()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+// A device copy of a host tensor's shape and dtype.
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  explicit DeviceTensor(const ref::HostTensor& like) { allocate(like); }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() {
+    if (ptr_) cudaFree(ptr_);
+  }
+
+  void allocate(const ref::HostTensor& like) {
+    bytes_ = like.nbytes();
+    if (cudaMalloc(&ptr_, bytes_ ? bytes_ : 16) != cudaSuccess) ptr_ = nullptr;
+    view_ = like.view();
+    view_.data = ptr_;
+    view_.device = Device{DeviceKind::kCUDA, 0};
+  }
+  void upload(const ref::HostTensor& h) { cudaMemcpy(ptr_, h.data(), bytes_, cudaMemcpyHostToDevice); }
+  void download(ref::HostTensor& h) const { cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost); }
+  // 0xFF bytes: NaN in every float dtype, so unwritten elements show.
+  void poison() { cudaMemset(ptr_, 0xFF, bytes_); }
+  const TensorView& view() const { return view_; }
+  operator const TensorView&() const { return view_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  TensorView view_{};
+};
+
+struct ErrorReport {
+  double max_err = 0;       // max |got - ref|
+  double lowp_err = 0;      // max |lowp - ref|
+  int64_t nan_count = 0;    // unwritten or NaN outputs (where the reference is not NaN)
+  int64_t inf_mismatch = 0; // where one side is +-inf and the other is not the same
+  int64_t worst_index = -1;
+  std::string describe(const char* name) const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "%s: max err %.3g (low-precision baseline %.3g) nan %lld inf-mismatch %lld at %lld",
+                  name, max_err, lowp_err, (long long)nan_count, (long long)inf_mismatch, (long long)worst_index);
+    return buf;
+  }
+};
+
+// Infinite values (masked rows' LSE) must match exactly; finite values are compared.
+inline ErrorReport compare(const ref::HostTensor& got, const ref::HostTensor& ref, const ref::HostTensor* lowp) {
+  ErrorReport r;
+  for (int64_t i = 0; i < ref.numel(); ++i) {
+    double g = got.get(i), e = ref.get(i);
+    if (std::isnan(g) && !std::isnan(e)) {
+      ++r.nan_count;
+      continue;
+    }
+    if (std::isinf(e) || std::isinf(g)) {
+      if (g != e) ++r.inf_mismatch;
+      continue;
+    }
+    double err = std::abs(g - e);
+    if (err > r.max_err) r.max_err = err, r.worst_index = i;
+    if (lowp) {
+      double l = lowp->get(i);
+      if (std::isfinite(l)) r.lowp_err = std::max(r.lowp_err, std::abs(l - e));
+    }
+  }
+  return r;
+}
+
+// The FlashAttention rule.
+inline ::testing::AssertionResult within_tolerance(const ErrorReport& r, const char* name, double k = 2.0,
+                                                   double atol = 1e-5) {
+  if (r.nan_count || r.inf_mismatch || !(r.max_err <= k * r.lowp_err + atol))
+    return ::testing::AssertionFailure() << r.describe(name);
+  return ::testing::AssertionSuccess() << r.describe(name);
+}
+
+}  // namespace flare::test
