@@ -2,6 +2,7 @@
 #include "flare/attention.h"
 #include "src/attention/attention_args.h"
 #include "src/attention/fwd_params.h"
+#include "src/attention/portable/fwd_launch.h"
 
 namespace flare {
 
@@ -12,9 +13,10 @@ Status attention_forward(const AttentionForwardParams& params) {
   const detail::FwdKernelParams kp = detail::make_fwd_kernel_params(params, shape);
   switch (params.backend) {
     case Backend::kReference:
-    case Backend::kAuto:
       return detail::naive_attention_forward(kp, params.q.dtype, params.stream);
+    case Backend::kAuto:
     case Backend::kPortable:
+      return portable::portable_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kHopper:
       break;
   }

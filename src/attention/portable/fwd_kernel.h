@@ -1,0 +1,264 @@
+// Portable attention forward (sm_80+): FlashAttention-2's algorithm on mma.sync.
+//
+// A CTA owns kBlockM query rows of one (sequence, head); each warp owns 16 * kMTiles of them.
+// It walks the visible KV blocks from the last to the first (the partial, masked ones at the
+// diagonal come first), double-buffering K and V through cp.async, and keeps S, P and O in
+// registers:  S = Q K^T;  mask (partial tiles only);  online softmax in exp2;  O += P V.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "src/attention/fwd_params.h"
+#include "src/attention/portable/fwd_config.h"
+#include "src/attention/portable/warp_mma.h"
+#include "src/common/cuda_check.h"
+
+namespace flare::portable {
+
+using detail::FwdKernelParams;
+
+// Copies rows [0, rows) x columns [0, cols) of a row-major global tile into a padded shared tile
+// of kRows rows; rows and columns past the valid range are zero-filled (V's zero rows keep
+// 0 * garbage out of the output).
+template <typename Cfg, int kRows, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride, int rows, int cols) {
+  constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  for (int c = threadIdx.x; c < kChunks; c += Cfg::kThreads) {
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    const bool valid = r < rows && col < cols;
+    const T* src = valid ? gmem + r * row_stride + col : gmem;
+    cp_async_16(smem + r * Cfg::kRowStride + col, src, valid);
+  }
+}
+
+template <typename Cfg, typename T>
+struct FwdSmem {
+  T q[Cfg::kBlockM * Cfg::kRowStride];
+  T k[Cfg::kStages][Cfg::kBlockN * Cfg::kRowStride];
+  T v[Cfg::kStages][Cfg::kBlockN * Cfg::kRowStride];
+};
+
+// Per-thread softmax state of the 2 * kMTiles rows a thread touches (rows g and g + 8 of each m-tile).
+template <int kMTiles>
+struct RowState {
+  float max[kMTiles][2];  // running max, scaled log2 units
+  float sum[kMTiles][2];  // this thread's share of the denominator
+};
+
+template <int kHeadDim, typename T>
+__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
+    portable_fwd_kernel(const FwdKernelParams p) {
+  using Cfg = FwdConfig<kHeadDim>;
+  constexpr int kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
+  constexpr int kStride = Cfg::kRowStride;
+
+  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int row0 = m_block * kBlockM;
+  if (row0 >= seq.seqlen_q) return;
+  const int hk = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int rows = min(kBlockM, seq.seqlen_q - row0);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<FwdSmem<Cfg, T>*>(smem_raw);
+
+  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start + row0, h);
+  const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start, hk);
+  const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start, hk);
+
+  const sched::Band band = detail::band_of(p, seq);
+  const sched::BlockRange range = sched::kv_block_range(band, row0, row0 + rows, seq.seqlen_k, kBlockN);
+
+  float o[kMTiles][kDTiles][4];
+  RowState<kMTiles> st;
+  const float sink_log2 = p.sinks ? p.sinks[h] * static_cast<float>(M_LOG2E) : -INFINITY;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      st.max[mt][r] = sink_log2;
+      st.sum[mt][r] = (p.sinks && t == 0) ? 1.f : 0.f;  // the quad's sum is reduced at the end
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+  }
+
+  const int warp_row = warp * 16 * kMTiles;  // first row of this warp within the block
+  if (range.first < range.last) {
+    load_tile<Cfg, kBlockM>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
+    {
+      const int n = range.last - 1;
+      load_tile<Cfg, kBlockN>(sm.k[0], k_g + n * kBlockN * p.k_str.row, p.k_str.row,
+                              seq.seqlen_k - n * kBlockN, p.head_dim);
+    }
+    cp_async_commit();
+
+    for (int n = range.last - 1, it = 0; n >= range.first; --n, ++it) {
+      const int stage = it & 1;
+      load_tile<Cfg, kBlockN>(sm.v[stage], v_g + n * kBlockN * p.v_str.row, p.v_str.row,
+                              seq.seqlen_k - n * kBlockN, p.head_dim);
+      cp_async_commit();
+      cp_async_wait<1>();  // Q and K[n] have landed
+      __syncthreads();
+
+      // S = Q K^T
+      float s[kMTiles][kNTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+          ldmatrix_x4(a[mt], sm.q + (warp_row + 16 * mt + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
+#pragma unroll
+        for (int jp = 0; jp < kNTiles / 2; ++jp) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, sm.k[stage] + (16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks +
+                              ((lane / 8) % 2) * 8);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            mma_16x8x16<T>(s[mt][2 * jp], a[mt], bk[0], bk[1]);
+            mma_16x8x16<T>(s[mt][2 * jp + 1], a[mt], bk[2], bk[3]);
+          }
+        }
+      }
+
+      if (n - 1 >= range.first) {  // prefetch the next K while this block's softmax runs
+        const int nn = n - 1;
+        load_tile<Cfg, kBlockN>(sm.k[stage ^ 1], k_g + nn * kBlockN * p.k_str.row, p.k_str.row,
+                                seq.seqlen_k - nn * kBlockN, p.head_dim);
+      }
+      cp_async_commit();
+
+      // Scores in scaled log2 units, soft-capped, masked on partial tiles.
+      const int col0 = n * kBlockN;
+      const bool partial = sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN, seq.seqlen_k) !=
+                           sched::TileKind::kFull;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mt][j][e];
+            if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.scale / p.softcap) * static_cast<float>(M_LOG2E);
+            else x *= p.scale_log2;
+            if (partial) {
+              const int i = row0 + warp_row + 16 * mt + g + (e / 2) * 8;
+              const int jcol = col0 + 8 * j + 2 * t + (e % 2);
+              if (jcol >= seq.seqlen_k || !band.visible(i, jcol)) x = -INFINITY;
+            }
+            s[mt][j][e] = x;
+          }
+
+      // Online softmax: new max, rescale O and the sum, P = exp2(S - max).
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = st.max[mt][r];
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
+          const float alpha = fast_exp2(st.max[mt][r] - base);
+          st.max[mt][r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j) {
+            s[mt][j][2 * r] = fast_exp2(s[mt][j][2 * r] - base);
+            s[mt][j][2 * r + 1] = fast_exp2(s[mt][j][2 * r + 1] - base);
+            sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+          }
+          st.sum[mt][r] = st.sum[mt][r] * alpha + sum;
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[mt][dt][2 * r] *= alpha;
+            o[mt][dt][2 * r + 1] *= alpha;
+          }
+        }
+
+      if (n - 1 >= range.first) cp_async_wait<1>();  // V[n] has landed (K[n-1] may still fly)
+      else cp_async_wait<0>();
+      __syncthreads();
+
+      // O += P V
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          a[mt][0] = ElemTraits<T>::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+          a[mt][1] = ElemTraits<T>::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+          a[mt][2] = ElemTraits<T>::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+          a[mt][3] = ElemTraits<T>::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, sm.v[stage] + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + 16 * dp +
+                                    (lane / 16) * 8);
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            mma_16x8x16<T>(o[mt][2 * dp], a[mt], bv[0], bv[1]);
+            mma_16x8x16<T>(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: normalize, write the LSE, stage O through shared memory for 16-byte stores.
+  __syncthreads();
+  float* lse = p.lse ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start : nullptr;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = st.sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = warp_row + 16 * mt + g + 8 * r;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<uint32_t*>(sm.q + row * kStride + 8 * dt + 2 * t) =
+            ElemTraits<T>::pack(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+      if (lse != nullptr && t == 0 && row < rows)
+        lse[row0 + row] = sum > 0.f ? (st.max[mt][r] + log2f(sum)) * static_cast<float>(M_LN2) : INFINITY;
+    }
+  __syncthreads();
+  T* out_g = static_cast<T*>(p.out) + detail::row_offset(p.out_str, b, seq.q_start + row0, h);
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  for (int c = threadIdx.x; c < kBlockM * kChunksPerRow; c += Cfg::kThreads) {
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    if (r < rows && col < p.head_dim)
+      *reinterpret_cast<uint4*>(out_g + r * p.out_str.row + col) =
+          *reinterpret_cast<const uint4*>(sm.q + r * kStride + col);
+  }
+}
+
+template <int kHeadDim, typename T>
+Status launch_portable_fwd(const FwdKernelParams& p, Stream stream) {
+  using Cfg = FwdConfig<kHeadDim>;
+  constexpr int kSmem = fwd_smem_bytes<Cfg, T>();
+  auto kernel = portable_fwd_kernel<kHeadDim, T>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attr != cudaSuccess) return detail::cuda_status(attr, "portable forward: shared memory attribute");
+  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
+  dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return detail::cuda_status(cudaGetLastError(), "portable forward launch");
+}
+
+}  // namespace flare::portable

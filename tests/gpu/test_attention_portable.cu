@@ -1,0 +1,147 @@
+// The portable (mma.sync) attention forward against the CPU oracle, over the sweep of issue 3:
+// head dims, dtypes, masks, GQA ratios, awkward sequence lengths, seqlen_q != seqlen_k, varlen.
+// FLARE_TEST_REDUCED=1 runs a small subset (for compute-sanitizer).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "tests/gpu/attention_case.h"
+
+namespace flare::test {
+namespace {
+
+bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
+
+void run_forward(const AttnCase& c, Backend backend = Backend::kPortable) {
+  SCOPED_TRACE(c.name());
+  AttnProblem prob(c);
+  prob.run_oracle();
+  AttentionForwardParams p = prob.forward_params(backend);
+  Status s = attention_forward(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  prob.check_forward();
+}
+
+const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
+                             MaskParams{true, 64, -1}};
+
+TEST(PortableForward, Sweep) {
+  FLARE_REQUIRE_GPU();
+  const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {1000, 1000}, {2049, 300},
+                                      {1, 1000}, {300, 2049}};
+  const int ratios[] = {1, 4, 8};
+  uint64_t seed = 100;
+  int count = 0;
+  for (int d : {64, 80, 96, 128, 192, 256}) {
+    for (int li = 0; li < 8; ++li) {
+      if (reduced() && li % 4 != 2) continue;
+      AttnCase c;
+      c.head_dim = d;
+      c.seqlen_q = lens[li].first;
+      c.seqlen_k = lens[li].second;
+      c.heads_kv = 1;
+      c.heads = ratios[(li + d / 16) % 3];
+      c.batch = c.seqlen_q * c.seqlen_k > 500000 ? 1 : 2;
+      c.mask = kMasks[(li + d / 32) % 4];
+      c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
+      c.seed = seed++;
+      run_forward(c);
+      ++count;
+    }
+  }
+  EXPECT_GT(count, 0);
+}
+
+TEST(PortableForward, EveryMaskEveryRatio) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 500;
+  for (const MaskParams& m : kMasks)
+    for (int ratio : {1, 4, 8}) {
+      AttnCase c;
+      c.head_dim = 128;
+      c.seqlen_q = 257;
+      c.seqlen_k = 385;
+      c.heads = 8;
+      c.heads_kv = 8 / ratio;
+      c.mask = m;
+      c.seed = seed++;
+      run_forward(c);
+      if (reduced()) return;
+    }
+}
+
+TEST(PortableForward, SoftcapSinksAndScale) {
+  FLARE_REQUIRE_GPU();
+  for (int d : {64, 128, 256}) {
+    AttnCase c;
+    c.head_dim = d;
+    c.seqlen_q = 200;
+    c.seqlen_k = 333;
+    c.heads = 4;
+    c.heads_kv = 2;
+    c.softcap = 10.f;
+    c.sinks = true;
+    c.mask = MaskParams{true, -1, -1};
+    c.seed = 900 + d;
+    run_forward(c);
+  }
+}
+
+TEST(PortableForward, VarlenWithEmptyAndSingleTokenSequences) {
+  FLARE_REQUIRE_GPU();
+  for (int d : {64, 128, 256})
+    for (const MaskParams& m : kMasks) {
+      AttnCase c;
+      c.head_dim = d;
+      c.heads = 4;
+      c.heads_kv = 1;
+      c.varlen_q = {0, 1, 17, 130, 1, 257};
+      c.varlen_k = {5, 1, 40, 129, 0, 300};
+      c.batch = 6;
+      c.mask = m;
+      c.sinks = d == 64;
+      c.seed = 1000 + d;
+      run_forward(c);
+      if (reduced()) return;
+    }
+}
+
+TEST(PortableForward, StridedInputs) {
+  FLARE_REQUIRE_GPU();
+  // q/k/v as slices of a packed qkv tensor: non-contiguous head and row strides.
+  AttnCase c;
+  c.head_dim = 64;
+  c.seqlen_q = c.seqlen_k = 100;
+  c.heads = c.heads_kv = 2;
+  AttnProblem prob(c);
+  prob.run_oracle();
+  ref::HostTensor qkv(c.dtype, {1, 100, 3, 2, 64});
+  for (int64_t r = 0; r < 100; ++r)
+    for (int h = 0; h < 2; ++h)
+      for (int d = 0; d < 64; ++d) {
+        int64_t src = (r * 2 + h) * 64 + d;
+        qkv.set(((r * 3 + 0) * 2 + h) * 64 + d, prob.q.get(src));
+        qkv.set(((r * 3 + 1) * 2 + h) * 64 + d, prob.k.get(src));
+        qkv.set(((r * 3 + 2) * 2 + h) * 64 + d, prob.v.get(src));
+      }
+  DeviceTensor dqkv(qkv);
+  dqkv.upload(qkv);
+  AttentionForwardParams p = prob.forward_params(Backend::kPortable);
+  for (int which = 0; which < 3; ++which) {
+    TensorView t;
+    t.data = static_cast<char*>(dqkv.view().data) + which * 2 * 64 * dtype_size(c.dtype);
+    t.dtype = c.dtype;
+    t.rank = 4;
+    int64_t shape[4] = {1, 100, 2, 64}, stride[4] = {100 * 3 * 2 * 64, 3 * 2 * 64, 64, 1};
+    for (int i = 0; i < 4; ++i) t.shape[i] = shape[i], t.stride[i] = stride[i];
+    (which == 0 ? p.q : which == 1 ? p.k : p.v) = t;
+  }
+  Status s = attention_forward(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  prob.check_forward();
+}
+
+}  // namespace
+}  // namespace flare::test
