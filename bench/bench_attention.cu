@@ -114,9 +114,9 @@ int run(int argc, char** argv) {
     AttentionForwardParams p = make_params(c, b, Backend::kPortable, b.out);
     p.stream = stream;
     FLARE_BENCH_CHECK(cudaMemsetAsync(b.out, 0xFF, b.n * 2, stream));
-    s = attention_forward(p);
-    if (!s.ok()) {
-      std::printf("%s: %s\n", c.name().c_str(), s.message().c_str());
+    Status run_status = attention_forward(p);
+    if (!run_status.ok()) {
+      std::printf("%s: %s\n", c.name().c_str(), run_status.message().c_str());
       all_ok = false;
       continue;
     }

@@ -60,6 +60,12 @@ Status check_head_dim(int64_t dim, const char* name, const char* what) {
   return Status::Ok();
 }
 
+// fp32, or `other` (the input's dtype for a gradient, q's for a gate or beta).
+Status check_fp32_or(const TensorView& t, const char* name, DType other) {
+  if (other == DType::kFloat32) return check_dtype(t, name, {DType::kFloat32});
+  return check_dtype(t, name, {DType::kFloat32, other});
+}
+
 // States (initial, final and their gradients): fp32 [N, HV, K, V], dense, since the kernels
 // address a (sequence, head) state as one [K, V] block.
 Status check_state(const TensorView& t, const char* name, const KdaShape& s, DeviceKind device) {
@@ -148,12 +154,12 @@ Status validate_inputs(const KdaInputs& a, DeviceKind device, KdaShape* s) {
   s->scalar_gate = a.g.rank == 3;
   FLARE_RETURN_IF_ERROR(
       check_layout(a.g, "g", a.g.rank, device, s->scalar_gate ? Access::kElementwise : Access::kTiled));
-  FLARE_RETURN_IF_ERROR(check_dtype(a.g, "g", {DType::kFloat32, a.q.dtype}));
+  FLARE_RETURN_IF_ERROR(check_fp32_or(a.g, "g", a.q.dtype));
   if (s->scalar_gate) FLARE_RETURN_IF_ERROR(check_shape(a.g, "g", {B, T, HV}));
   else FLARE_RETURN_IF_ERROR(check_shape(a.g, "g", {B, T, HV, K}));
 
   FLARE_RETURN_IF_ERROR(check_layout(a.beta, "beta", 3, device, Access::kElementwise));
-  FLARE_RETURN_IF_ERROR(check_dtype(a.beta, "beta", {DType::kFloat32, a.q.dtype}));
+  FLARE_RETURN_IF_ERROR(check_fp32_or(a.beta, "beta", a.q.dtype));
   FLARE_RETURN_IF_ERROR(check_shape(a.beta, "beta", {B, T, HV}));
 
   s->varlen = a.cu_seqlens.defined();
@@ -227,10 +233,10 @@ Status validate_kda_backward(const KdaBackwardParams& p, DeviceKind device, KdaS
   FLARE_RETURN_IF_ERROR(check_like(p.dv, "dv", p.v, "v", device));
   FLARE_RETURN_IF_ERROR(
       check_layout(p.dg, "dg", p.g.rank, device, s->scalar_gate ? Access::kElementwise : Access::kTiled));
-  FLARE_RETURN_IF_ERROR(check_dtype(p.dg, "dg", {DType::kFloat32, p.g.dtype}));
+  FLARE_RETURN_IF_ERROR(check_fp32_or(p.dg, "dg", p.g.dtype));
   FLARE_RETURN_IF_ERROR(check_same_shape(p.dg, "dg", p.g, "g"));
   FLARE_RETURN_IF_ERROR(check_layout(p.dbeta, "dbeta", 3, device, Access::kElementwise));
-  FLARE_RETURN_IF_ERROR(check_dtype(p.dbeta, "dbeta", {DType::kFloat32, p.beta.dtype}));
+  FLARE_RETURN_IF_ERROR(check_fp32_or(p.dbeta, "dbeta", p.beta.dtype));
   FLARE_RETURN_IF_ERROR(check_same_shape(p.dbeta, "dbeta", p.beta, "beta"));
 
   FLARE_RETURN_IF_ERROR(check_paired_grad(p.d_initial_state, "d_initial_state", p.initial_state.defined(),

@@ -137,7 +137,6 @@ TEST(KdaArgs, Dtypes) {
   p = f.params();
   p.beta.dtype = DType::kFloat16;
   expect_rejects(p, "beta", "float32 or bfloat16");
-  p.beta = HostTensor(DType::kFloat32, {2, 12, 4});
   p = f.params();
   p.out.dtype = DType::kFloat16;
   expect_rejects(p, "out", "differs from q");
