@@ -29,7 +29,10 @@
 // width (neither side clamped) or everything (both clamped). So the order is: the middle first
 // (descending block index), then the two ramps from the middle outward, alternating. This is
 // exactly longest-first when the work is monotone (causal, one-sided windows, full attention);
-// for two-sided windows it is longest-first up to the rounding of rows to blocks (tested).
+// for two-sided windows it is longest-first up to the rounding of rows to blocks: a later tile
+// has at most one of its own blocks' worth more work, i.e. max(1, ceil(own block / other block))
+// blocks of the other axis (tested). Exact sorting would need a table per shape; the rounding
+// error is a fraction of one tile's work, which does not move the tail.
 #pragma once
 
 #include <cstdint>

@@ -8,10 +8,10 @@ struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   // Rows per warp in units of 16: two m-tiles let each K/V fragment feed two MMAs, at the
   // price of registers (S: 2 * kMTiles * kBlockN / 8, O: kMTiles * kHeadDim / 2 per thread).
-  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
-  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
+  static constexpr int kMTiles = kHeadDim <= 64 ? 2 : 1;
+  static constexpr int kWarps = kHeadDim <= 64 ? 4 : 8;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 32 : 64);
+  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kThreads = 32 * kWarps;
   // Shared-memory rows are padded by 16 bytes: rows then start in distinct 16-byte bank groups
   // for every head dim that is a multiple of 8, so ldmatrix reads are conflict-free.

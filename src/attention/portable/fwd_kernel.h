@@ -90,22 +90,28 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
   }
 
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp within the block
+  // K/V blocks are loaded kStages - 1 iterations ahead, one cp.async group per block (Q joins
+  // the first), so a block's load overlaps the compute of the blocks before it.
+  auto load_kv = [&](int n, int stage) {
+    const int valid_rows = seq.seqlen_k - n * kBlockN;
+    load_tile<Cfg, kBlockN>(sm.k[stage], k_g + n * kBlockN * p.k_str.row, p.k_str.row, valid_rows, p.head_dim);
+    load_tile<Cfg, kBlockN>(sm.v[stage], v_g + n * kBlockN * p.v_str.row, p.v_str.row, valid_rows, p.head_dim);
+  };
   if (range.first < range.last) {
     load_tile<Cfg, kBlockM>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
-    {
-      const int n = range.last - 1;
-      load_tile<Cfg, kBlockN>(sm.k[0], k_g + n * kBlockN * p.k_str.row, p.k_str.row,
-                              seq.seqlen_k - n * kBlockN, p.head_dim);
+    int n_next = range.last - 1;  // the next block to load
+    for (int stage = 0; stage < Cfg::kStages - 1; ++stage, --n_next) {
+      if (n_next >= range.first) load_kv(n_next, stage);
+      cp_async_commit();
     }
-    cp_async_commit();
 
     for (int n = range.last - 1, it = 0; n >= range.first; --n, ++it) {
-      const int stage = it & 1;
-      load_tile<Cfg, kBlockN>(sm.v[stage], v_g + n * kBlockN * p.v_str.row, p.v_str.row,
-                              seq.seqlen_k - n * kBlockN, p.head_dim);
+      const int stage = it % Cfg::kStages;
+      cp_async_wait<Cfg::kStages - 2>();  // block n (and Q) have landed for this thread...
+      __syncthreads();                    // ...and for all; the stage refilled below is free
+      if (n_next >= range.first) load_kv(n_next, (it + Cfg::kStages - 1) % Cfg::kStages);
       cp_async_commit();
-      cp_async_wait<1>();  // Q and K[n] have landed
-      __syncthreads();
+      --n_next;
 
       // S = Q K^T
       float s[kMTiles][kNTiles][4];
@@ -131,13 +137,6 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
           }
         }
       }
-
-      if (n - 1 >= range.first) {  // prefetch the next K while this block's softmax runs
-        const int nn = n - 1;
-        load_tile<Cfg, kBlockN>(sm.k[stage ^ 1], k_g + nn * kBlockN * p.k_str.row, p.k_str.row,
-                                seq.seqlen_k - nn * kBlockN, p.head_dim);
-      }
-      cp_async_commit();
 
       // Scores in scaled log2 units, soft-capped, masked on partial tiles.
       const int col0 = n * kBlockN;
@@ -187,10 +186,6 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
             o[mt][dt][2 * r + 1] *= alpha;
           }
         }
-
-      if (n - 1 >= range.first) cp_async_wait<1>();  // V[n] has landed (K[n-1] may still fly)
-      else cp_async_wait<0>();
-      __syncthreads();
 
       // O += P V
 #pragma unroll
