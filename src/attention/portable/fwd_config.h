@@ -3,23 +3,32 @@
 
 namespace flare::portable {
 
-template <int kHeadDim_>
-struct FwdConfig {
+// A tile shape: kWarps warps each owning 16 * kMTiles query rows, kBlockN keys per step,
+// kStages shared-memory K/V buffers. Two m-tiles per warp let each K/V fragment feed two MMAs,
+// at the price of registers (S: kMTiles * kBlockN / 2, O: kMTiles * kHeadDim / 2 per thread).
+template <int kHeadDim_, int kWarps_, int kMTiles_, int kBlockN_, int kStages_ = 2>
+struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
-  // Rows per warp in units of 16: two m-tiles let each K/V fragment feed two MMAs, at the
-  // price of registers (S: 2 * kMTiles * kBlockN / 8, O: kMTiles * kHeadDim / 2 per thread).
-  static constexpr int kMTiles = kHeadDim <= 64 ? 2 : 1;
-  static constexpr int kWarps = kHeadDim <= 64 ? 4 : 8;
+  static constexpr int kMTiles = kMTiles_;
+  static constexpr int kWarps = kWarps_;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kThreads = 32 * kWarps;
   // Shared-memory rows are padded by 16 bytes: rows then start in distinct 16-byte bank groups
   // for every head dim that is a multiple of 8, so ldmatrix reads are conflict-free.
   static constexpr int kRowStride = kHeadDim + 8;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStages_;
 
+  static_assert(kStages >= 2, "K/V are prefetched at least one block ahead");
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: a multiple of 16 up to 256");
   static_assert(kBlockN % 16 == 0, "kv block: whole 16-key MMA steps");
+};
+
+// The tile shape each instantiated head dim uses (bench/tune_portable_fwd.cu measures others).
+template <int kHeadDim>
+struct FwdConfigFor {
+  using type = FwdTileConfig<kHeadDim, /*warps=*/4, /*m_tiles=*/kHeadDim <= 64 ? 2 : 1,
+                             /*block_n=*/kHeadDim <= 128 ? 64 : 32>;
 };
 
 template <typename Cfg, typename T>

@@ -48,10 +48,10 @@ struct RowState {
   float sum[kMTiles][2];  // this thread's share of the denominator
 };
 
-template <int kHeadDim, typename T>
-__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads)
     portable_fwd_kernel(const FwdKernelParams p) {
-  using Cfg = FwdConfig<kHeadDim>;
+  constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
   constexpr int kStride = Cfg::kRowStride;
@@ -243,17 +243,31 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kThreads)
   }
 }
 
-template <int kHeadDim, typename T>
-Status launch_portable_fwd(const FwdKernelParams& p, Stream stream) {
-  using Cfg = FwdConfig<kHeadDim>;
+// Raises the kernel's shared-memory limit and asks for the largest carveout, so that as many
+// CTAs fit per SM as registers allow. Once per kernel.
+template <typename Kernel>
+cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
+}
+
+template <typename Cfg, typename T>
+Status launch_portable_fwd_cfg(const FwdKernelParams& p, Stream stream) {
   constexpr int kSmem = fwd_smem_bytes<Cfg, T>();
-  auto kernel = portable_fwd_kernel<kHeadDim, T>;
-  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  auto kernel = portable_fwd_kernel<Cfg, T>;
+  static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable forward: shared memory attribute");
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
   dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return detail::cuda_status(cudaGetLastError(), "portable forward launch");
+}
+
+template <int kHeadDim, typename T>
+Status launch_portable_fwd(const FwdKernelParams& p, Stream stream) {
+  return launch_portable_fwd_cfg<typename FwdConfigFor<kHeadDim>::type, T>(p, stream);
 }
 
 }  // namespace flare::portable

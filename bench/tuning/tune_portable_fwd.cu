@@ -1,0 +1,136 @@
+// Tile-shape sweep of the portable forward: times alternative FwdTileConfigs against the default
+// on the benchmark's configuration (bf16, 16k tokens, hidden 2048, seqlen 4096) and checks each
+// against the simple fp32 kernel. Used to choose FwdConfigFor<head_dim>.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "bench/common/bench_common.h"
+#include "src/attention/attention_args.h"
+#include "src/attention/portable/fwd_kernel.h"
+
+namespace flare::bench {
+namespace {
+
+using portable::FwdTileConfig;
+
+__global__ void fill(__nv_bfloat16* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 0x2c1b3c6dU;
+    h ^= h >> 12;
+    x[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);
+  }
+}
+
+__global__ void rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, double* s) {
+  double num = 0, den = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    num += isnan(x) ? 1e30 : (x - y) * (x - y);
+    den += y * y;
+  }
+  atomicAdd(&s[0], num);
+  atomicAdd(&s[1], den);
+}
+
+struct Env {
+  __nv_bfloat16 *q, *k, *v, *out, *ref;
+  float* lse;
+  double* sums;
+  cudaStream_t stream;
+  Args args;
+  Table table;
+};
+
+flare::detail::FwdKernelParams params_for(Env& e, int d, int s, bool causal, void* out) {
+  AttentionForwardParams p;
+  const int b = 16384 / s, h = 2048 / d;
+  auto view = [&](void* ptr) { return TensorView::contiguous(ptr, DType::kBFloat16, {b, s, h, d}); };
+  p.q = view(e.q);
+  p.k = view(e.k);
+  p.v = view(e.v);
+  p.out = view(out);
+  p.mask.causal = causal;
+  flare::detail::AttentionShape shape;
+  if (!flare::detail::validate_attention_forward(p, DeviceKind::kCUDA, &shape).ok()) std::abort();
+  return flare::detail::make_fwd_kernel_params(p, shape);
+}
+
+template <typename Cfg>
+void measure(Env& e, const char* label, bool causal) {
+  constexpr int d = Cfg::kHeadDim, s = 4096;
+  std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
+  if (!e.args.selected(name)) return;
+  const int64_t n = int64_t{16384} * 2048;
+  flare::detail::FwdKernelParams ref = params_for(e, d, s, causal, e.ref);
+  if (!flare::detail::naive_attention_forward(ref, DType::kBFloat16, e.stream).ok()) std::abort();
+  flare::detail::FwdKernelParams p = params_for(e, d, s, causal, e.out);
+  FLARE_BENCH_CHECK(cudaMemsetAsync(e.out, 0xFF, n * 2, e.stream));
+  Status st = portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, e.stream);
+  if (!st.ok()) {
+    e.table.add_row({{"config", name}, {"check", st.message()}});
+    return;
+  }
+  FLARE_BENCH_CHECK(cudaMemsetAsync(e.sums, 0, 16, e.stream));
+  rel_err<<<512, 256, 0, e.stream>>>(e.out, e.ref, n, e.sums);
+  double sums[2];
+  FLARE_BENCH_CHECK(cudaMemcpyAsync(sums, e.sums, 16, cudaMemcpyDeviceToHost, e.stream));
+  FLARE_BENCH_CHECK(cudaStreamSynchronize(e.stream));
+  Timing t = time_kernel([&](cudaStream_t st2) {
+    if (!portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, st2).ok()) std::abort();
+  }, e.args.timing({.warmup = 3, .repeats = 15}), e.stream);
+  const double tf = tflops(attention_fwd_flops(16384 / s, 2048 / d, s, s, d, causal), t.median_ms);
+  cudaFuncAttributes attr;
+  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_fwd_kernel<Cfg, __nv_bfloat16>));
+  int blocks = 0;
+  FLARE_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, portable::portable_fwd_kernel<Cfg, __nv_bfloat16>, Cfg::kThreads,
+      portable::fwd_smem_bytes<Cfg, __nv_bfloat16>()));
+  const double rel = std::sqrt(sums[0] / sums[1]);
+  e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
+                   {"regs", attr.numRegs}, {"spill B", static_cast<int>(attr.localSizeBytes)},
+                   {"CTAs/SM", blocks}, {"rel err", Table::Cell(rel, 4)}, {"check", rel < 2e-2 ? "ok" : "FAIL"}});
+}
+
+// warps, m-tiles per warp, kv block, stages
+template <int d>
+void sweep(Env& e, bool causal) {
+  measure<FwdTileConfig<d, 4, 1, 64>>(e, "w4 m1 n64", causal);
+  measure<FwdTileConfig<d, 8, 1, 64>>(e, "w8 m1 n64", causal);
+  measure<FwdTileConfig<d, 4, 2, 32>>(e, "w4 m2 n32", causal);
+  measure<FwdTileConfig<d, 4, 1, 32>>(e, "w4 m1 n32", causal);
+  measure<FwdTileConfig<d, 4, 1, 64, 3>>(e, "w4 m1 n64 s3", causal);
+  if constexpr (d <= 128) {
+    measure<FwdTileConfig<d, 4, 2, 64>>(e, "w4 m2 n64", causal);
+    measure<FwdTileConfig<d, 4, 1, 128>>(e, "w4 m1 n128", causal);
+  }
+}
+
+int run(int argc, char** argv) {
+  Env e{};
+  e.args = parse_args_or_exit(argc, argv);
+  require_cuda_device_or_exit();
+  FLARE_BENCH_CHECK(cudaStreamCreate(&e.stream));
+  const int64_t n = int64_t{16384} * 2048;
+  for (__nv_bfloat16** p : {&e.q, &e.k, &e.v, &e.out, &e.ref}) FLARE_BENCH_CHECK(cudaMalloc(p, n * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&e.sums, 16));
+  fill<<<1024, 256>>>(e.q, n, 1);
+  fill<<<1024, 256>>>(e.k, n, 2);
+  fill<<<1024, 256>>>(e.v, n, 3);
+  for (bool causal : {false, true}) {
+    sweep<64>(e, causal);
+    sweep<128>(e, causal);
+    sweep<256>(e, causal);
+  }
+  e.table.print();
+  return 0;
+}
+
+}  // namespace
+}  // namespace flare::bench
+
+int main(int argc, char** argv) { return flare::bench::run(argc, argv); }

@@ -1,0 +1,175 @@
+// Deterministic dQ (and GQA dK/dV) accumulation order of the attention backward.
+//
+// A backward tile (b, h, kv-block n) visits the q-blocks m that see its keys and adds a dQ
+// contribution for each into an fp32 accumulator (b, h, m). For bitwise reproducibility the adds
+// into one accumulator happen in a fixed order: a semaphore per (b, h, m) counts finished adds,
+// and tile n adds into m only when the semaphore equals dq_turn(n, m), then increments it.
+// The final value, dq_num_turns(m), is the number of kv blocks that touch m.
+//
+// Which order. Two things decide it: waiting and deadlock.
+// - Waiting. If a tile reaches m before the tile whose turn precedes it has added there, it
+//   stalls. "All tiles walk m ascending, turns in ascending n" makes every tile reach m = 0 at
+//   once and then queue behind each other: a staggered pipeline, the k-th tile k steps late.
+// - Deadlock. A tile waits while holding its CTA. If the turn it waits for belongs to a tile that
+//   is not resident yet (P resident CTAs, more tiles than that), and that tile can only become
+//   resident after the waiting one finishes, nothing moves.
+//
+// The order used ("diagonal"): tile n walks its q-blocks in increasing T(n, m) = (m - n) mod Q,
+// with Q = max(q-blocks, kv-blocks) of the sequence; that is its q-block range rotated to start
+// at the first m = n (mod Q). At one m the touching tiles are consecutive n (fewer than Q), so
+// their T are distinct: in lockstep no two tiles add into the same m at the same step. The turn
+// at m is the rank of T(n, m) among the touching tiles. For causal square attention T = m - n,
+// no rotation happens and this is the shortest-first order: kv blocks in descending n, each
+// walking m ascending; the tile that reaches m first (the largest n) adds first. For full
+// attention with as many kv blocks as q blocks it is a Latin square: no tile ever waits.
+//
+// Deadlock freedom. The deterministic tile order (tile_order.h) is head-major with n descending,
+// and residency is cut into rounds of R = resident CTAs consecutive tile indices. Turns follow
+// the rotation only within a round; across rounds they follow the tile index (all earlier-round
+// tiles touching m add before any later-round tile). Why this cannot deadlock, with tiles taken
+// in increasing index (statically t = c, c + P, ... or from a counter): by induction over rounds,
+// every tile of earlier rounds finishes; then all tiles of round r are resident together (they
+// are at most P consecutive indices, so each is next in line on its own CTA, or is handed out
+// while no later tile is); within the round the tile whose current T is smallest never waits,
+// because every contributor with a smaller T at its m is already past m. The GQA dK/dV turns
+// (q-head order, earlier tile index) only point backwards in the order, and a tile's dQ waits
+// stay within its own head, so together they cannot form a cycle either. The rule a kernel must
+// keep: round_tiles <= resident CTAs (grid_sim.h checks it; a plan for more CTAs than are resident
+// can deadlock, and the simulation shows it does). Rounds align with the static scheduler's waves
+// (tile t runs in wave t / P), so rotated tiles also start at about the same time.
+//
+// The scheme kTileOrder (turns in tile-index order, ascending walks) is kept as the reference:
+// deadlock-free for any residency, and identical to the diagonal one for causal square attention.
+#pragma once
+
+#include "src/scheduling/tile_order.h"
+
+namespace flare::sched {
+
+enum class DqScheme : int {
+  kDiagonal = 0,   // rotated walks, turns by rotation within a residency round (default)
+  kTileOrder = 1,  // ascending walks, turns in tile-index order (shortest first)
+};
+
+struct DqPlan {
+  TileOrder order;  // make_backward_order(..., deterministic=true): head-major, n descending
+  DqScheme scheme = DqScheme::kDiagonal;
+  int round_tiles = 1;  // tiles resident together: the rotation never crosses a round
+  int q_block = 128, kv_block = 128;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+};
+
+// round_tiles = resident CTAs (num_SMs * ctas_per_sm of the launch).
+inline DqPlan make_dq_plan(const TileShape& s, int64_t l2_budget_bytes, int resident_ctas,
+                           DqScheme scheme = DqScheme::kDiagonal) {
+  DqPlan p;
+  p.order = make_backward_order(s, l2_budget_bytes, /*deterministic=*/true);
+  p.scheme = scheme;
+  p.round_tiles = resident_ctas < 1 ? 1 : resident_ctas;
+  p.q_block = s.q_block, p.kv_block = s.kv_block;
+  p.causal = s.causal, p.window_left = s.window_left, p.window_right = s.window_right;
+  return p;
+}
+
+// One sequence's geometry: its own lengths (varlen), or the batch lengths. Built once per tile.
+struct DqSequence {
+  Band band;
+  int seqlen_q = 0, seqlen_k = 0;
+  int num_q_blocks = 0, num_kv_blocks = 0;
+  int period = 1;  // Q of the rotation: >= any walk's length and any q-block's contributor count
+};
+
+FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k) {
+  DqSequence s;
+  s.band = Band::make(p.causal, p.window_left, p.window_right, seqlen_q, seqlen_k);
+  s.seqlen_q = seqlen_q, s.seqlen_k = seqlen_k;
+  s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
+  s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
+  s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
+  return s;
+}
+
+// The kv blocks touching q-block m (those whose tile adds into its dQ), and the reverse.
+FLARE_HD BlockRange kv_blocks_touching(const DqPlan& p, const DqSequence& s, int m) {
+  const int row_end = order_detail::min_int(s.seqlen_q, (m + 1) * p.q_block);
+  return kv_block_range(s.band, m * p.q_block, row_end, s.seqlen_k, p.kv_block);
+}
+FLARE_HD BlockRange q_blocks_touching(const DqPlan& p, const DqSequence& s, int n) {
+  const int col_end = order_detail::min_int(s.seqlen_k, (n + 1) * p.kv_block);
+  return q_block_range(s.band, n * p.kv_block, col_end, s.seqlen_q, p.q_block);
+}
+
+FLARE_HD int positive_mod(int a, int b) {
+  const int r = a % b;
+  return r < 0 ? r + b : r;
+}
+
+// A tile's walk over its q-blocks: [first, first + count), beginning at `start` and wrapping.
+struct DqWalk {
+  int first = 0, count = 0, start = 0;
+};
+
+FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
+  DqWalk w;
+  const BlockRange r = q_blocks_touching(p, s, n);
+  if (r.first >= r.last || n >= s.num_kv_blocks) return w;
+  w.first = r.first;
+  w.count = r.last - r.first;
+  w.start = r.first;
+  if (p.scheme == DqScheme::kDiagonal) {
+    // The smallest T(n, m) = (m - n) mod Q is 0 at the first m = n (mod Q), if the range has one;
+    // otherwise T grows along the whole range (count <= Q) and the walk starts at `first`.
+    const int zero_at = r.first + positive_mod(n - r.first, s.period);
+    if (zero_at < r.last) w.start = zero_at;
+  }
+  return w;
+}
+
+// The q-block of a walk's step in [0, count).
+FLARE_HD int q_block_at(const DqWalk& w, int step) {
+  const int m = w.start + step;
+  return m < w.first + w.count ? m : m - w.count;
+}
+
+// Adds into q-block m's dQ: the semaphore's final value.
+FLARE_HD int dq_num_turns(const DqPlan& p, const DqSequence& s, int m) {
+  const BlockRange r = kv_blocks_touching(p, s, m);
+  return r.last > r.first ? r.last - r.first : 0;
+}
+
+// The turn of tile (b, h, n) at q-block m (n must touch m): the value of semaphore (b, h, m)
+// when its add may start.
+FLARE_HD int dq_turn(const DqPlan& p, const DqSequence& s, int b, int h, int n, int m) {
+  const BlockRange touching = kv_blocks_touching(p, s, m);
+  // The touching tiles in tile-index order are n = last-1, last-2, ..., first (n descending),
+  // at consecutive indices; `position` is n's place among them.
+  const int count = touching.last - touching.first;
+  const int position = touching.last - 1 - n;
+  if (p.scheme == DqScheme::kTileOrder) return position;
+
+  TileCoord leader;
+  leader.batch = b, leader.head = h, leader.block = touching.last - 1;
+  const int first_index = tile_index_of(p.order, leader);
+  const int round_begin = (first_index + position) / p.round_tiles * p.round_tiles;
+  // Touching tiles of earlier rounds all go first; those of n's round go by T.
+  const int in_round_begin = order_detail::max_int(0, round_begin - first_index);
+  const int in_round_end = order_detail::min_int(count, round_begin + p.round_tiles - first_index);
+  const int in_round = in_round_end - in_round_begin;
+  const int j = position - in_round_begin;
+  // Along the positions T(n', m) = (m - n') mod Q climbs by one from t0 and wraps to 0 at most
+  // once (in_round <= count <= Q): the wrapped positions have the smallest T.
+  const int t0 = positive_mod(m - (touching.last - 1 - in_round_begin), s.period);
+  if (t0 + in_round <= s.period) return in_round_begin + j;
+  const int wrap = s.period - t0;  // first wrapped position
+  return in_round_begin + (j >= wrap ? j - wrap : in_round - wrap + j);
+}
+
+// GQA: dK/dV of kv head h / group are summed over its q-heads in q-head order. The semaphore
+// (b, kv head, n) counts finished adds; tile (b, h, n) adds when it equals dkv_turn and the final
+// value is the group size. Each q-head's tile of an existing kv block takes its turn, even when
+// it visits no q-block (it adds zeros), so the count is the same for every kv block.
+FLARE_HD int dkv_turn(int head, int group) { return head % group; }
+FLARE_HD int dkv_num_turns(int group) { return group; }
+
+}  // namespace flare::sched

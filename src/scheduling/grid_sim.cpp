@@ -1,0 +1,295 @@
+// Discrete-event simulation of the persistent grid (see grid_sim.h).
+#include "src/scheduling/grid_sim.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <queue>
+
+namespace flare::sched {
+
+int SimResult::semaphore_links() const {
+  int links = 0;
+  for (const CriticalLink& l : critical_path) links += l.after_semaphore;
+  return links;
+}
+
+namespace {
+
+// One executed step, kept for the wait accounting and the critical path.
+struct StepRecord {
+  int tile = 0, step = 0;
+  double start = 0, compute_end = 0, end = 0;
+  int previous_on_cta = -1;  // the record that ended when this one started, on the same CTA
+  int released_by = -1;      // the add that gave this step its turn, when it had to wait
+  bool finished = false;
+};
+
+enum class Phase { kFetch, kComputing, kWaiting, kAdding, kDone };
+
+struct Cta {
+  Phase phase = Phase::kFetch;
+  int tile = -1, step = 0;
+  int tiles_taken = 0;   // static dispatch: the next tile is index + tiles_taken * P
+  int record = -1;       // the step in flight
+  int last_record = -1;  // the last finished step
+};
+
+struct Event {
+  double time;
+  int64_t order;  // first-come first-served among equal times
+  int cta;
+  bool operator>(const Event& o) const { return time != o.time ? time > o.time : order > o.order; }
+};
+
+class GridSimulation {
+ public:
+  GridSimulation(const SimWorkload& work, const SimOptions& options)
+      : work_(work), options_(options), ctas_(options.resident_ctas < 1 ? 1 : options.resident_ctas),
+        semaphores_(work.num_semaphores, 0), waiters_(work.num_semaphores), last_add_(work.num_semaphores, -1) {}
+
+  SimResult run() {
+    size_t steps = 0;
+    for (const std::vector<SimStep>& tile : work_.tiles) steps += tile.size();
+    records_.reserve(steps);
+    for (int c = 0; c < (int)ctas_.size(); ++c) schedule(0.0, c);
+    while (!events_.empty()) {
+      const Event e = events_.top();
+      events_.pop();
+      advance(e.cta, e.time);
+    }
+    return result();
+  }
+
+ private:
+  void schedule(double time, int cta) { events_.push(Event{time, next_order_++, cta}); }
+
+  const SimStep& step_of(const Cta& c) const { return work_.tiles[c.tile][c.step]; }
+
+  // Moves a CTA on from the event it was waiting for.
+  void advance(int cta, double now) {
+    Cta& c = ctas_[cta];
+    switch (c.phase) {
+      case Phase::kFetch: begin_step(cta, now); break;
+      case Phase::kComputing: finish_compute(cta, now); break;
+      case Phase::kAdding: finish_add(cta, now); break;
+      case Phase::kWaiting:
+      case Phase::kDone: break;  // woken by a semaphore, or nothing left
+    }
+  }
+
+  // The next tile index this CTA gets, or -1.
+  int take_tile(Cta& c, int cta) {
+    const int num_tiles = (int)work_.tiles.size();
+    if (options_.dispatch == Dispatch::kDynamic) return next_dynamic_ < num_tiles ? next_dynamic_++ : -1;
+    const int64_t index = cta + (int64_t)c.tiles_taken++ * ctas_.size();
+    return index < num_tiles ? (int)index : -1;
+  }
+
+  void begin_step(int cta, double now) {
+    Cta& c = ctas_[cta];
+    while (c.tile < 0 || c.step >= (int)work_.tiles[c.tile].size()) {  // empty tiles exit at once
+      c.tile = take_tile(c, cta);
+      c.step = 0;
+      if (c.tile < 0) {
+        c.phase = Phase::kDone;
+        return;
+      }
+    }
+    StepRecord r;
+    r.tile = c.tile, r.step = c.step, r.start = now, r.previous_on_cta = c.last_record;
+    c.record = (int)records_.size();
+    records_.push_back(r);
+    c.phase = Phase::kComputing;
+    schedule(now + step_of(c).compute, cta);
+  }
+
+  void finish_compute(int cta, double now) {
+    Cta& c = ctas_[cta];
+    records_[c.record].compute_end = now;
+    const SimStep& s = step_of(c);
+    if (s.semaphore >= 0 && options_.use_semaphores && semaphores_[s.semaphore] != s.turn) {
+      c.phase = Phase::kWaiting;
+      waiters_[s.semaphore].push_back(cta);
+      return;
+    }
+    begin_add(cta, now, -1);
+  }
+
+  void begin_add(int cta, double now, int released_by) {
+    Cta& c = ctas_[cta];
+    StepRecord& r = records_[c.record];
+    r.released_by = released_by;
+    total_wait_ += now - r.compute_end;
+    c.phase = Phase::kAdding;
+    schedule(now + step_of(c).add, cta);
+  }
+
+  void finish_add(int cta, double now) {
+    Cta& c = ctas_[cta];
+    records_[c.record].end = now;
+    records_[c.record].finished = true;
+    const int semaphore = step_of(c).semaphore;
+    c.last_record = c.record;
+    ++c.step;
+    c.phase = Phase::kFetch;
+    if (semaphore >= 0) {
+      ++semaphores_[semaphore];
+      last_add_[semaphore] = c.record;
+      wake_turn(semaphore, now);
+    }
+    begin_step(cta, now);
+  }
+
+  // Starts the add of the waiter whose turn the semaphore now shows (turns are distinct).
+  void wake_turn(int semaphore, double now) {
+    std::vector<int>& waiting = waiters_[semaphore];
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      const int w = waiting[i];
+      if (step_of(ctas_[w]).turn != semaphores_[semaphore]) continue;
+      waiting.erase(waiting.begin() + (long)i);
+      begin_add(w, now, last_add_[semaphore]);
+      return;
+    }
+  }
+
+  SimResult result() const {
+    SimResult out;
+    out.completed = true;
+    for (const Cta& c : ctas_)
+      if (c.phase != Phase::kDone) {
+        out.completed = false;
+        if (c.phase == Phase::kWaiting) out.stuck_tiles.push_back(c.tile);
+      }
+    std::sort(out.stuck_tiles.begin(), out.stuck_tiles.end());
+    out.total_wait = total_wait_;
+    out.final_semaphores = semaphores_;
+    int last = -1;
+    for (int i = 0; i < (int)records_.size(); ++i) {
+      const StepRecord& r = records_[i];
+      if (!r.finished) continue;  // stuck in a deadlock
+      out.total_work += (r.compute_end - r.start) + work_.tiles[r.tile][r.step].add;
+      if (last < 0 || r.end > records_[last].end) last = i;
+    }
+    if (last >= 0) out.makespan = records_[last].end;
+    if (out.completed) out.critical_path = critical_path_to(last);
+    return out;
+  }
+
+  std::vector<CriticalLink> critical_path_to(int record) const {
+    std::vector<CriticalLink> path;
+    while (record >= 0) {
+      const StepRecord& r = records_[record];
+      CriticalLink link;
+      link.tile = r.tile, link.step = r.step, link.start = r.start, link.end = r.end;
+      link.after_semaphore = r.released_by >= 0;
+      path.push_back(link);
+      // A step that waited began its add when the releasing add ended; otherwise it followed
+      // the previous step of its CTA.
+      record = r.released_by >= 0 ? r.released_by : r.previous_on_cta;
+    }
+    std::reverse(path.begin(), path.end());
+    return path;
+  }
+
+  const SimWorkload& work_;
+  SimOptions options_;
+  std::vector<Cta> ctas_;
+  std::vector<int> semaphores_;
+  std::vector<std::vector<int>> waiters_;
+  std::vector<int> last_add_;  // per semaphore: the record of its latest add
+  std::vector<StepRecord> records_;
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+  int64_t next_order_ = 0;
+  int next_dynamic_ = 0;
+  double total_wait_ = 0;
+};
+
+int length_of(const std::vector<int>& lengths, int b, int max_length) {
+  return lengths.empty() ? max_length : lengths[b];
+}
+
+// The cost of q-block m against kv-block n of one sequence.
+double block_cost(const TileShape& s, const Band& band, int seqlen_q, int seqlen_k, int m, int n,
+                  const BackwardCosts& costs) {
+  const int r0 = m * s.q_block, r1 = std::min(seqlen_q, r0 + s.q_block);
+  const int c0 = n * s.kv_block;
+  const bool full = classify_tile(band, r0, r1, c0, c0 + s.kv_block, seqlen_k) == TileKind::kFull;
+  return full ? costs.full_block : costs.partial_block;
+}
+
+}  // namespace
+
+SimResult simulate_grid(const SimWorkload& work, const SimOptions& options) {
+  return GridSimulation(work, options).run();
+}
+
+int dq_semaphore(const TileShape& s, int b, int h, int m) { return (b * s.heads + h) * s.num_q_blocks() + m; }
+
+int dkv_semaphore(const TileShape& s, int b, int kv_head, int n) {
+  return s.batch * s.heads * s.num_q_blocks() + (b * s.heads_kv + kv_head) * s.num_kv_blocks() + n;
+}
+
+SimWorkload deterministic_backward_workload(const DqPlan& plan, const TileShape& shape, const SeqLengths& lengths,
+                                            const BackwardCosts& costs) {
+  SimWorkload w;
+  w.num_semaphores = dkv_semaphore(shape, shape.batch, 0, 0);
+  w.tiles.resize(plan.order.num_tiles);
+  const int group = shape.group();
+  for (int t = 0; t < plan.order.num_tiles; ++t) {
+    const TileCoord c = tile_at(plan.order, t);
+    const DqSequence seq = dq_sequence(plan, length_of(lengths.q, c.batch, shape.seqlen_q),
+                                       length_of(lengths.k, c.batch, shape.seqlen_k));
+    if (c.block >= seq.num_kv_blocks) continue;  // past the sequence's end
+    const DqWalk walk = dq_walk(plan, seq, c.block);
+    std::vector<SimStep>& steps = w.tiles[t];
+    for (int k = 0; k < walk.count; ++k) {
+      const int m = q_block_at(walk, k);
+      SimStep s;
+      s.compute = block_cost(shape, seq.band, seq.seqlen_q, seq.seqlen_k, m, c.block, costs);
+      s.semaphore = dq_semaphore(shape, c.batch, c.head, m);
+      s.turn = dq_turn(plan, seq, c.batch, c.head, c.block, m);
+      s.add = costs.dq_add;
+      steps.push_back(s);
+    }
+    if (group > 1) {
+      SimStep s;
+      s.compute = 0;
+      s.semaphore = dkv_semaphore(shape, c.batch, c.head / group, c.block);
+      s.turn = dkv_turn(c.head, group);
+      s.add = costs.dkv_add;
+      steps.push_back(s);
+    }
+  }
+  return w;
+}
+
+SimWorkload ordinary_backward_workload(const TileOrder& order, const TileShape& shape, const SeqLengths& lengths,
+                                       const BackwardCosts& costs) {
+  SimWorkload w;
+  w.tiles.resize(order.num_tiles);
+  for (int t = 0; t < order.num_tiles; ++t) {
+    const TileCoord c = tile_at(order, t);
+    const int seqlen_q = length_of(lengths.q, c.batch, shape.seqlen_q);
+    const int seqlen_k = length_of(lengths.k, c.batch, shape.seqlen_k);
+    if (c.block * shape.kv_block >= seqlen_k) continue;
+    const Band band = Band::make(shape.causal, shape.window_left, shape.window_right, seqlen_q, seqlen_k);
+    const int col_end = std::min(seqlen_k, (c.block + 1) * shape.kv_block);
+    const BlockRange r = q_block_range(band, c.block * shape.kv_block, col_end, seqlen_q, shape.q_block);
+    std::vector<SimStep>& steps = w.tiles[t];
+    for (int m = r.first; m < r.last; ++m) {
+      SimStep s;
+      s.compute = block_cost(shape, band, seqlen_q, seqlen_k, m, c.block, costs);
+      s.add = costs.dq_add;
+      steps.push_back(s);
+    }
+    if (shape.group() > 1) {
+      SimStep s;
+      s.compute = 0;
+      s.add = costs.dkv_add;
+      steps.push_back(s);
+    }
+  }
+  return w;
+}
+
+}  // namespace flare::sched

@@ -1,0 +1,90 @@
+// CPU simulation of a persistent grid whose tiles take turns on semaphores: the proof that a
+// turn order cannot deadlock on a given residency, and the measure of what the ordering costs.
+// Host only.
+//
+// Model. P resident CTAs. Each takes tiles in increasing tile index: statically (CTA c runs
+// c, c + P, c + 2P, ...) or dynamically (the next index from a shared counter when it frees up).
+// A tile is a list of steps; a step computes for `compute` time, then (if it has a semaphore)
+// waits until the semaphore equals its turn, holds it for `add` time, and increments it. A waiting
+// CTA does nothing else (as a kernel spinning on the semaphore). Events are processed in time
+// order, ties first-come first-served, so a run is reproducible. When no event is left and some
+// tile is still waiting, the grid is deadlocked.
+#pragma once
+
+#include <vector>
+
+#include "src/scheduling/dq_turns.h"
+#include "src/scheduling/tile_order.h"
+
+namespace flare::sched {
+
+enum class Dispatch : int { kStatic = 0, kDynamic = 1 };
+
+struct SimStep {
+  double compute = 1.0;  // work before the ordered add
+  int semaphore = -1;    // -1: an unordered add (atomic), no wait
+  int turn = 0;          // the add starts when semaphore == turn
+  double add = 0.0;      // time inside the turn
+};
+
+struct SimWorkload {
+  std::vector<std::vector<SimStep>> tiles;  // by tile index; each tile's steps in its order
+  int num_semaphores = 0;
+};
+
+struct SimOptions {
+  int resident_ctas = 132;
+  Dispatch dispatch = Dispatch::kStatic;
+  bool use_semaphores = true;  // false: every add unordered (what the ordinary kernel does)
+};
+
+// One step on the critical path.
+struct CriticalLink {
+  int tile = 0, step = 0;
+  double start = 0, end = 0;     // compute start, add end
+  bool after_semaphore = false;  // reached from another tile's add through the semaphore
+};
+
+struct SimResult {
+  bool completed = false;
+  std::vector<int> stuck_tiles;  // deadlocked: resident tiles waiting for a turn that never comes
+  double makespan = 0;           // end of the last step
+  double total_wait = 0;         // CTA time spent waiting for turns
+  double total_work = 0;         // compute + add time of all steps
+  std::vector<int> final_semaphores;
+  // The chain of steps that ends at the makespan: each link starts when the one before it ends,
+  // on the same CTA or through a semaphore. Its semaphore links are the serialization.
+  std::vector<CriticalLink> critical_path;
+
+  int semaphore_links() const;
+};
+
+SimResult simulate_grid(const SimWorkload& work, const SimOptions& options);
+
+// ---- backward workloads: one step per visited q-block, plus the GQA dK/dV add ------------------
+
+struct BackwardCosts {
+  double full_block = 1.0;     // a (q-block, kv-block) pair with no masked element
+  double partial_block = 1.0;  // one that needs the element mask (diagonal, window edge, tail)
+  double dq_add = 0.05;        // the dQ accumulation of one step
+  double dkv_add = 0.1;        // the dK/dV accumulation of one tile (GQA only)
+};
+
+// Per batch entry lengths (varlen); empty: every sequence has the max lengths of the shape.
+struct SeqLengths {
+  std::vector<int> q, k;
+};
+
+// Semaphores: dQ of (b, h, m) at (b * heads + h) * max_q_blocks + m, then dK/dV of
+// (b, kv head, n) at dq_semaphores + (b * heads_kv + kv_head) * max_kv_blocks + n.
+int dq_semaphore(const TileShape& s, int b, int h, int m);
+int dkv_semaphore(const TileShape& s, int b, int kv_head, int n);
+
+// The deterministic backward of a plan: its tile order, walks and turns.
+SimWorkload deterministic_backward_workload(const DqPlan& plan, const TileShape& shape, const SeqLengths& lengths,
+                                            const BackwardCosts& costs);
+// The ordinary backward: `order` (make_backward_order(..., false)), q-blocks ascending, atomic adds.
+SimWorkload ordinary_backward_workload(const TileOrder& order, const TileShape& shape, const SeqLengths& lengths,
+                                       const BackwardCosts& costs);
+
+}  // namespace flare::sched

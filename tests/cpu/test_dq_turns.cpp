@@ -1,0 +1,164 @@
+// Deterministic dQ turns against brute force: walks cover exactly the touching q-blocks, the
+// turns at each q-block are 0..count-1 in (round, rotation) order, and lockstep runs never wait.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "src/scheduling/dq_turns.h"
+
+namespace flare::sched {
+namespace {
+
+struct BandCase {
+  bool causal;
+  int left, right;
+};
+const BandCase kBands[] = {{false, -1, -1}, {true, -1, -1}, {true, 5, -1}, {false, 7, 3},
+                           {false, -1, 4},  {false, 9, -1}, {false, 0, 0}, {true, 40, -1}};
+
+// Brute force: does kv block n touch q block m (some visible element)?
+bool touches(const DqPlan& p, const DqSequence& s, int n, int m) {
+  for (int i = m * p.q_block; i < std::min(s.seqlen_q, (m + 1) * p.q_block); ++i)
+    for (int j = n * p.kv_block; j < std::min(s.seqlen_k, (n + 1) * p.kv_block); ++j)
+      if (s.band.visible(i, j)) return true;
+  return false;
+}
+
+// The tile's q-blocks in walk order.
+std::vector<int> walk_of(const DqPlan& p, const DqSequence& s, int n) {
+  const DqWalk w = dq_walk(p, s, n);
+  std::vector<int> ms;
+  for (int step = 0; step < w.count; ++step) ms.push_back(q_block_at(w, step));
+  return ms;
+}
+
+// Checks one (plan, b, h, sequence lengths) exhaustively against brute force.
+void check_sequence(const DqPlan& p, int b, int h, int seqlen_q, int seqlen_k) {
+  const DqSequence s = dq_sequence(p, seqlen_q, seqlen_k);
+  const int num_m = s.num_q_blocks, num_n = s.num_kv_blocks;
+  std::vector<std::vector<int>> walks(num_n);
+  for (int n = 0; n < num_n; ++n) {
+    walks[n] = walk_of(p, s, n);
+    std::vector<int> sorted = walks[n];
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int> expected;
+    for (int m = 0; m < num_m; ++m)
+      if (touches(p, s, n, m)) expected.push_back(m);
+    ASSERT_EQ(sorted, expected) << "walk of n=" << n << " covers the wrong q-blocks";
+    // The walk follows the rotation: T(n, m) = (m - n) mod Q strictly increasing.
+    if (p.scheme == DqScheme::kDiagonal) {
+      for (size_t k = 1; k < walks[n].size(); ++k)
+        ASSERT_LT(positive_mod(walks[n][k - 1] - n, s.period), positive_mod(walks[n][k] - n, s.period));
+    }
+  }
+  for (int m = 0; m < num_m; ++m) {
+    // Brute-force turn order: sort the touching tiles by (round, T) for the diagonal scheme, by
+    // tile index for the tile-order scheme.
+    std::vector<std::tuple<int, int, int>> keyed;  // (round or index, T, n)
+    for (int n = 0; n < num_n; ++n) {
+      if (!touches(p, s, n, m)) continue;
+      const int index = tile_index_of(p.order, TileCoord{b, h, n});
+      if (p.scheme == DqScheme::kDiagonal)
+        keyed.emplace_back(index / p.round_tiles, positive_mod(m - n, s.period), n);
+      else
+        keyed.emplace_back(index, 0, n);
+    }
+    std::sort(keyed.begin(), keyed.end());
+    ASSERT_EQ(dq_num_turns(p, s, m), (int)keyed.size()) << "m=" << m;
+    for (int k = 0; k < (int)keyed.size(); ++k) {
+      const int n = std::get<2>(keyed[k]);
+      ASSERT_EQ(dq_turn(p, s, b, h, n, m), k) << "m=" << m << " n=" << n << " sq=" << seqlen_q << " sk=" << seqlen_k
+                                              << " round=" << p.round_tiles;
+    }
+  }
+}
+
+TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
+  int sequences = 0;
+  for (const BandCase& bc : kBands)
+    for (int qb : {16, 32})
+      for (int kb : {16, 32})
+        for (int max_sq : {40, 96})
+          for (int max_sk : {40, 130})
+            for (DqScheme scheme : {DqScheme::kDiagonal, DqScheme::kTileOrder})
+              for (int round : {1, 2, 7, 132}) {
+                TileShape shape;
+                shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
+                shape.seqlen_q = max_sq, shape.seqlen_k = max_sk, shape.q_block = qb, shape.kv_block = kb;
+                shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
+                const DqPlan p = make_dq_plan(shape, 1LL << 30, round, scheme);
+                // Varlen: shorter sequences than the max, including empty and single-row ones.
+                for (int sq : {max_sq, 0, 1, max_sq / 2 + 1})
+                  for (int sk : {max_sk, 0, 1, max_sk / 3 + 2}) {
+                    check_sequence(p, 1, 3, sq, sk);
+                    ++sequences;
+                  }
+              }
+  EXPECT_GT(sequences, 4000);
+}
+
+// Causal square attention: the diagonal order is exactly shortest-first (walk ascending from the
+// diagonal, the largest n adds first), whatever the rounds.
+TEST(DqTurns, CausalSquareIsShortestFirst) {
+  TileShape shape;
+  shape.batch = 1, shape.heads = 2, shape.heads_kv = 1, shape.seqlen_q = shape.seqlen_k = 1000;
+  shape.q_block = shape.kv_block = 64, shape.causal = true;
+  for (int round : {1, 5, 132}) {
+    const DqPlan p = make_dq_plan(shape, 1LL << 30, round);
+    const DqSequence s = dq_sequence(p, 1000, 1000);
+    for (int n = 0; n < s.num_kv_blocks; ++n) {
+      const DqWalk w = dq_walk(p, s, n);
+      EXPECT_EQ(w.start, n);
+      EXPECT_EQ(w.count, s.num_q_blocks - n);
+      for (int m = n; m < s.num_q_blocks; ++m) EXPECT_EQ(dq_turn(p, s, 0, 1, n, m), m - n);
+    }
+  }
+}
+
+// With every tile of a head in one round and all starting together, one step per time unit, a
+// tile never reaches m before its predecessor in turn has added there: at each m the steps at
+// which the tiles visit it strictly increase with the turn.
+void expect_lockstep_without_waiting(const TileShape& shape) {
+  const DqPlan p = make_dq_plan(shape, 1LL << 30, /*resident_ctas=*/1 << 20);
+  const DqSequence s = dq_sequence(p, shape.seqlen_q, shape.seqlen_k);
+  std::vector<std::vector<int>> step_of_turn(s.num_q_blocks);
+  for (int m = 0; m < s.num_q_blocks; ++m) step_of_turn[m].assign(dq_num_turns(p, s, m), -1);
+  for (int n = 0; n < s.num_kv_blocks; ++n) {
+    const DqWalk w = dq_walk(p, s, n);
+    for (int step = 0; step < w.count; ++step) {
+      const int m = q_block_at(w, step);
+      step_of_turn[m][dq_turn(p, s, 0, 0, n, m)] = step;
+    }
+  }
+  for (int m = 0; m < s.num_q_blocks; ++m)
+    for (size_t k = 1; k < step_of_turn[m].size(); ++k)
+      ASSERT_LT(step_of_turn[m][k - 1], step_of_turn[m][k])
+          << "m=" << m << " turn " << k << " causal=" << shape.causal << " window=" << shape.window_left;
+}
+
+TEST(DqTurns, LockstepNeverWaitsForSquareCausalFullAndSlidingWindow) {
+  for (int len : {128, 1000, 4096})
+    for (int block : {64, 128}) {
+      TileShape shape;
+      shape.seqlen_q = shape.seqlen_k = len, shape.q_block = shape.kv_block = block;
+      for (BandCase bc : {BandCase{false, -1, -1}, BandCase{true, -1, -1}, BandCase{true, 300, -1}}) {
+        shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
+        expect_lockstep_without_waiting(shape);
+      }
+    }
+}
+
+TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {
+  for (int group : {1, 4, 8})
+    for (int kv_head = 0; kv_head < 3; ++kv_head) {
+      std::vector<int> turns;
+      for (int j = 0; j < group; ++j) turns.push_back(dkv_turn(kv_head * group + j, group));
+      for (int j = 0; j < group; ++j) EXPECT_EQ(turns[j], j);
+      EXPECT_EQ(dkv_num_turns(group), group);
+    }
+}
+
+}  // namespace
+}  // namespace flare::sched

@@ -1,0 +1,241 @@
+// The persistent-grid simulation: it can fail (handmade and wrong orders deadlock), every dQ turn
+// order of dq_turns.h completes on every residency, and what determinism costs on real shapes.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "src/scheduling/grid_sim.h"
+
+namespace flare::sched {
+namespace {
+
+SimStep ordered(int semaphore, int turn, double compute = 1.0, double add = 0.0) {
+  SimStep s;
+  s.compute = compute, s.semaphore = semaphore, s.turn = turn, s.add = add;
+  return s;
+}
+
+TEST(GridSim, OneCtaRunsTheTilesBackToBack) {
+  SimWorkload w;
+  w.num_semaphores = 1;
+  w.tiles = {{ordered(0, 0, 2.0, 0.5)}, {}, {ordered(0, 1, 1.0, 0.5), ordered(-1, 0, 3.0)}};
+  for (Dispatch d : {Dispatch::kStatic, Dispatch::kDynamic}) {
+    SimOptions o;
+    o.resident_ctas = 1, o.dispatch = d;
+    const SimResult r = simulate_grid(w, o);
+    ASSERT_TRUE(r.completed);
+    EXPECT_DOUBLE_EQ(r.makespan, 7.0);
+    EXPECT_DOUBLE_EQ(r.total_work, 7.0);
+    EXPECT_DOUBLE_EQ(r.total_wait, 0.0);
+    EXPECT_EQ(r.final_semaphores, std::vector<int>{2});
+    EXPECT_EQ(r.critical_path.size(), 3u);
+    EXPECT_EQ(r.semaphore_links(), 0);
+  }
+}
+
+// Tile 1's add comes first but its compute is longer: tile 0 waits, and the critical path
+// crosses from tile 1 to tile 0 through the semaphore.
+TEST(GridSim, WaitsForTheTurnAndFollowsItOnTheCriticalPath) {
+  SimWorkload w;
+  w.num_semaphores = 1;
+  w.tiles = {{ordered(0, 1, 1.0, 0.5), ordered(-1, 0, 1.0)}, {ordered(0, 0, 4.0, 0.5)}};
+  SimOptions o;
+  o.resident_ctas = 2;
+  const SimResult r = simulate_grid(w, o);
+  ASSERT_TRUE(r.completed);
+  EXPECT_DOUBLE_EQ(r.total_wait, 3.5);  // compute ends at 1, the turn comes at 4.5
+  EXPECT_DOUBLE_EQ(r.makespan, 6.0);
+  ASSERT_EQ(r.critical_path.size(), 3u);
+  EXPECT_EQ(r.critical_path[0].tile, 1);
+  EXPECT_TRUE(r.critical_path[1].after_semaphore);
+  EXPECT_EQ(r.critical_path[2].tile, 0);
+  o.use_semaphores = false;  // the same work unordered
+  EXPECT_DOUBLE_EQ(simulate_grid(w, o).makespan, 4.5);
+}
+
+TEST(GridSim, ReportsADeadlockAndTheStuckTiles) {
+  // Each tile takes its first turn on the semaphore whose first turn belongs to the other.
+  SimWorkload cycle;
+  cycle.num_semaphores = 2;
+  cycle.tiles = {{ordered(0, 1), ordered(1, 0)}, {ordered(1, 1), ordered(0, 0)}};
+  SimOptions o;
+  o.resident_ctas = 2;
+  SimResult r = simulate_grid(cycle, o);
+  EXPECT_FALSE(r.completed);
+  EXPECT_EQ(r.stuck_tiles, (std::vector<int>{0, 1}));
+  // Residency: tile 0 waits for tile 1, which never gets a CTA.
+  SimWorkload queue;
+  queue.num_semaphores = 1;
+  queue.tiles = {{ordered(0, 1)}, {ordered(0, 0)}};
+  o.resident_ctas = 1;
+  r = simulate_grid(queue, o);
+  EXPECT_FALSE(r.completed);
+  EXPECT_EQ(r.stuck_tiles, std::vector<int>{0});
+  o.resident_ctas = 2;
+  EXPECT_TRUE(simulate_grid(queue, o).completed);
+}
+
+// ---- the deterministic backward -----------------------------------------------------------------
+
+struct BandCase {
+  const char* name;
+  bool causal;
+  int left, right;
+};
+const BandCase kBands[] = {
+    {"causal", true, -1, -1}, {"full", false, -1, -1}, {"sliding", true, 100, -1}, {"two-sided", false, 70, 40}};
+
+// Random per-sequence lengths up to the max, with an empty and a one-row sequence among them.
+SeqLengths random_lengths(const TileShape& s, std::mt19937& rng) {
+  SeqLengths l;
+  for (int b = 0; b < s.batch; ++b) {
+    l.q.push_back(std::uniform_int_distribution<int>(0, s.seqlen_q)(rng));
+    l.k.push_back(std::uniform_int_distribution<int>(0, s.seqlen_k)(rng));
+  }
+  l.q[0] = 0;
+  if (s.batch > 1) l.q[1] = l.k[1] = 1;
+  return l;
+}
+
+int length_or(const std::vector<int>& v, int b, int max_length) { return v.empty() ? max_length : v[b]; }
+
+// Completed, each dQ semaphore ends at its number of turns and each dK/dV one at the group size.
+void expect_completes(const DqPlan& plan, const TileShape& s, const SeqLengths& lengths, const SimOptions& o,
+                      const std::string& what) {
+  const SimWorkload w = deterministic_backward_workload(plan, s, lengths, BackwardCosts{});
+  const SimResult r = simulate_grid(w, o);
+  ASSERT_TRUE(r.completed) << what << ": deadlock, " << r.stuck_tiles.size() << " tiles stuck";
+  if (o.resident_ctas == 1) EXPECT_DOUBLE_EQ(r.total_wait, 0.0) << what;  // any wait would be a deadlock
+  for (int b = 0; b < s.batch; ++b) {
+    const DqSequence seq = dq_sequence(plan, length_or(lengths.q, b, s.seqlen_q), length_or(lengths.k, b, s.seqlen_k));
+    for (int h = 0; h < s.heads; ++h)
+      for (int m = 0; m < seq.num_q_blocks; ++m)
+        ASSERT_EQ(r.final_semaphores[dq_semaphore(s, b, h, m)], dq_num_turns(plan, seq, m)) << what;
+    if (s.group() > 1)
+      for (int kvh = 0; kvh < s.heads_kv; ++kvh)
+        for (int n = 0; n < seq.num_kv_blocks; ++n)
+          ASSERT_EQ(r.final_semaphores[dkv_semaphore(s, b, kvh, n)], dkv_num_turns(s.group())) << what;
+  }
+}
+
+TEST(DeterministicBackward, EveryTurnOrderCompletesOnEveryResidency) {
+  std::mt19937 rng(7);
+  int runs = 0;
+  for (const BandCase& bc : kBands)
+    for (int group : {1, 4, 8})
+      for (bool varlen : {false, true})
+        for (int ctas : {1, 2, 7, 132}) {
+          TileShape s;
+          s.batch = 3, s.heads = 8, s.heads_kv = 8 / group;
+          s.seqlen_q = 600, s.seqlen_k = 520, s.q_block = 64, s.kv_block = 32;
+          s.causal = bc.causal, s.window_left = bc.left, s.window_right = bc.right;
+          const SeqLengths lengths = varlen ? random_lengths(s, rng) : SeqLengths{};
+          for (DqScheme scheme : {DqScheme::kDiagonal, DqScheme::kTileOrder})
+            for (Dispatch d : {Dispatch::kStatic, Dispatch::kDynamic}) {
+              const DqPlan plan = make_dq_plan(s, 1LL << 30, ctas, scheme);
+              SimOptions o;
+              o.resident_ctas = ctas, o.dispatch = d;
+              const std::string what = std::string(bc.name) + " group=" + std::to_string(group) +
+                                       " varlen=" + std::to_string(varlen) + " P=" + std::to_string(ctas) +
+                                       " scheme=" + std::to_string((int)scheme) + " dispatch=" + std::to_string((int)d);
+              expect_completes(plan, s, lengths, o, what);
+              ++runs;
+            }
+        }
+  EXPECT_EQ(runs, 4 * 3 * 2 * 4 * 2 * 2);
+}
+
+// The brief's counter-example: turns in ascending n while the tiles run in descending n. Once a
+// head's tiles do not all fit on the grid, the first tile waits for one that never starts.
+TEST(DeterministicBackward, AscendingTurnsWithDescendingTilesDeadlock) {
+  for (const BandCase& bc : kBands)
+    for (int ctas : {1, 2, 7}) {
+      TileShape s;
+      s.batch = 2, s.heads = 4, s.heads_kv = 2, s.seqlen_q = s.seqlen_k = 512, s.q_block = s.kv_block = 32;
+      s.causal = bc.causal, s.window_left = bc.left, s.window_right = bc.right;
+      const DqPlan plan = make_dq_plan(s, 1LL << 30, ctas, DqScheme::kTileOrder);
+      SimWorkload w = deterministic_backward_workload(plan, s, SeqLengths{}, BackwardCosts{});
+      const DqSequence seq = dq_sequence(plan, s.seqlen_q, s.seqlen_k);
+      for (int t = 0; t < (int)w.tiles.size(); ++t) {
+        const TileCoord c = tile_at(plan.order, t);
+        for (SimStep& step : w.tiles[t]) {
+          if (step.semaphore >= dkv_semaphore(s, 0, 0, 0)) continue;  // keep the dK/dV turns
+          const int m = step.semaphore % s.num_q_blocks();
+          step.turn = c.block - kv_blocks_touching(plan, seq, m).first;  // rank in ascending n
+        }
+      }
+      for (Dispatch d : {Dispatch::kStatic, Dispatch::kDynamic}) {
+        SimOptions o;
+        o.resident_ctas = ctas, o.dispatch = d;
+        const SimResult r = simulate_grid(w, o);
+        EXPECT_FALSE(r.completed) << bc.name << " P=" << ctas;
+        EXPECT_FALSE(r.stuck_tiles.empty());
+      }
+    }
+}
+
+// The residency rule is load-bearing: a diagonal plan made for 132 resident CTAs deadlocks when
+// fewer are resident (full attention rotates every tile).
+TEST(DeterministicBackward, DiagonalPlanForMoreCtasThanResidentDeadlocks) {
+  TileShape s;
+  s.batch = 1, s.heads = 2, s.heads_kv = 2, s.seqlen_q = s.seqlen_k = 1024, s.q_block = s.kv_block = 64;
+  const DqPlan plan = make_dq_plan(s, 1LL << 30, /*resident_ctas=*/132);
+  const SimWorkload w = deterministic_backward_workload(plan, s, SeqLengths{}, BackwardCosts{});
+  SimOptions o;
+  o.resident_ctas = 7;
+  EXPECT_FALSE(simulate_grid(w, o).completed);
+  o.resident_ctas = 132;
+  EXPECT_TRUE(simulate_grid(w, o).completed);
+}
+
+// ---- what determinism costs -----------------------------------------------------------------------
+
+struct Timing {
+  double makespan, wait;
+  int semaphore_links;
+};
+
+Timing run(const SimWorkload& w, int ctas, Dispatch d) {
+  SimOptions o;
+  o.resident_ctas = ctas, o.dispatch = d;
+  const SimResult r = simulate_grid(w, o);
+  EXPECT_TRUE(r.completed);
+  return {r.makespan, r.total_wait, r.semaphore_links()};
+}
+
+// Deterministic / ordinary makespan on H100-like shapes (132 CTAs, 128 x 128 blocks, 16 heads).
+// A step is one block pair (1 unit), a dQ add 0.05 units.
+TEST(DeterministicBackward, ReportsTheCostOfDeterminismOnRealisticShapes) {
+  const int ctas = 132;
+  std::printf("%-7s %6s %5s | %9s %9s | %9s %6s %9s %6s | %9s %6s | %s\n", "mask", "seqlen", "batch", "ord stat",
+              "ord dyn", "det stat", "ratio", "det dyn", "ratio", "tileord", "ratio", "crit.path sem links");
+  for (bool causal : {true, false})
+    for (int seqlen : {4096, 16384})
+      for (int batch : {1, 2, 4}) {
+        TileShape s;
+        s.batch = batch, s.heads = s.heads_kv = 16, s.seqlen_q = s.seqlen_k = seqlen;
+        s.q_block = s.kv_block = 128, s.causal = causal;
+        const int64_t l2_budget = 25LL << 20;  // half of H100's 50 MB
+        const SimWorkload ordinary =
+            ordinary_backward_workload(make_backward_order(s, l2_budget, false), s, SeqLengths{}, BackwardCosts{});
+        const SimWorkload diagonal = deterministic_backward_workload(make_dq_plan(s, l2_budget, ctas), s,
+                                                                     SeqLengths{}, BackwardCosts{});
+        const SimWorkload tile_order = deterministic_backward_workload(
+            make_dq_plan(s, l2_budget, ctas, DqScheme::kTileOrder), s, SeqLengths{}, BackwardCosts{});
+        const Timing os = run(ordinary, ctas, Dispatch::kStatic), od = run(ordinary, ctas, Dispatch::kDynamic);
+        const Timing ds = run(diagonal, ctas, Dispatch::kStatic), dd = run(diagonal, ctas, Dispatch::kDynamic);
+        const Timing ts = run(tile_order, ctas, Dispatch::kStatic);
+        const double best_ordinary = std::min(os.makespan, od.makespan);
+        std::printf("%-7s %6d %5d | %9.1f %9.1f | %9.1f %6.3f %9.1f %6.3f | %9.1f %6.3f | %d\n",
+                    causal ? "causal" : "full", seqlen, batch, os.makespan, od.makespan, ds.makespan,
+                    ds.makespan / best_ordinary, dd.makespan, dd.makespan / best_ordinary, ts.makespan,
+                    ts.makespan / best_ordinary, dd.semaphore_links);
+        EXPECT_LT(std::min(ds.makespan, dd.makespan) / best_ordinary, 1.5);
+      }
+}
+
+}  // namespace
+}  // namespace flare::sched
