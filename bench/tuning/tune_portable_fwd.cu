@@ -65,6 +65,7 @@ void measure(Env& e, const char* label, bool causal) {
   constexpr int d = Cfg::kHeadDim, s = 4096;
   std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
+  std::fprintf(stderr, "%s...\n", name.c_str());
   const int64_t n = int64_t{16384} * 2048;
   flare::detail::FwdKernelParams ref = params_for(e, d, s, causal, e.ref);
   if (!flare::detail::naive_attention_forward(ref, DType::kBFloat16, e.stream).ok()) std::abort();
@@ -91,6 +92,8 @@ void measure(Env& e, const char* label, bool causal) {
       &blocks, portable::portable_fwd_kernel<Cfg, __nv_bfloat16>, Cfg::kThreads,
       portable::fwd_smem_bytes<Cfg, __nv_bfloat16>()));
   const double rel = std::sqrt(sums[0] / sums[1]);
+  std::fprintf(stderr, "%-28s %8.3f ms %7.1f TFLOP/s regs %d CTAs/SM %d rel err %.4f\n", name.c_str(), t.median_ms,
+               tf, attr.numRegs, blocks, rel);
   e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
                    {"regs", attr.numRegs}, {"spill B", static_cast<int>(attr.localSizeBytes)},
                    {"CTAs/SM", blocks}, {"rel err", Table::Cell(rel, 4)}, {"check", rel < 2e-2 ? "ok" : "FAIL"}});

@@ -7,39 +7,45 @@
 // The final value, dq_num_turns(m), is the number of kv blocks that touch m.
 //
 // Which order. Two things decide it: waiting and deadlock.
-// - Waiting. If a tile reaches m before the tile whose turn precedes it has added there, it
-//   stalls. "All tiles walk m ascending, turns in ascending n" makes every tile reach m = 0 at
-//   once and then queue behind each other: a staggered pipeline, the k-th tile k steps late.
-// - Deadlock. A tile waits while holding its CTA. If the turn it waits for belongs to a tile that
-//   is not resident yet (P resident CTAs, more tiles than that), and that tile can only become
-//   resident after the waiting one finishes, nothing moves.
+// - Waiting. A tile computes its contribution to m, then waits for its turn, then adds. If it
+//   finishes computing before the tile whose turn precedes it has added, it stalls, holding its
+//   CTA. With the dynamic scheduler tiles start in tile-index order, so an order is free of
+//   waits when at every m the turns follow arrival: the earlier tile (lower index) has its turn
+//   first and reaches m in fewer steps.
+// - Deadlock. If the turn a tile waits for belongs to a tile that is not resident yet, and that
+//   tile can only become resident after the waiting one finishes, nothing moves.
 //
-// The order used ("diagonal"): tile n walks its q-blocks in increasing T(n, m) = (m - n) mod Q,
-// with Q = max(q-blocks, kv-blocks) of the sequence; that is its q-block range rotated to start
-// at the first m = n (mod Q). At one m the touching tiles are consecutive n (fewer than Q), so
-// their T are distinct: in lockstep no two tiles add into the same m at the same step. The turn
-// at m is the rank of T(n, m) among the touching tiles. For causal square attention T = m - n,
-// no rotation happens and this is the shortest-first order: kv blocks in descending n, each
-// walking m ascending; the tile that reaches m first (the largest n) adds first. For full
-// attention with as many kv blocks as q blocks it is a Latin square: no tile ever waits.
+// The orders. The deterministic tile order (tile_order.h) is head-major with n descending.
+// - Tile order (shortest first): every tile walks its q-blocks ascending and the turns at m
+//   follow the tile index: the largest n adds first. The first q-block of kv block n never
+//   decreases with n, so the earlier tile reaches m in no more steps: no waits, except that
+//   tiles whose walks start at the same q-block tie and their adds queue (a stagger of one add
+//   per tile). For causal attention this is the shortest-first order of the brief; it is
+//   deadlock-free on any residency, because every wait points to a lower tile index.
+// - Diagonal (rotated): tile n walks its q-blocks in increasing T(n, m) = (m - n) mod Q, with
+//   Q = max(q-blocks, kv-blocks) of the sequence: its range rotated to start at the first
+//   m = n (mod Q). The touching tiles of one m are consecutive n, at most Q of them, so their T
+//   differ: the turn at m is the rank of T. When every kv block sees every q block (a
+//   rectangle: full attention, or a window wider than the sequence), all walks would start
+//   together at m = 0 and tie; rotated, they form a Latin square and in lockstep never wait.
+//   Where walks have a staircase (causal, windows) the rotation would wrap some walks and make
+//   early tiles wait for later ones, which the simulation shows costs more than the stagger.
+// - Auto (default): diagonal for rectangle sequences, tile order otherwise. Decided per
+//   sequence from its own lengths, so every tile of a head agrees.
 //
-// Deadlock freedom. The deterministic tile order (tile_order.h) is head-major with n descending,
-// and residency is cut into rounds of R = resident CTAs consecutive tile indices. Turns follow
-// the rotation only within a round; across rounds they follow the tile index (all earlier-round
-// tiles touching m add before any later-round tile). Why this cannot deadlock, with tiles taken
-// in increasing index (statically t = c, c + P, ... or from a counter): by induction over rounds,
-// every tile of earlier rounds finishes; then all tiles of round r are resident together (they
-// are at most P consecutive indices, so each is next in line on its own CTA, or is handed out
-// while no later tile is); within the round the tile whose current T is smallest never waits,
-// because every contributor with a smaller T at its m is already past m. The GQA dK/dV turns
-// (q-head order, earlier tile index) only point backwards in the order, and a tile's dQ waits
-// stay within its own head, so together they cannot form a cycle either. The rule a kernel must
-// keep: round_tiles <= resident CTAs (grid_sim.h checks it; a plan for more CTAs than are resident
-// can deadlock, and the simulation shows it does). Rounds align with the static scheduler's waves
-// (tile t runs in wave t / P), so rotated tiles also start at about the same time.
-//
-// The scheme kTileOrder (turns in tile-index order, ascending walks) is kept as the reference:
-// deadlock-free for any residency, and identical to the diagonal one for causal square attention.
+// Deadlock freedom of the rotation. Residency is cut into rounds of R = resident CTAs
+// consecutive tile indices. Turns follow the rotation only within a round; across rounds they
+// follow the tile index (all earlier-round tiles touching m add before any later-round tile).
+// With tiles taken in increasing index (statically t = c, c + P, ... or from a counter), by
+// induction over rounds: every tile of earlier rounds finishes; then all tiles of round r are
+// resident together (at most P consecutive indices: each is next in line on its own CTA, or is
+// handed out while no later tile is); within the round the tile whose current T is smallest
+// never waits, since every contributor with a smaller T at its m is already past m. The GQA
+// dK/dV turns (q-head order: lower tile index) only point backwards, and a tile's dQ waits stay
+// within its own head, so together they form no cycle either. The rule a kernel must keep:
+// round_tiles <= resident CTAs; a plan made for more CTAs than are resident can deadlock (the
+// simulation shows it does). Rounds align with the static scheduler's waves (tile t runs in
+// wave t / P), so rotated tiles also start at about the same time.
 #pragma once
 
 #include "src/scheduling/tile_order.h"
@@ -47,13 +53,14 @@
 namespace flare::sched {
 
 enum class DqScheme : int {
-  kDiagonal = 0,   // rotated walks, turns by rotation within a residency round (default)
-  kTileOrder = 1,  // ascending walks, turns in tile-index order (shortest first)
+  kAuto = 0,       // diagonal for rectangle sequences, tile order otherwise
+  kDiagonal = 1,   // rotated walks, turns by rotation within a residency round
+  kTileOrder = 2,  // ascending walks, turns in tile-index order (shortest first)
 };
 
 struct DqPlan {
   TileOrder order;  // make_backward_order(..., deterministic=true): head-major, n descending
-  DqScheme scheme = DqScheme::kDiagonal;
+  DqScheme scheme = DqScheme::kAuto;
   int round_tiles = 1;  // tiles resident together: the rotation never crosses a round
   int q_block = 128, kv_block = 128;
   bool causal = false;
@@ -62,7 +69,7 @@ struct DqPlan {
 
 // round_tiles = resident CTAs (num_SMs * ctas_per_sm of the launch).
 inline DqPlan make_dq_plan(const TileShape& s, int64_t l2_budget_bytes, int resident_ctas,
-                           DqScheme scheme = DqScheme::kDiagonal) {
+                           DqScheme scheme = DqScheme::kAuto) {
   DqPlan p;
   p.order = make_backward_order(s, l2_budget_bytes, /*deterministic=*/true);
   p.scheme = scheme;
@@ -77,18 +84,9 @@ struct DqSequence {
   Band band;
   int seqlen_q = 0, seqlen_k = 0;
   int num_q_blocks = 0, num_kv_blocks = 0;
-  int period = 1;  // Q of the rotation: >= any walk's length and any q-block's contributor count
+  int period = 1;       // Q of the rotation: >= any walk's length and any q-block's contributor count
+  bool rotate = false;  // diagonal walks and turns (else tile order)
 };
-
-FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k) {
-  DqSequence s;
-  s.band = Band::make(p.causal, p.window_left, p.window_right, seqlen_q, seqlen_k);
-  s.seqlen_q = seqlen_q, s.seqlen_k = seqlen_k;
-  s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
-  s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
-  s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
-  return s;
-}
 
 // The kv blocks touching q-block m (those whose tile adds into its dQ), and the reverse.
 FLARE_HD BlockRange kv_blocks_touching(const DqPlan& p, const DqSequence& s, int m) {
@@ -98,6 +96,26 @@ FLARE_HD BlockRange kv_blocks_touching(const DqPlan& p, const DqSequence& s, int
 FLARE_HD BlockRange q_blocks_touching(const DqPlan& p, const DqSequence& s, int n) {
   const int col_end = order_detail::min_int(s.seqlen_k, (n + 1) * p.kv_block);
   return q_block_range(s.band, n * p.kv_block, col_end, s.seqlen_q, p.q_block);
+}
+
+// Every kv block sees every q block. The first q-block and the end of the range never decrease
+// with n, so the last kv block starting at 0 and the first one reaching the end decide.
+FLARE_HD bool is_rectangle(const DqPlan& p, const DqSequence& s) {
+  if (s.num_q_blocks == 0 || s.num_kv_blocks == 0) return false;
+  const BlockRange last = q_blocks_touching(p, s, s.num_kv_blocks - 1);
+  const BlockRange first = q_blocks_touching(p, s, 0);
+  return last.first == 0 && last.last > 0 && first.last == s.num_q_blocks;
+}
+
+FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k) {
+  DqSequence s;
+  s.band = Band::make(p.causal, p.window_left, p.window_right, seqlen_q, seqlen_k);
+  s.seqlen_q = seqlen_q, s.seqlen_k = seqlen_k;
+  s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
+  s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
+  s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
+  s.rotate = p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s));
+  return s;
 }
 
 FLARE_HD int positive_mod(int a, int b) {
@@ -117,7 +135,7 @@ FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
   w.first = r.first;
   w.count = r.last - r.first;
   w.start = r.first;
-  if (p.scheme == DqScheme::kDiagonal) {
+  if (s.rotate) {
     // The smallest T(n, m) = (m - n) mod Q is 0 at the first m = n (mod Q), if the range has one;
     // otherwise T grows along the whole range (count <= Q) and the walk starts at `first`.
     const int zero_at = r.first + positive_mod(n - r.first, s.period);
@@ -146,7 +164,7 @@ FLARE_HD int dq_turn(const DqPlan& p, const DqSequence& s, int b, int h, int n, 
   // at consecutive indices; `position` is n's place among them.
   const int count = touching.last - touching.first;
   const int position = touching.last - 1 - n;
-  if (p.scheme == DqScheme::kTileOrder) return position;
+  if (!s.rotate) return position;
 
   TileCoord leader;
   leader.batch = b, leader.head = h, leader.block = touching.last - 1;
