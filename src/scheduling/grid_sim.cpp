@@ -98,9 +98,17 @@ class GridSimulation {
     StepRecord r;
     r.tile = c.tile, r.step = c.step, r.start = now, r.previous_on_cta = c.last_record;
     c.record = (int)records_.size();
+    const SimStep& s = step_of(c);
+    if (s.semaphore < 0 || !options_.use_semaphores) {  // nothing to wait for: one event
+      r.compute_end = now + s.compute;
+      records_.push_back(r);
+      c.phase = Phase::kAdding;
+      schedule(r.compute_end + s.add, cta);
+      return;
+    }
     records_.push_back(r);
     c.phase = Phase::kComputing;
-    schedule(now + step_of(c).compute, cta);
+    schedule(now + s.compute, cta);
   }
 
   void finish_compute(int cta, double now) {

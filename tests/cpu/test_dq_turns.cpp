@@ -48,19 +48,19 @@ void check_sequence(const DqPlan& p, int b, int h, int seqlen_q, int seqlen_k) {
       if (touches(p, s, n, m)) expected.push_back(m);
     ASSERT_EQ(sorted, expected) << "walk of n=" << n << " covers the wrong q-blocks";
     // The walk follows the rotation: T(n, m) = (m - n) mod Q strictly increasing.
-    if (p.scheme == DqScheme::kDiagonal) {
+    if (s.rotate) {
       for (size_t k = 1; k < walks[n].size(); ++k)
         ASSERT_LT(positive_mod(walks[n][k - 1] - n, s.period), positive_mod(walks[n][k] - n, s.period));
     }
   }
   for (int m = 0; m < num_m; ++m) {
-    // Brute-force turn order: sort the touching tiles by (round, T) for the diagonal scheme, by
-    // tile index for the tile-order scheme.
+    // Brute-force turn order: sort the touching tiles by (round, T) for rotated sequences, by
+    // tile index otherwise.
     std::vector<std::tuple<int, int, int>> keyed;  // (round or index, T, n)
     for (int n = 0; n < num_n; ++n) {
       if (!touches(p, s, n, m)) continue;
       const int index = tile_index_of(p.order, TileCoord{b, h, n});
-      if (p.scheme == DqScheme::kDiagonal)
+      if (s.rotate)
         keyed.emplace_back(index / p.round_tiles, positive_mod(m - n, s.period), n);
       else
         keyed.emplace_back(index, 0, n);
@@ -82,7 +82,7 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
       for (int kb : {16, 32})
         for (int max_sq : {40, 96})
           for (int max_sk : {40, 130})
-            for (DqScheme scheme : {DqScheme::kDiagonal, DqScheme::kTileOrder})
+            for (DqScheme scheme : {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder})
               for (int round : {1, 2, 7, 132}) {
                 TileShape shape;
                 shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
@@ -96,17 +96,38 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
                     ++sequences;
                   }
               }
-  EXPECT_GT(sequences, 4000);
+  EXPECT_GT(sequences, 20000);
 }
 
-// Causal square attention: the diagonal order is exactly shortest-first (walk ascending from the
-// diagonal, the largest n adds first), whatever the rounds.
+// Auto rotates exactly the sequences where every kv block touches every q block.
+TEST(DqTurns, AutoRotatesExactlyTheRectangles) {
+  int rectangles = 0, others = 0;
+  for (const BandCase& bc : kBands)
+    for (int sq : {0, 1, 40, 96})
+      for (int sk : {0, 1, 40, 130}) {
+        TileShape shape;
+        shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
+        shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
+        const DqPlan p = make_dq_plan(shape, 1LL << 30, 132);
+        const DqSequence s = dq_sequence(p, sq, sk);
+        bool all = s.num_q_blocks > 0 && s.num_kv_blocks > 0;
+        for (int n = 0; n < s.num_kv_blocks; ++n)
+          for (int m = 0; m < s.num_q_blocks; ++m) all = all && touches(p, s, n, m);
+        EXPECT_EQ(s.rotate, all) << "sq=" << sq << " sk=" << sk << " causal=" << bc.causal << " l=" << bc.left;
+        (all ? rectangles : others)++;
+      }
+  EXPECT_GT(rectangles, 10);
+  EXPECT_GT(others, 10);
+}
+
+// Causal square attention: even forced to rotate, the diagonal order is exactly shortest-first
+// (walk ascending from the diagonal, the largest n adds first), whatever the rounds.
 TEST(DqTurns, CausalSquareIsShortestFirst) {
   TileShape shape;
   shape.batch = 1, shape.heads = 2, shape.heads_kv = 1, shape.seqlen_q = shape.seqlen_k = 1000;
   shape.q_block = shape.kv_block = 64, shape.causal = true;
   for (int round : {1, 5, 132}) {
-    const DqPlan p = make_dq_plan(shape, 1LL << 30, round);
+    const DqPlan p = make_dq_plan(shape, 1LL << 30, round, DqScheme::kDiagonal);
     const DqSequence s = dq_sequence(p, 1000, 1000);
     for (int n = 0; n < s.num_kv_blocks; ++n) {
       const DqWalk w = dq_walk(p, s, n);
@@ -121,7 +142,7 @@ TEST(DqTurns, CausalSquareIsShortestFirst) {
 // tile never reaches m before its predecessor in turn has added there: at each m the steps at
 // which the tiles visit it strictly increase with the turn.
 void expect_lockstep_without_waiting(const TileShape& shape) {
-  const DqPlan p = make_dq_plan(shape, 1LL << 30, /*resident_ctas=*/1 << 20);
+  const DqPlan p = make_dq_plan(shape, 1LL << 30, /*resident_ctas=*/1 << 20, DqScheme::kAuto);
   const DqSequence s = dq_sequence(p, shape.seqlen_q, shape.seqlen_k);
   std::vector<std::vector<int>> step_of_turn(s.num_q_blocks);
   for (int m = 0; m < s.num_q_blocks; ++m) step_of_turn[m].assign(dq_num_turns(p, s, m), -1);

@@ -248,9 +248,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 template <typename Kernel>
 cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  if (e != cudaSuccess) return e;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                              cudaSharedmemCarveoutMaxShared);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // reported through the Status, not left sticky
+  return e;
 }
 
 template <typename Cfg, typename T>
