@@ -18,7 +18,7 @@ namespace {
 // One executed step, kept for the wait accounting and the critical path.
 struct StepRecord {
   int tile = 0, step = 0;
-  double start = 0, compute_end = 0, end = 0;
+  double start = 0, compute_end = 0, add_start = 0, end = 0;
   int previous_on_cta = -1;  // the record that ended when this one started, on the same CTA
   int released_by = -1;      // the add that gave this step its turn, when it had to wait
   bool finished = false;
@@ -36,9 +36,8 @@ struct Cta {
 
 struct Event {
   double time;
-  int64_t order;  // first-come first-served among equal times
-  int cta;
-  bool operator>(const Event& o) const { return time != o.time ? time > o.time : order > o.order; }
+  int cta;  // equal times: lower CTA first, so a run is reproducible
+  bool operator>(const Event& o) const { return time != o.time ? time > o.time : cta > o.cta; }
 };
 
 class GridSimulation {
@@ -61,7 +60,7 @@ class GridSimulation {
   }
 
  private:
-  void schedule(double time, int cta) { events_.push(Event{time, next_order_++, cta}); }
+  void schedule(double time, int cta) { events_.push(Event{time, cta}); }
 
   const SimStep& step_of(const Cta& c) const { return work_.tiles[c.tile][c.step]; }
 
@@ -100,7 +99,7 @@ class GridSimulation {
     c.record = (int)records_.size();
     const SimStep& s = step_of(c);
     if (s.semaphore < 0 || !options_.use_semaphores) {  // nothing to wait for: one event
-      r.compute_end = now + s.compute;
+      r.compute_end = r.add_start = now + s.compute;
       records_.push_back(r);
       c.phase = Phase::kAdding;
       schedule(r.compute_end + s.add, cta);
@@ -127,6 +126,7 @@ class GridSimulation {
     Cta& c = ctas_[cta];
     StepRecord& r = records_[c.record];
     r.released_by = released_by;
+    r.add_start = now;
     total_wait_ += now - r.compute_end;
     c.phase = Phase::kAdding;
     schedule(now + step_of(c).add, cta);
@@ -175,7 +175,7 @@ class GridSimulation {
     for (int i = 0; i < (int)records_.size(); ++i) {
       const StepRecord& r = records_[i];
       if (!r.finished) continue;  // stuck in a deadlock
-      out.total_work += (r.compute_end - r.start) + work_.tiles[r.tile][r.step].add;
+      out.total_work += (r.compute_end - r.start) + (r.end - r.add_start);
       if (last < 0 || r.end > records_[last].end) last = i;
     }
     if (last >= 0) out.makespan = records_[last].end;
@@ -207,7 +207,6 @@ class GridSimulation {
   std::vector<int> last_add_;  // per semaphore: the record of its latest add
   std::vector<StepRecord> records_;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
-  int64_t next_order_ = 0;
   int next_dynamic_ = 0;
   double total_wait_ = 0;
 };
@@ -250,6 +249,7 @@ SimWorkload deterministic_backward_workload(const DqPlan& plan, const TileShape&
     if (c.block >= seq.num_kv_blocks) continue;  // past the sequence's end
     const DqWalk walk = dq_walk(plan, seq, c.block);
     std::vector<SimStep>& steps = w.tiles[t];
+    steps.reserve(walk.count + 1);
     for (int k = 0; k < walk.count; ++k) {
       const int m = q_block_at(walk, k);
       SimStep s;
@@ -284,6 +284,7 @@ SimWorkload ordinary_backward_workload(const TileOrder& order, const TileShape& 
     const int col_end = std::min(seqlen_k, (c.block + 1) * shape.kv_block);
     const BlockRange r = q_block_range(band, c.block * shape.kv_block, col_end, seqlen_q, shape.q_block);
     std::vector<SimStep>& steps = w.tiles[t];
+    steps.reserve(std::max(0, r.last - r.first) + 1);
     for (int m = r.first; m < r.last; ++m) {
       SimStep s;
       s.compute = block_cost(shape, band, seqlen_q, seqlen_k, m, c.block, costs);

@@ -7,7 +7,7 @@
 // A tile is a list of steps; a step computes for `compute` time, then (if it has a semaphore)
 // waits until the semaphore equals its turn, holds it for `add` time, and increments it. A waiting
 // CTA does nothing else (as a kernel spinning on the semaphore). Events are processed in time
-// order, ties first-come first-served, so a run is reproducible. When no event is left and some
+// order, equal times by CTA number, so a run is reproducible. When no event is left and some
 // tile is still waiting, the grid is deadlocked.
 #pragma once
 

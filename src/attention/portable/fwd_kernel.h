@@ -26,7 +26,11 @@ template <typename Cfg, int kRows, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride, int rows, int cols) {
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
-  for (int c = threadIdx.x; c < kChunks; c += Cfg::kThreads) {
+  constexpr int kPerThread = (kChunks + Cfg::kThreads - 1) / Cfg::kThreads;
+#pragma unroll
+  for (int it = 0; it < kPerThread; ++it) {
+    const int c = threadIdx.x + it * Cfg::kThreads;
+    if (kChunks % Cfg::kThreads != 0 && c >= kChunks) break;
     const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
     const bool valid = r < rows && col < cols;
     const T* src = valid ? gmem + r * row_stride + col : gmem;
@@ -138,26 +142,40 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         }
       }
 
-      // Scores in scaled log2 units, soft-capped, masked on partial tiles.
+      // Scores in scaled log2 units, soft-capped, masked on partial tiles. Each step is a
+      // branch-free loop under a uniform condition, so the compiler keeps the element work
+      // straight-line and interleaved.
+      if (p.softcap > 0.f) {
+        const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] = post * fast_tanh(s[mt][j][e] * pre);
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][j][e] *= p.scale_log2;
+      }
       const int col0 = n * kBlockN;
-      const bool partial = sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN, seq.seqlen_k) !=
-                           sched::TileKind::kFull;
+      if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN, seq.seqlen_k) !=
+          sched::TileKind::kFull) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+        for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
+          for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = s[mt][j][e];
-            if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.scale / p.softcap) * static_cast<float>(M_LOG2E);
-            else x *= p.scale_log2;
-            if (partial) {
+            for (int e = 0; e < 4; ++e) {
               const int i = row0 + warp_row + 16 * mt + g + (e / 2) * 8;
               const int jcol = col0 + 8 * j + 2 * t + (e % 2);
-              if (jcol >= seq.seqlen_k || !band.visible(i, jcol)) x = -INFINITY;
+              const bool visible = jcol < seq.seqlen_k && band.visible(i, jcol);
+              s[mt][j][e] = visible ? s[mt][j][e] : -INFINITY;
             }
-            s[mt][j][e] = x;
-          }
+      }
 
       // Online softmax: new max, rescale O and the sum, P = exp2(S - max).
 #pragma unroll

@@ -85,4 +85,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// tanh on the special-function unit (max relative error about 2^-11), for soft-capping.
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 }  // namespace flare::portable
