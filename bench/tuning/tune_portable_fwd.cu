@@ -106,7 +106,8 @@ void sweep(Env& e, bool causal) {
   measure<FwdTileConfig<d, 8, 1, 64>>(e, "w8 m1 n64", causal);
   measure<FwdTileConfig<d, 4, 2, 32>>(e, "w4 m2 n32", causal);
   measure<FwdTileConfig<d, 4, 1, 32>>(e, "w4 m1 n32", causal);
-  measure<FwdTileConfig<d, 4, 1, 64, 3>>(e, "w4 m1 n64 s3", causal);
+  measure<FwdTileConfig<d, 8, 1, 32>>(e, "w8 m1 n32", causal);
+  if constexpr (d <= 128) measure<FwdTileConfig<d, 4, 1, 64, 3>>(e, "w4 m1 n64 s3", causal);
   if constexpr (d <= 128) {
     measure<FwdTileConfig<d, 4, 2, 64>>(e, "w4 m2 n64", causal);
     measure<FwdTileConfig<d, 4, 1, 128>>(e, "w4 m1 n128", causal);

@@ -29,7 +29,7 @@ enum class Phase { kFetch, kComputing, kWaiting, kAdding, kDone };
 struct Cta {
   Phase phase = Phase::kFetch;
   int tile = -1, step = 0;
-  int tiles_taken = 0;   // static dispatch: the next tile is index + tiles_taken * P
+  int tiles_taken = 0;   // static dispatch: the next tile is cta + tiles_taken * P
   int record = -1;       // the step in flight
   int last_record = -1;  // the last finished step
 };

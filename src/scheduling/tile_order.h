@@ -9,11 +9,11 @@
 //
 // Three rules shape the order:
 // - L2 groups. The K/V heads (forward) or Q/dO/dQ heads (backward) that tiles share are cut into
-//   groups whose bytes fit an L2 budget; every tile of a group comes before the next group, so
-//   the tiles in flight share operands that stay resident. The unit of a group is one kv head
-//   of one batch entry, the "unit" (b, kv_head), in b-major order: groups may span a batch
-//   boundary, since two batch entries' K/V cost the same bytes as two heads' and a full group
-//   beats a partial one. The q-heads of one kv head are adjacent.
+//   groups whose bytes fit an L2 budget (a caller's number, e.g. half the device's L2); every
+//   tile of a group comes before the next group, so the tiles in flight share operands that
+//   stay resident. A group is made of "units" (batch entry, kv head), in b-major order: groups
+//   may span a batch boundary, since two batch entries' K/V cost the same bytes as two heads'
+//   and a full group beats a partial one. The q-heads of one kv head are adjacent.
 // - Longest first (forward, non-deterministic backward). Inside a group the block axis is
 //   visited from the blocks with the most work to the blocks with the least, heads innermost,
 //   so the short tiles fill the tail of the grid.
@@ -28,11 +28,12 @@
 // shrinks there: "falling ramp"); between them lies the middle, where the work is the band's
 // width (neither side clamped) or everything (both clamped). So the order is: the middle first
 // (descending block index), then the two ramps from the middle outward, alternating. This is
-// exactly longest-first when the work is monotone (causal, one-sided windows, full attention);
-// for two-sided windows it is longest-first up to the rounding of rows to blocks: a later tile
-// has at most one of its own blocks' worth more work, i.e. max(1, ceil(own block / other block))
-// blocks of the other axis (tested). Exact sorting would need a table per shape; the rounding
-// error is a fraction of one tile's work, which does not move the tail.
+// exactly longest-first when the work is monotone (causal, one-sided windows, full attention).
+// For two-sided windows (a sliding window with causal is one) it is longest-first up to the
+// rounding of rows to blocks: a later tile has at most one of its own blocks' worth more work,
+// i.e. max(1, ceil(own block / other block)) blocks of the other axis (tested). Exact sorting
+// would need a table per shape; the rounding error is a fraction of one tile's work, which does
+// not move the tail.
 #pragma once
 
 #include <cstdint>

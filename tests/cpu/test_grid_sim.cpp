@@ -88,7 +88,8 @@ struct BandCase {
 const BandCase kBands[] = {
     {"causal", true, -1, -1}, {"full", false, -1, -1}, {"sliding", true, 100, -1}, {"two-sided", false, 70, 40}};
 
-// Random per-sequence lengths up to the max, with an empty and a one-row sequence among them.
+// Random per-sequence lengths up to the max; among them no queries, a single query and key, and
+// no keys (batch >= 3).
 SeqLengths random_lengths(const TileShape& s, std::mt19937& rng) {
   SeqLengths l;
   for (int b = 0; b < s.batch; ++b) {
@@ -96,7 +97,8 @@ SeqLengths random_lengths(const TileShape& s, std::mt19937& rng) {
     l.k.push_back(std::uniform_int_distribution<int>(0, s.seqlen_k)(rng));
   }
   l.q[0] = 0;
-  if (s.batch > 1) l.q[1] = l.k[1] = 1;
+  l.q[1] = l.k[1] = 1;
+  l.k[2] = 0;
   return l;
 }
 
@@ -130,28 +132,32 @@ TEST(DeterministicBackward, EveryTurnOrderCompletesOnEveryResidency) {
   for (const BandCase& bc : kBands)
     for (int group : {1, 4, 8})
       for (bool varlen : {false, true})
-        for (int ctas : {1, 2, 7, 132}) {
-          TileShape s;
-          s.batch = 3, s.heads = 8, s.heads_kv = 8 / group;
-          s.seqlen_q = 600, s.seqlen_k = 520, s.q_block = 64, s.kv_block = 32;
-          s.causal = bc.causal, s.window_left = bc.left, s.window_right = bc.right;
-          const SeqLengths lengths = varlen ? random_lengths(s, rng) : SeqLengths{};
-          for (DqScheme scheme : {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder})
-            for (Dispatch d : {Dispatch::kStatic, Dispatch::kDynamic}) {
-              const DqPlan plan = make_dq_plan(s, 1LL << 30, ctas, scheme);
-              SimOptions o;
-              o.resident_ctas = ctas, o.dispatch = d;
-              const std::string what = std::string(bc.name) + " group=" + std::to_string(group) +
-                                       " varlen=" + std::to_string(varlen) + " P=" + std::to_string(ctas) +
-                                       " scheme=" + std::to_string((int)scheme) + " dispatch=" + std::to_string((int)d);
-              expect_completes(plan, s, lengths, o, what);
-              ++runs;
-            }
-        }
-  EXPECT_EQ(runs, 4 * 3 * 2 * 4 * 3 * 2);
+        for (int ctas : {1, 2, 7, 132})
+          for (bool square : {false, true}) {
+            TileShape s;
+            s.batch = 4, s.heads = 8, s.heads_kv = 8 / group;
+            s.seqlen_q = square ? 512 : 600, s.seqlen_k = square ? 512 : 520;
+            s.q_block = square ? 32 : 64, s.kv_block = 32;
+            s.causal = bc.causal, s.window_left = bc.left, s.window_right = bc.right;
+            const SeqLengths lengths = varlen ? random_lengths(s, rng) : SeqLengths{};
+            for (DqScheme scheme : {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder})
+              for (Dispatch d : {Dispatch::kStatic, Dispatch::kDynamic}) {
+                const DqPlan plan = make_dq_plan(s, 1LL << 30, ctas, scheme);
+                SimOptions o;
+                o.resident_ctas = ctas, o.dispatch = d;
+                const std::string what = std::string(bc.name) + " group=" + std::to_string(group) +
+                                         " varlen=" + std::to_string(varlen) + " P=" + std::to_string(ctas) +
+                                         " square=" + std::to_string(square) +
+                                         " scheme=" + std::to_string((int)scheme) +
+                                         " dispatch=" + std::to_string((int)d);
+                expect_completes(plan, s, lengths, o, what);
+                ++runs;
+              }
+          }
+  EXPECT_EQ(runs, 4 * 3 * 2 * 4 * 2 * 3 * 2);
 }
 
-// The brief's counter-example: turns in ascending n while the tiles run in descending n. Once a
+// A wrong order must be caught: turns in ascending n while the tiles run in descending n. Once a
 // head's tiles do not all fit on the grid, the first tile waits for one that never starts.
 TEST(DeterministicBackward, AscendingTurnsWithDescendingTilesDeadlock) {
   for (const BandCase& bc : kBands)
@@ -231,14 +237,16 @@ TEST(DeterministicBackward, ReportsTheCostOfDeterminismOnRealisticShapes) {
             ordinary_backward_workload(make_backward_order(s, l2_budget, false), s, SeqLengths{}, costs);
         const Timing os = timing(ordinary, ctas, Dispatch::kStatic), od = timing(ordinary, ctas, Dispatch::kDynamic);
         const double best = std::min(os.makespan, od.makespan);
-        const SimWorkload det = deterministic_backward_workload(make_dq_plan(s, l2_budget, ctas), s, SeqLengths{}, costs);
+        const DqPlan plan = make_dq_plan(s, l2_budget, ctas);
+        const SimWorkload det = deterministic_backward_workload(plan, s, SeqLengths{}, costs);
         const Timing ds = timing(det, ctas, Dispatch::kStatic), dd = timing(det, ctas, Dispatch::kDynamic);
         std::printf("%-6s %6d %5d | %8.1f %8.1f | %8.1f %5.3f %8.1f | %8.1f %5.3f %8.1f |", causal ? "causal" : "full",
                     seqlen, batch, os.makespan, od.makespan, ds.makespan, ds.makespan / best, ds.wait_per_cta,
                     dd.makespan, dd.makespan / best, dd.wait_per_cta);
         if (!causal) {  // for causal the tile order is the default
-          const DqPlan plan = make_dq_plan(s, l2_budget, ctas, DqScheme::kTileOrder);
-          const Timing td = timing(deterministic_backward_workload(plan, s, SeqLengths{}, costs), ctas, Dispatch::kDynamic);
+          const DqPlan tile_order = make_dq_plan(s, l2_budget, ctas, DqScheme::kTileOrder);
+          const SimWorkload staggered = deterministic_backward_workload(tile_order, s, SeqLengths{}, costs);
+          const Timing td = timing(staggered, ctas, Dispatch::kDynamic);
           std::printf(" %8.1f %5.3f", td.makespan, td.makespan / best);
         }
         std::printf("\n");

@@ -27,8 +27,9 @@ struct FwdTileConfig {
 // The tile shape each instantiated head dim uses (bench/tune_portable_fwd.cu measures others).
 template <int kHeadDim>
 struct FwdConfigFor {
-  using type = FwdTileConfig<kHeadDim, /*warps=*/4, /*m_tiles=*/kHeadDim <= 64 ? 2 : 1,
-                             /*block_n=*/kHeadDim <= 128 ? 64 : 32>;
+  // Measured on the H100 (bench/RESULTS.md, tune_portable_fwd).
+  using type = FwdTileConfig<kHeadDim, /*warps=*/kHeadDim <= 128 ? 4 : 8, /*m_tiles=*/kHeadDim <= 128 ? 2 : 1,
+                             /*block_n=*/kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 32 : 64)>;
 };
 
 template <typename Cfg, typename T>

@@ -26,15 +26,26 @@ template <typename Cfg, int kRows, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride, int rows, int cols) {
   constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
-  constexpr int kPerThread = (kChunks + Cfg::kThreads - 1) / Cfg::kThreads;
+  if constexpr (Cfg::kThreads % kChunksPerRow == 0 && kChunks % Cfg::kThreads == 0) {
+    // Each thread keeps one column and walks rows: one running pointer, few registers.
+    constexpr int kRowStep = Cfg::kThreads / kChunksPerRow;
+    const int col = (threadIdx.x % kChunksPerRow) * 8;
+    int r = threadIdx.x / kChunksPerRow;
+    const T* src = gmem + r * row_stride + col;
+    T* dst = smem + r * Cfg::kRowStride + col;
 #pragma unroll
-  for (int it = 0; it < kPerThread; ++it) {
-    const int c = threadIdx.x + it * Cfg::kThreads;
-    if (kChunks % Cfg::kThreads != 0 && c >= kChunks) break;
-    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    const bool valid = r < rows && col < cols;
-    const T* src = valid ? gmem + r * row_stride + col : gmem;
-    cp_async_16(smem + r * Cfg::kRowStride + col, src, valid);
+    for (int it = 0; it < kChunks / Cfg::kThreads; ++it, r += kRowStep) {
+      const bool valid = r < rows && col < cols;
+      cp_async_16(dst, valid ? src : gmem, valid);
+      src += kRowStep * row_stride;
+      dst += kRowStep * Cfg::kRowStride;
+    }
+  } else {
+    for (int c = threadIdx.x; c < kChunks; c += Cfg::kThreads) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      const bool valid = r < rows && col < cols;
+      cp_async_16(smem + r * Cfg::kRowStride + col, valid ? gmem + r * row_stride + col : gmem, valid);
+    }
   }
 }
 
