@@ -204,7 +204,7 @@ TEST(DeterministicBackward, DiagonalPlanForMoreCtasThanResidentDeadlocks) {
 
 struct Timing {
   double makespan, wait_per_cta;
-  int semaphore_links;
+  int path_links, path_semaphore_links;  // the critical path: its steps, and those reached through a turn
 };
 
 Timing timing(const SimWorkload& w, int ctas, Dispatch d) {
@@ -212,20 +212,20 @@ Timing timing(const SimWorkload& w, int ctas, Dispatch d) {
   o.resident_ctas = ctas, o.dispatch = d;
   const SimResult r = simulate_grid(w, o);
   EXPECT_TRUE(r.completed);
-  return {r.makespan, r.total_wait / ctas, r.semaphore_links()};
+  return {r.makespan, r.total_wait / ctas, (int)r.critical_path.size(), r.semaphore_links()};
 }
 
 // Deterministic / ordinary makespan on H100-like shapes: 132 CTAs, 128 x 128 blocks, 16 heads,
 // a step (one block pair) 1 unit, a dQ add 0.05. "ord": the ordinary backward (longest first,
 // atomic adds); "det": the deterministic default (kAuto: shortest first for causal, the diagonal
 // for full attention); ratios against the better ordinary dispatch, wait = time per CTA spent
-// waiting for turns. For full attention the tile-order scheme is shown too: the stagger the
-// diagonal removes.
+// waiting for turns, path = semaphore links / steps on the critical path. For full attention
+// the tile-order scheme is shown too: the stagger the diagonal removes.
 TEST(DeterministicBackward, ReportsTheCostOfDeterminismOnRealisticShapes) {
   const int ctas = 132;
   const int64_t l2_budget = 25LL << 20;  // half of H100's 50 MB
-  std::printf("%-6s %6s %5s | %8s %8s | %23s | %23s | %14s\n", "mask", "seqlen", "batch", "ord stat", "ord dyn",
-              "det stat: time ratio wait", "det dyn: time ratio wait", "tile-ord dyn");
+  std::printf("%-6s %6s %5s | %8s %8s | %33s | %33s | %14s\n", "mask", "seqlen", "batch", "ord stat", "ord dyn",
+              "det static: time ratio wait path", "det dynamic: time ratio wait path", "tile-ord dyn");
   for (bool causal : {true, false})
     for (int seqlen : {4096, 16384})
       for (int batch : {1, 2, 4}) {
@@ -240,9 +240,10 @@ TEST(DeterministicBackward, ReportsTheCostOfDeterminismOnRealisticShapes) {
         const DqPlan plan = make_dq_plan(s, l2_budget, ctas);
         const SimWorkload det = deterministic_backward_workload(plan, s, SeqLengths{}, costs);
         const Timing ds = timing(det, ctas, Dispatch::kStatic), dd = timing(det, ctas, Dispatch::kDynamic);
-        std::printf("%-6s %6d %5d | %8.1f %8.1f | %8.1f %5.3f %8.1f | %8.1f %5.3f %8.1f |", causal ? "causal" : "full",
-                    seqlen, batch, os.makespan, od.makespan, ds.makespan, ds.makespan / best, ds.wait_per_cta,
-                    dd.makespan, dd.makespan / best, dd.wait_per_cta);
+        std::printf("%-6s %6d %5d | %8.1f %8.1f | %8.1f %5.3f %6.1f %4d/%-4d | %8.1f %5.3f %6.1f %4d/%-4d |",
+                    causal ? "causal" : "full", seqlen, batch, os.makespan, od.makespan, ds.makespan,
+                    ds.makespan / best, ds.wait_per_cta, ds.path_semaphore_links, ds.path_links, dd.makespan,
+                    dd.makespan / best, dd.wait_per_cta, dd.path_semaphore_links, dd.path_links);
         if (!causal) {  // for causal the tile order is the default
           const DqPlan tile_order = make_dq_plan(s, l2_budget, ctas, DqScheme::kTileOrder);
           const SimWorkload staggered = deterministic_backward_workload(tile_order, s, SeqLengths{}, costs);

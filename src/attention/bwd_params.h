@@ -1,0 +1,48 @@
+// The attention backward as the kernels see it. The forward's fields (inputs, strides, mask,
+// scale, softcap, sinks) are shared through `fwd`; the backward adds its inputs, outputs and the
+// fp32 workspace: dq_accum [rows_q, heads, head_dim], dk/dv_accum [rows_k, heads_kv, head_dim]
+// (GQA only), dpsum (= rowsum(dO o O), laid out like the LSE), and the deterministic mode's
+// semaphores.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "src/attention/fwd_params.h"
+
+namespace flare::detail {
+
+struct BwdKernelParams {
+  FwdKernelParams fwd;          // q, k, v, out (the forward's output), lse, mask, scale, ...
+  const void* dout = nullptr;
+  RowStrides dout_str;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  RowStrides dq_str, dk_str, dv_str;
+  float* dsinks = nullptr;      // optional [heads]
+  // Workspace.
+  float* dpsum = nullptr;       // like the LSE
+  float* dq_accum = nullptr;    // row r of q (batch * seqlen_q + i, or the packed row), head, channel
+  float* dk_accum = nullptr;    // GQA only: row r of k, kv head, channel
+  float* dv_accum = nullptr;
+  int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks]
+  int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
+  int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths
+  bool deterministic = false;
+};
+
+// Rows of the q (or k) side: batch * seqlen when batched, total rows when varlen.
+FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i, int seqlen) {
+  return p.cu_seqlens_q != nullptr ? start + i : int64_t{b} * seqlen + i;
+}
+
+// The workspace a backward needs, carved from one buffer.
+struct BwdWorkspaceLayout {
+  std::size_t dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
+  std::size_t total = 0;
+};
+
+BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic);
+
+}  // namespace flare::detail

@@ -1,0 +1,398 @@
+// Portable attention backward (sm_80+) on mma.sync.
+//
+// Three launches: a pre-pass (dpsum = rowsum(dO o O), zeroed accumulators), the main kernel
+// (a CTA per key block of one (sequence, head) walking the query blocks that see it), and a
+// conversion of the fp32 accumulators. Per query block the main kernel computes, with the key
+// rows as the MMA's M dimension (so dK and dV stay in registers):
+//   S^T = K Q^T;  P^T = exp2(S^T - lse);  dP^T = V dO^T;  dS^T = P^T o (dP^T - dpsum)
+//   dV += P^T dO;  dK += dS^T Q;  dQ += dS K  (dS^T through shared memory, dQ into fp32)
+// Deterministic mode adds each dQ (and GQA's dK/dV) contribution in a fixed turn order behind a
+// per-(sequence, head, block) semaphore; the turn order follows the launch order, so a CTA only
+// waits for CTAs launched before it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "src/attention/bwd_params.h"
+#include "src/attention/portable/bwd_config.h"
+#include "src/attention/portable/fwd_kernel.h"
+#include "src/attention/portable/warp_mma.h"
+#include "src/common/cuda_check.h"
+
+namespace flare::portable {
+
+using detail::BwdKernelParams;
+
+template <typename Cfg, typename T>
+struct BwdSmem {
+  T k[Cfg::kBlockN * Cfg::kRowStride];
+  T v[Cfg::kBlockN * Cfg::kRowStride];
+  T q[2][Cfg::kBlockM * Cfg::kRowStride];
+  T dout[2][Cfg::kBlockM * Cfg::kRowStride];
+  T ds[Cfg::kBlockN * Cfg::kDsStride];  // dS^T of the current query block
+  float lse[2][Cfg::kBlockM];
+  float dpsum[2][Cfg::kBlockM];
+};
+
+// 4-byte global -> shared copy, zero-filled when invalid.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
+
+// Waits until the semaphore reaches `turn` (one thread), then lets the CTA in.
+__device__ __forceinline__ void wait_turn(const int* sem, int turn) {
+  if (threadIdx.x == 0) {
+    int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+    } while (v != turn);
+  }
+  __syncthreads();
+}
+// Publishes this CTA's writes and hands the turn on.
+__device__ __forceinline__ void pass_turn(int* sem) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+}
+
+// The kv block a launch index works on: shortest work first for causal masks (the last blocks
+// see the fewest query blocks), in order otherwise.
+__device__ __forceinline__ int kv_block_of(const BwdKernelParams& P, int x) {
+  return P.fwd.causal ? P.num_n_blocks - 1 - x : x;
+}
+
+// dQ turn of kv block n at query block m: its rank among the kv blocks that see m, in launch
+// order (descending n for causal, ascending otherwise).
+__device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched::Band& band, int m, int n,
+                                          int block_m, int block_n, int seqlen_q, int seqlen_k) {
+  const int r0 = m * block_m, r1 = min(seqlen_q, r0 + block_m);
+  const sched::BlockRange kv = sched::kv_block_range(band, r0, r1, seqlen_k, block_n);
+  return P.fwd.causal ? kv.last - 1 - n : n - kv.first;
+}
+
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKernelParams P) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  constexpr int kStride = Cfg::kRowStride, kDsStride = Cfg::kDsStride;
+  constexpr int kQTiles = kBlockM / 8;          // n-tiles of S^T (query columns)
+  constexpr int kKSteps = kHeadDim / 16;
+  constexpr int kDkvTiles = Cfg::kDkvCols / 8;  // n-tiles of this warp's dK/dV columns
+  constexpr int kDqTiles = Cfg::kDqCols / 8;
+  const detail::FwdKernelParams& p = P.fwd;
+
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int n = kv_block_of(P, blockIdx.x);
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int col0 = n * kBlockN;  // first key of this block
+  if (col0 >= seq.seqlen_k) return;
+  const int hk = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row_group = warp / Cfg::kColSplit, part = warp % Cfg::kColSplit;
+  const int kv_row = 16 * row_group;           // this warp's key rows within the block
+  const int dkv_col = part * Cfg::kDkvCols;    // and its dK/dV columns
+  const int keys = min(kBlockN, seq.seqlen_k - col0);
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<BwdSmem<Cfg, T>*>(smem_raw);
+
+  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h);
+  const T* do_g = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h);
+  const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+  const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+
+  const sched::Band band = detail::band_of(p, seq);
+  const sched::BlockRange mrange =
+      sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
+
+  using LoadCfg = FwdTileConfig<kHeadDim, Cfg::kWarps, 1, 16>;  // thread count and row stride for load_tile
+  static_assert(LoadCfg::kThreads == Cfg::kThreads && LoadCfg::kRowStride == kStride);
+  auto load_q_block = [&](int m, int stage) {
+    const int r0 = m * kBlockM, rows = seq.seqlen_q - r0;
+    load_tile<LoadCfg, kBlockM>(sm.q[stage], q_g + r0 * p.q_str.row, p.q_str.row, rows, p.head_dim);
+    load_tile<LoadCfg, kBlockM>(sm.dout[stage], do_g + r0 * P.dout_str.row, P.dout_str.row, rows, p.head_dim);
+    for (int i = threadIdx.x; i < kBlockM; i += Cfg::kThreads) {
+      const bool valid = r0 + i < seq.seqlen_q;
+      cp_async_4(&sm.lse[stage][i], lse_g + (valid ? r0 + i : 0), valid);
+      cp_async_4(&sm.dpsum[stage][i], dpsum_g + (valid ? r0 + i : 0), valid);
+    }
+  };
+
+  float dk[kDkvTiles][4], dv[kDkvTiles][4];
+#pragma unroll
+  for (int c = 0; c < kDkvTiles; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[c][e] = dv[c][e] = 0.f;
+
+  if (mrange.first < mrange.last) {
+    const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
+    const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
+    load_tile<LoadCfg, kBlockN>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
+    load_tile<LoadCfg, kBlockN>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    load_q_block(mrange.first, 0);
+    cp_async_commit();
+  }
+
+  for (int m = mrange.first, it = 0; m < mrange.last; ++m, ++it) {
+    const int stage = it & 1;
+    const int row0 = m * kBlockM;
+    cp_async_wait<0>();
+    __syncthreads();  // block m landed; the previous block's readers of ds and the other stage are done
+    if (m + 1 < mrange.last) load_q_block(m + 1, stage ^ 1);
+    cp_async_commit();
+    const T* sq = sm.q[stage];
+    const T* sdo = sm.dout[stage];
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 key rows.
+    float s[kQTiles][4], dp[kQTiles][4];
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t ak[4], av[4];
+      ldmatrix_x4(ak, sm.k + (kv_row + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
+      ldmatrix_x4(av, sm.v + (kv_row + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
+#pragma unroll
+      for (int jp = 0; jp < kQTiles / 2; ++jp) {
+        const int off = (16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks + ((lane / 8) % 2) * 8;
+        uint32_t bq[4], bo[4];
+        ldmatrix_x4(bq, sq + off);
+        ldmatrix_x4(bo, sdo + off);
+        mma_16x8x16<T>(s[2 * jp], ak, bq[0], bq[1]);
+        mma_16x8x16<T>(s[2 * jp + 1], ak, bq[2], bq[3]);
+        mma_16x8x16<T>(dp[2 * jp], av, bo[0], bo[1]);
+        mma_16x8x16<T>(dp[2 * jp + 1], av, bo[2], bo[3]);
+      }
+    }
+
+    // P^T and dS^T. Element (e) of tile j: key row kv_row + g + 8 * (e / 2), query column 8j + 2t + e % 2.
+    const bool partial = row0 + kBlockM > seq.seqlen_q ||
+                         sched::classify_tile(band, row0, min(seq.seqlen_q, row0 + kBlockM), col0, col0 + kBlockN,
+                                              seq.seqlen_k) != sched::TileKind::kFull;
+    const float* lse = sm.lse[stage];
+    const float* dps = sm.dpsum[stage];
+    constexpr float kLog2e = static_cast<float>(M_LOG2E);
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = 8 * j + 2 * t + (e % 2);
+        float x = s[j][e], cap_grad = 1.f;
+        if (p.softcap > 0.f) {
+          const float th = fast_tanh(x * (p.scale / p.softcap));
+          x = p.softcap * th * kLog2e;
+          cap_grad = 1.f - th * th;
+        } else {
+          x *= p.scale_log2;
+        }
+        float prob = exp2f(x - lse[qi] * kLog2e);
+        if (partial) {
+          const int key = col0 + kv_row + g + 8 * (e / 2);
+          const bool visible = row0 + qi < seq.seqlen_q && key < seq.seqlen_k && band.visible(row0 + qi, key);
+          prob = visible ? prob : 0.f;
+        }
+        s[j][e] = prob;
+        dp[j][e] = prob * (dp[j][e] - dps[qi]) * cap_grad;
+      }
+
+    // dV += P^T dO and dK += dS^T Q over this warp's columns.
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks) {
+      uint32_t ap[4], ads[4];
+      ap[0] = ElemTraits<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+      ap[1] = ElemTraits<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+      ap[2] = ElemTraits<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      ap[3] = ElemTraits<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      ads[0] = ElemTraits<T>::pack(dp[2 * ks][0], dp[2 * ks][1]);
+      ads[1] = ElemTraits<T>::pack(dp[2 * ks][2], dp[2 * ks][3]);
+      ads[2] = ElemTraits<T>::pack(dp[2 * ks + 1][0], dp[2 * ks + 1][1]);
+      ads[3] = ElemTraits<T>::pack(dp[2 * ks + 1][2], dp[2 * ks + 1][3]);
+#pragma unroll
+      for (int cp = 0; cp < kDkvTiles / 2; ++cp) {
+        const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dkv_col + 16 * cp + (lane / 16) * 8;
+        uint32_t bo[4], bq[4];
+        ldmatrix_x4_trans(bo, sdo + off);
+        ldmatrix_x4_trans(bq, sq + off);
+        mma_16x8x16<T>(dv[2 * cp], ap, bo[0], bo[1]);
+        mma_16x8x16<T>(dv[2 * cp + 1], ap, bo[2], bo[3]);
+        mma_16x8x16<T>(dk[2 * cp], ads, bq[0], bq[1]);
+        mma_16x8x16<T>(dk[2 * cp + 1], ads, bq[2], bq[3]);
+      }
+      if (part == 0) {  // dS^T to shared memory for the dQ product (one writer per key row)
+        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g) * kDsStride + 16 * ks + 2 * t) = ads[0];
+        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g + 8) * kDsStride + 16 * ks + 2 * t) = ads[1];
+        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g) * kDsStride + 16 * ks + 8 + 2 * t) = ads[2];
+        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g + 8) * kDsStride + 16 * ks + 8 + 2 * t) = ads[3];
+      }
+    }
+    __syncthreads();
+
+    // dQ (this warp's 16 query rows x kDqCols columns) = dS K, added into the fp32 accumulator.
+    const int dq_row = 16 * (warp % Cfg::kDqMTiles), dq_col = (warp / Cfg::kDqMTiles) * Cfg::kDqCols;
+    float dq[kDqTiles][4];
+#pragma unroll
+    for (int c = 0; c < kDqTiles; ++c) dq[c][0] = dq[c][1] = dq[c][2] = dq[c][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, sm.ds + (16 * ks + lane % 8 + (lane / 16) * 8) * kDsStride + dq_row + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int cp = 0; cp < kDqTiles / 2; ++cp) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, sm.k + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dq_col + 16 * cp +
+                                  (lane / 16) * 8);
+        mma_16x8x16<T>(dq[2 * cp], a, bk[0], bk[1]);
+        mma_16x8x16<T>(dq[2 * cp + 1], a, bk[2], bk[3]);
+      }
+    }
+    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
+    if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
+#pragma unroll
+    for (int c = 0; c < kDqTiles; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row0 + dq_row + g + 8 * (e / 2), col = dq_col + 8 * c + 2 * t + (e % 2);
+        if (i >= seq.seqlen_q || col >= p.head_dim) continue;
+        float* dst = P.dq_accum + (detail::accum_row(p, b, seq.q_start, i, p.seqlen_q) * p.heads + h) * p.head_dim + col;
+        const float val = dq[c][e] * p.scale;
+        if (sem) *dst += val;
+        else atomicAdd(dst, val);
+      }
+    if (sem) pass_turn(sem);
+  }
+
+  // dK (scaled) and dV: written directly without GQA, else added into fp32 accumulators.
+  const bool gqa = p.group > 1;
+  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
+  if (sem) wait_turn(sem, h % p.group);
+#pragma unroll
+  for (int c = 0; c < kDkvTiles; ++c)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = kv_row + g + 8 * r, col = dkv_col + 8 * c + 2 * t;
+      if (key >= keys || col >= p.head_dim) continue;
+      const float k0 = dk[c][2 * r] * p.scale, k1 = dk[c][2 * r + 1] * p.scale;
+      const float v0 = dv[c][2 * r], v1 = dv[c][2 * r + 1];
+      if (!gqa) {
+        T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0 + key, hk) + col;
+        T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, b, seq.k_start + col0 + key, hk) + col;
+        *reinterpret_cast<uint32_t*>(dkp) = ElemTraits<T>::pack(k0, k1);
+        *reinterpret_cast<uint32_t*>(dvp) = ElemTraits<T>::pack(v0, v1);
+      } else {
+        const int64_t off = (detail::accum_row(p, b, seq.k_start, col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
+        if (sem) {
+          P.dk_accum[off] += k0;
+          P.dk_accum[off + 1] += k1;
+          P.dv_accum[off] += v0;
+          P.dv_accum[off + 1] += v1;
+        } else {
+          atomicAdd(P.dk_accum + off, k0);
+          atomicAdd(P.dk_accum + off + 1, k1);
+          atomicAdd(P.dv_accum + off, v0);
+          atomicAdd(P.dv_accum + off + 1, v1);
+        }
+      }
+    }
+  if (sem) pass_turn(sem);
+}
+
+// dpsum = rowsum(dO o O) in fp32, one warp per (row, head); laid out like the LSE.
+template <typename T>
+__global__ void bwd_dpsum_kernel(const BwdKernelParams P) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (i >= seq.seqlen_q) return;
+  const T* o = static_cast<const T*>(p.out) + detail::row_offset(p.out_str, b, seq.q_start + i, h);
+  const T* d = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start + i, h);
+  float acc = 0.f;
+  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
+  }
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) P.dpsum[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = acc;
+}
+
+// dsinks[h] = -sum over rows of exp(sink - lse) * dpsum, summed in a fixed order (deterministic).
+__global__ void bwd_dsinks_kernel(const BwdKernelParams P) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const int h = blockIdx.x;
+  float acc = 0.f;
+  for (int b = 0; b < p.batch; ++b) {
+    const detail::SeqInfo seq = detail::seq_info(p, b);
+    const int64_t base = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+    for (int i = threadIdx.x; i < seq.seqlen_q; i += blockDim.x) {
+      const float lse = p.lse[base + i];
+      if (lse != INFINITY) acc -= expf(p.sinks[h] - lse) * P.dpsum[base + i];
+    }
+  }
+  __shared__ float part[256];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) P.dsinks[h] = part[0];
+}
+
+// fp32 [rows, heads, head_dim] accumulator -> the dtype through the output's strides.
+template <typename T>
+__global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrides str, const detail::FwdKernelParams p,
+                                   int heads, bool q_side) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int len = q_side ? seq.seqlen_q : seq.seqlen_k;
+  const int64_t start = q_side ? seq.q_start : seq.k_start;
+  const int max_len = q_side ? p.seqlen_q : p.seqlen_k;
+  for (int i = blockIdx.x; i < len; i += gridDim.x) {
+    const float* src = acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim;
+    T* dst = static_cast<T*>(out) + detail::row_offset(str, b, start + i, h);
+    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) dst[c] = static_cast<T>(src[c]);
+  }
+}
+
+template <typename Cfg, typename T>
+Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
+  const detail::FwdKernelParams& p = P.fwd;
+  if (p.batch == 0 || p.heads == 0) return Status::Ok();
+  constexpr int kSmem = bwd_smem_bytes<Cfg, T>();
+  auto kernel = portable_bwd_kernel<Cfg, T>;
+  static const cudaError_t attr = prepare_smem(kernel, kSmem);
+  if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward: shared memory attribute");
+  if (p.seqlen_q > 0) {
+    dim3 grid((p.seqlen_q + 7) / 8, p.heads, p.batch);
+    bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
+  }
+  if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
+    dim3 grid(P.num_n_blocks, p.heads, p.batch);
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
+  }
+  if (P.dsinks != nullptr) bwd_dsinks_kernel<<<p.heads, 256, 0, stream>>>(P);
+  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
+  bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
+  if (p.group > 1) {
+    const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
+    dim3 grid(rows_k, p.heads_kv, p.batch);
+    bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
+    bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
+  }
+  return detail::cuda_status(cudaGetLastError(), "portable backward launch");
+}
+
+template <int kHeadDim, typename T>
+Status launch_portable_bwd(const BwdKernelParams& p, Stream stream) {
+  return launch_portable_bwd_cfg<typename BwdConfigFor<kHeadDim>::type, T>(p, stream);
+}
+
+}  // namespace flare::portable
