@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -56,7 +57,9 @@ struct Case {
 };
 
 struct Buffers {
-  __nv_bfloat16 *q, *k, *v, *out, *ref;
+  __nv_bfloat16 *q, *k, *v, *out, *ref, *dout, *dq, *dk, *dv;
+  void* workspace;
+  size_t workspace_bytes;
   float* lse;
   double* sums;
   int64_t n;
@@ -93,15 +96,19 @@ int run(int argc, char** argv) {
 
   Buffers b{};
   b.n = int64_t{kTotalTokens} * kHidden;
-  for (__nv_bfloat16** p : {&b.q, &b.k, &b.v, &b.out, &b.ref}) FLARE_BENCH_CHECK(cudaMalloc(p, b.n * 2));
+  for (__nv_bfloat16** p : {&b.q, &b.k, &b.v, &b.out, &b.ref, &b.dout, &b.dq, &b.dk, &b.dv})
+    FLARE_BENCH_CHECK(cudaMalloc(p, b.n * 2));
+  b.workspace_bytes = 0;
   FLARE_BENCH_CHECK(cudaMalloc(&b.lse, int64_t{kTotalTokens} * kHidden / 64 * 4));
   FLARE_BENCH_CHECK(cudaMalloc(&b.sums, 3 * sizeof(double)));
   fill_normal_bf16<<<1024, 256, 0, stream>>>(b.q, b.n, 1);
   fill_normal_bf16<<<1024, 256, 0, stream>>>(b.k, b.n, 2);
   fill_normal_bf16<<<1024, 256, 0, stream>>>(b.v, b.n, 3);
+  fill_normal_bf16<<<1024, 256, 0, stream>>>(b.dout, b.n, 4);
 
   Table table;
   std::vector<Record> records;
+  const bool forward_only = std::getenv("FLARE_BENCH_FORWARD_ONLY") != nullptr;
   bool all_ok = true;
   for (const Case& c : cases) {
     if (!args.selected(c.name())) continue;
@@ -140,9 +147,57 @@ int run(int argc, char** argv) {
                    {"TFLOP/s", Table::Cell(tf, 1)}, {"of GEMM", Table::Cell(tf / gemm_ceiling, 2)},
                    {"rel err", Table::Cell(rel, 5)}, {"max abs err", Table::Cell(sums[2], 4)},
                    {"check", ok ? "ok" : "FAIL"}});
+    // Backward, ordinary and deterministic, from this forward's out and lse.
+    double bwd_ms[2] = {0, 0};
+    for (int det = 0; det < 2 && !forward_only; ++det) {
+      AttentionBackwardParams bp;
+      bp.q = p.q;
+      bp.k = p.k;
+      bp.v = p.v;
+      bp.out = p.out;
+      bp.lse = p.lse;
+      bp.dout = TensorView::contiguous(b.dout, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+      bp.dq = TensorView::contiguous(b.dq, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+      bp.dk = TensorView::contiguous(b.dk, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+      bp.dv = TensorView::contiguous(b.dv, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+      bp.mask = p.mask;
+      bp.deterministic = det == 1;
+      bp.stream = stream;
+      size_t need = 0;
+      Status ws = attention_backward_workspace_size(bp, &need);
+      if (!ws.ok()) {
+        std::printf("%s backward: %s\n", c.name().c_str(), ws.message().c_str());
+        all_ok = false;
+        break;
+      }
+      if (need > b.workspace_bytes) {
+        if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
+        FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, need));
+        b.workspace_bytes = need;
+      }
+      bp.workspace = b.workspace;
+      bp.workspace_bytes = b.workspace_bytes;
+      Status bs = attention_backward(bp);
+      if (!bs.ok()) {
+        std::printf("%s backward: %s\n", c.name().c_str(), bs.message().c_str());
+        all_ok = false;
+        break;
+      }
+      Timing tb = time_kernel([&](cudaStream_t st) {
+        bp.stream = st;
+        if (!attention_backward(bp).ok()) std::abort();
+      }, args.timing({.warmup = 3, .repeats = 20}), stream);
+      bwd_ms[det] = tb.median_ms;
+    }
+    const double bwd_tf = bwd_ms[0] > 0 ? tflops(2.5 * flops, bwd_ms[0]) : 0;
+    const double det_tf = bwd_ms[1] > 0 ? tflops(2.5 * flops, bwd_ms[1]) : 0;
+    table.add_row({{"case", c.name()}, {"bwd ms", Table::Cell(bwd_ms[0], 3)}, {"bwd TFLOP/s", Table::Cell(bwd_tf, 1)},
+                   {"det ms", Table::Cell(bwd_ms[1], 3)}, {"det TFLOP/s", Table::Cell(det_tf, 1)},
+                   {"det/ord", Table::Cell(bwd_ms[1] > 0 ? bwd_ms[0] / bwd_ms[1] : 0, 2)}});
     records.push_back({c.name() + " portable",
                        {{"median_ms", t.median_ms}, {"tflops", tf}, {"fraction_of_gemm", tf / gemm_ceiling},
-                        {"rel_err", rel}, {"max_abs_err", sums[2]}},
+                        {"rel_err", rel}, {"max_abs_err", sums[2]}, {"bwd_ms", bwd_ms[0]}, {"bwd_tflops", bwd_tf},
+                        {"bwd_det_ms", bwd_ms[1]}, {"bwd_det_tflops", det_tf}},
                        {{"backend", "portable"}, {"dtype", "bf16"}, {"head_dim", std::to_string(c.head_dim)},
                         {"seqlen", std::to_string(c.seqlen)}, {"causal", c.causal ? "1" : "0"}}});
   }

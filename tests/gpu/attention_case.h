@@ -140,7 +140,99 @@ class AttnProblem {
     EXPECT_TRUE(within_tolerance(rl, "lse")) << c_.name();
   }
 
+  // Backward: random dout, the GPU forward's out and lse as inputs, outputs poisoned.
+  AttentionBackwardParams backward_params(Backend backend, bool deterministic) {
+    if (!dgrad_out_) {
+      std::mt19937_64 rng(c_.seed + 7);
+      dout_host.reset(c_.dtype, q_shape);
+      dout_host.fill_normal(rng);
+      dgrad_out_ = std::make_unique<DeviceTensor>(dout_host);
+      dgrad_out_->upload(dout_host);
+      dq_host.reset(c_.dtype, q_shape);
+      dk_host.reset(c_.dtype, k_shape);
+      dv_host.reset(c_.dtype, k_shape);
+      ddq_ = std::make_unique<DeviceTensor>(dq_host);
+      ddk_ = std::make_unique<DeviceTensor>(dk_host);
+      ddv_ = std::make_unique<DeviceTensor>(dv_host);
+      if (c_.sinks) {
+        dsinks_host.reset(DType::kFloat32, {c_.heads});
+        ddsinks_ = std::make_unique<DeviceTensor>(dsinks_host);
+      }
+    }
+    ddq_->poison();
+    ddk_->poison();
+    ddv_->poison();
+    AttentionBackwardParams p;
+    p.q = *dq_;
+    p.k = *dk_;
+    p.v = *dv_;
+    p.out = *dout_;
+    p.lse = *dlse_;
+    p.dout = *dgrad_out_;
+    p.dq = *ddq_;
+    p.dk = *ddk_;
+    p.dv = *ddv_;
+    if (ddsinks_) {
+      ddsinks_->poison();
+      p.dsinks = *ddsinks_;
+    }
+    fill_common(p);
+    p.deterministic = deterministic;
+    p.backend = backend;
+    return p;
+  }
+
+  void run_backward_oracle() {
+    auto grads = [&](ref::HostTensor& dq, ref::HostTensor& dk, ref::HostTensor& dv, ref::HostTensor& ds, bool emulate) {
+      dq.reset(DType::kFloat64, q_shape);
+      dk.reset(DType::kFloat64, k_shape);
+      dv.reset(DType::kFloat64, k_shape);
+      ref::HostTensor out(DType::kFloat64, q_shape), lse(DType::kFloat64, lse_shape);
+      AttentionBackwardParams p;
+      p.q = q;
+      p.k = k;
+      p.v = v;
+      p.out = out;
+      p.lse = lse;
+      p.dout = dout_host;
+      p.dq = dq;
+      p.dk = dk;
+      p.dv = dv;
+      fill_common_host(p);
+      if (c_.sinks) {
+        ds.reset(DType::kFloat64, {c_.heads});
+        p.dsinks = ds;
+      }
+      ASSERT_TRUE(ref::attention_backward(p, {emulate}).ok());
+    };
+    grads(dq_ref, dk_ref, dv_ref, dsinks_ref, false);
+    grads(dq_lowp, dk_lowp, dv_lowp, dsinks_lowp, true);
+  }
+
+  void download_grads() {
+    ddq_->download(dq_host);
+    ddk_->download(dk_host);
+    ddv_->download(dv_host);
+    if (ddsinks_) ddsinks_->download(dsinks_host);
+  }
+
+  void check_backward(double k = 2.0) {
+    download_grads();
+    // The low-precision baseline includes bf16 rounding of the outputs; atol covers the fp32
+    // accumulation order of long sums.
+    EXPECT_TRUE(within_tolerance(compare(dq_host, dq_ref, &dq_lowp), "dq", k, 1e-3)) << c_.name();
+    EXPECT_TRUE(within_tolerance(compare(dk_host, dk_ref, &dk_lowp), "dk", k, 1e-3)) << c_.name();
+    EXPECT_TRUE(within_tolerance(compare(dv_host, dv_ref, &dv_lowp), "dv", k, 1e-3)) << c_.name();
+    if (c_.sinks) {
+      ErrorReport r = compare(dsinks_host, dsinks_ref, &dsinks_lowp);
+      r.lowp_err = std::max(r.lowp_err, 1e-3 * (1 + std::abs(dsinks_ref.get(0))));
+      EXPECT_TRUE(within_tolerance(r, "dsinks", k, 1e-3)) << c_.name();
+    }
+  }
+
   const AttnCase& spec() const { return c_; }
+  ref::HostTensor dout_host, dq_host, dk_host, dv_host, dsinks_host;
+  ref::HostTensor dq_ref, dk_ref, dv_ref, dsinks_ref, dq_lowp, dk_lowp, dv_lowp, dsinks_lowp;
 
   ref::HostTensor q, k, v, sinks, cu_q, cu_k;
   ref::HostTensor out_host, lse_host, out_ref, out_lowp, lse_ref, lse_lowp;
@@ -175,6 +267,7 @@ class AttnProblem {
 
   AttnCase c_;
   std::unique_ptr<DeviceTensor> dq_, dk_, dv_, dsinks_, dcu_q_, dcu_k_, dout_, dlse_;
+  std::unique_ptr<DeviceTensor> dgrad_out_, ddq_, ddk_, ddv_, ddsinks_;
 };
 
 }  // namespace flare::test

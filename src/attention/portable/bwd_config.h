@@ -33,7 +33,7 @@ struct BwdTileConfig {
 template <int kHeadDim>
 struct BwdConfigFor {
   using type = BwdTileConfig<kHeadDim, /*row_warps=*/4, /*col_split=*/kHeadDim <= 128 ? 1 : 2,
-                             /*block_m=*/kHeadDim <= 64 ? 64 : 32>;
+                             /*block_m=*/kHeadDim <= 64 ? 64 : (kHeadDim == 128 ? 16 : 32)>;
 };
 
 template <typename Cfg, typename T>

@@ -323,28 +323,8 @@ __global__ void bwd_dpsum_kernel(const BwdKernelParams P) {
   if (lane == 0) P.dpsum[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = acc;
 }
 
-// dsinks[h] = -sum over rows of exp(sink - lse) * dpsum, summed in a fixed order (deterministic).
-__global__ void bwd_dsinks_kernel(const BwdKernelParams P) {
-  const detail::FwdKernelParams& p = P.fwd;
-  const int h = blockIdx.x;
-  float acc = 0.f;
-  for (int b = 0; b < p.batch; ++b) {
-    const detail::SeqInfo seq = detail::seq_info(p, b);
-    const int64_t base = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
-    for (int i = threadIdx.x; i < seq.seqlen_q; i += blockDim.x) {
-      const float lse = p.lse[base + i];
-      if (lse != INFINITY) acc -= expf(p.sinks[h] - lse) * P.dpsum[base + i];
-    }
-  }
-  __shared__ float part[256];
-  part[threadIdx.x] = acc;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) P.dsinks[h] = part[0];
-}
+// dsinks[h] = -sum over rows of exp(sink - lse) * dpsum (bwd_common.cu).
+Status launch_bwd_dsinks(const BwdKernelParams& P, Stream stream);
 
 // fp32 [rows, heads, head_dim] accumulator -> the dtype through the output's strides.
 template <typename T>
@@ -378,7 +358,7 @@ Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
     dim3 grid(P.num_n_blocks, p.heads, p.batch);
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
   }
-  if (P.dsinks != nullptr) bwd_dsinks_kernel<<<p.heads, 256, 0, stream>>>(P);
+  if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(launch_bwd_dsinks(P, stream));
   const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
   bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
   if (p.group > 1) {

@@ -1,0 +1,19 @@
+// Declarations of the portable backward's launchers (definitions in the generated units).
+#pragma once
+
+#include "src/attention/bwd_params.h"
+
+namespace flare::portable {
+
+template <int kHeadDim, typename T>
+Status launch_portable_bwd(const detail::BwdKernelParams& p, Stream stream);
+
+// The block sizes the backward uses for a head dim (they size the semaphore workspace).
+struct BwdBlocks {
+  int block_m = 0, block_n = 0, head_dim = 0;  // head_dim: the instantiated one serving it
+};
+BwdBlocks portable_bwd_blocks(int head_dim);
+
+Status portable_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream);
+
+}  // namespace flare::portable
