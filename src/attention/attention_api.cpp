@@ -28,25 +28,6 @@ Status attention_forward(const AttentionForwardParams& params) {
 
 namespace {
 
-// The forward's view of a backward call: the same inputs, mask and scalars.
-AttentionForwardParams forward_view(const AttentionBackwardParams& b) {
-  AttentionForwardParams f;
-  f.q = b.q;
-  f.k = b.k;
-  f.v = b.v;
-  f.out = b.out;
-  f.lse = b.lse;
-  f.cu_seqlens_q = b.cu_seqlens_q;
-  f.cu_seqlens_k = b.cu_seqlens_k;
-  f.max_seqlen_q = b.max_seqlen_q;
-  f.max_seqlen_k = b.max_seqlen_k;
-  f.softmax_scale = b.softmax_scale;
-  f.softcap = b.softcap;
-  f.sinks = b.sinks;
-  f.mask = b.mask;
-  return f;
-}
-
 struct BackwardPlan {
   detail::AttentionShape shape;
   portable::BwdBlocks blocks;
@@ -92,31 +73,9 @@ Status attention_backward(const AttentionBackwardParams& params) {
   Status st = detail::cuda_status(cudaMemsetAsync(ws + l.dq_accum, 0, l.total - l.dq_accum, params.stream),
                                   "backward workspace reset");
   if (st.ok()) {
-    detail::BwdKernelParams k;
-    k.fwd = detail::make_fwd_kernel_params(forward_view(params), plan.shape);
-    const bool varlen = plan.shape.varlen;
-    k.dout = params.dout.data;
-    k.dout_str = detail::row_strides(params.dout, varlen);
-    k.dq = params.dq.data;
-    k.dk = params.dk.data;
-    k.dv = params.dv.data;
-    k.dq_str = detail::row_strides(params.dq, varlen);
-    k.dk_str = detail::row_strides(params.dk, varlen);
-    k.dv_str = detail::row_strides(params.dv, varlen);
-    k.dsinks = static_cast<float*>(params.dsinks.data);
-    k.dpsum = reinterpret_cast<float*>(ws + l.dpsum);
-    k.dq_accum = reinterpret_cast<float*>(ws + l.dq_accum);
-    if (l.dk_accum != l.dv_accum) {
-      k.dk_accum = reinterpret_cast<float*>(ws + l.dk_accum);
-      k.dv_accum = reinterpret_cast<float*>(ws + l.dv_accum);
-    }
-    k.deterministic = params.deterministic;
-    if (params.deterministic) {
-      k.dq_semaphore = reinterpret_cast<int*>(ws + l.dq_semaphore);
-      k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
-    }
-    k.num_m_blocks = (plan.shape.seqlen_q + plan.blocks.block_m - 1) / plan.blocks.block_m;
-    k.num_n_blocks = (plan.shape.seqlen_k + plan.blocks.block_n - 1) / plan.blocks.block_n;
+    const detail::BwdKernelParams k = detail::make_bwd_kernel_params(
+        params, detail::make_fwd_kernel_params(detail::forward_view(params), plan.shape), plan.shape, l, ws,
+        plan.blocks.block_m, plan.blocks.block_n);
     st = portable::portable_attention_backward(k, params.q.dtype, params.stream);
   }
   if (owned) {

@@ -31,4 +31,53 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
   return l;
 }
 
+AttentionForwardParams forward_view(const AttentionBackwardParams& b) {
+  AttentionForwardParams f;
+  f.q = b.q;
+  f.k = b.k;
+  f.v = b.v;
+  f.out = b.out;
+  f.lse = b.lse;
+  f.cu_seqlens_q = b.cu_seqlens_q;
+  f.cu_seqlens_k = b.cu_seqlens_k;
+  f.max_seqlen_q = b.max_seqlen_q;
+  f.max_seqlen_k = b.max_seqlen_k;
+  f.softmax_scale = b.softmax_scale;
+  f.softcap = b.softcap;
+  f.sinks = b.sinks;
+  f.mask = b.mask;
+  return f;
+}
+
+BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const FwdKernelParams& fwd,
+                                       const AttentionShape& s, const BwdWorkspaceLayout& l, void* workspace,
+                                       int block_m, int block_n) {
+  char* ws = static_cast<char*>(workspace);
+  BwdKernelParams k;
+  k.fwd = fwd;
+  k.dout = p.dout.data;
+  k.dout_str = row_strides(p.dout, s.varlen);
+  k.dq = p.dq.data;
+  k.dk = p.dk.data;
+  k.dv = p.dv.data;
+  k.dq_str = row_strides(p.dq, s.varlen);
+  k.dk_str = row_strides(p.dk, s.varlen);
+  k.dv_str = row_strides(p.dv, s.varlen);
+  k.dsinks = static_cast<float*>(p.dsinks.data);
+  k.dpsum = reinterpret_cast<float*>(ws + l.dpsum);
+  k.dq_accum = reinterpret_cast<float*>(ws + l.dq_accum);
+  if (s.heads_kv != s.heads) {
+    k.dk_accum = reinterpret_cast<float*>(ws + l.dk_accum);
+    k.dv_accum = reinterpret_cast<float*>(ws + l.dv_accum);
+  }
+  k.deterministic = p.deterministic;
+  if (p.deterministic) {
+    k.dq_semaphore = reinterpret_cast<int*>(ws + l.dq_semaphore);
+    k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
+  }
+  k.num_m_blocks = (s.seqlen_q + block_m - 1) / block_m;
+  k.num_n_blocks = (s.seqlen_k + block_n - 1) / block_n;
+  return k;
+}
+
 }  // namespace flare::detail

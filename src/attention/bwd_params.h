@@ -45,4 +45,12 @@ struct BwdWorkspaceLayout {
 
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic);
 
+// The forward's view of a backward call: the same inputs, mask and scalars.
+AttentionForwardParams forward_view(const AttentionBackwardParams& b);
+
+// Device params over a workspace laid out by `layout` at `workspace`.
+BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const FwdKernelParams& fwd,
+                                       const AttentionShape& s, const BwdWorkspaceLayout& layout, void* workspace,
+                                       int block_m, int block_n);
+
 }  // namespace flare::detail

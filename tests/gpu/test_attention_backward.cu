@@ -19,8 +19,8 @@ void run_backward(const AttnCase& c, bool deterministic) {
   AttentionForwardParams f = prob.forward_params(Backend::kPortable);
   Status s = attention_forward(f);
   ASSERT_TRUE(s.ok()) << s.message();
+  AttentionBackwardParams b = prob.backward_params(Backend::kPortable, deterministic);  // draws dout
   prob.run_backward_oracle();
-  AttentionBackwardParams b = prob.backward_params(Backend::kPortable, deterministic);
   Status sb = attention_backward(b);
   ASSERT_TRUE(sb.ok()) << sb.message();
   FLARE_CUDA_OK(cudaDeviceSynchronize());

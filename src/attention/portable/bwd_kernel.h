@@ -74,6 +74,63 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
   return P.fwd.causal ? kv.last - 1 - n : n - kv.first;
 }
 
+// What the element loops need to know about a (query block, key rows) tile.
+struct ElementCtx {
+  const sched::Band* band;
+  const float* lse;    // per query column of the block (natural log)
+  const float* dpsum;
+  int row0, key0;      // first query row of the block, first key row of the warp
+  int seqlen_q, seqlen_k;
+  int g, t;            // lane coordinates in the MMA fragment
+};
+
+// s (S^T accumulators) becomes P^T and dp (dP^T) becomes dS^T (w.r.t. the scaled, pre-cap
+// scores). Element e of tile j: key row key0 + g + 8 * (e / 2), query column 8j + 2t + e % 2.
+template <bool kSoftcap, int kQTiles>
+__device__ __forceinline__ void probs_and_grads(const detail::FwdKernelParams& p, const ElementCtx& c, bool partial,
+                                                float (&s)[kQTiles][4], float (&dp)[kQTiles][4]) {
+  constexpr float kLog2e = static_cast<float>(M_LOG2E);
+  float cap_grad[kSoftcap ? kQTiles : 1][4];
+  if constexpr (kSoftcap) {
+    const float pre = p.scale / p.softcap, post = p.softcap * kLog2e;
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float th = fast_tanh(s[j][e] * pre);
+        s[j][e] = post * th;
+        cap_grad[j][e] = 1.f - th * th;
+      }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+  }
+#pragma unroll
+  for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(fmaf(-c.lse[8 * j + 2 * c.t + (e % 2)], kLog2e, s[j][e]));
+  if (partial) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = c.row0 + 8 * j + 2 * c.t + (e % 2), key = c.key0 + c.g + 8 * (e / 2);
+        const bool visible = qi < c.seqlen_q && key < c.seqlen_k && c.band->visible(qi, key);
+        s[j][e] = visible ? s[j][e] : 0.f;
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float ds = s[j][e] * (dp[j][e] - c.dpsum[8 * j + 2 * c.t + (e % 2)]);
+      if constexpr (kSoftcap) ds *= cap_grad[j][e];
+      dp[j][e] = ds;
+    }
+}
+
 template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKernelParams P) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
@@ -170,35 +227,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
       }
     }
 
-    // P^T and dS^T. Element (e) of tile j: key row kv_row + g + 8 * (e / 2), query column 8j + 2t + e % 2.
+    // P^T and dS^T: branch-free element loops, one variant per soft-capping mode.
     const bool partial = row0 + kBlockM > seq.seqlen_q ||
                          sched::classify_tile(band, row0, min(seq.seqlen_q, row0 + kBlockM), col0, col0 + kBlockN,
                                               seq.seqlen_k) != sched::TileKind::kFull;
-    const float* lse = sm.lse[stage];
-    const float* dps = sm.dpsum[stage];
-    constexpr float kLog2e = static_cast<float>(M_LOG2E);
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = 8 * j + 2 * t + (e % 2);
-        float x = s[j][e], cap_grad = 1.f;
-        if (p.softcap > 0.f) {
-          const float th = fast_tanh(x * (p.scale / p.softcap));
-          x = p.softcap * th * kLog2e;
-          cap_grad = 1.f - th * th;
-        } else {
-          x *= p.scale_log2;
-        }
-        float prob = exp2f(x - lse[qi] * kLog2e);
-        if (partial) {
-          const int key = col0 + kv_row + g + 8 * (e / 2);
-          const bool visible = row0 + qi < seq.seqlen_q && key < seq.seqlen_k && band.visible(row0 + qi, key);
-          prob = visible ? prob : 0.f;
-        }
-        s[j][e] = prob;
-        dp[j][e] = prob * (dp[j][e] - dps[qi]) * cap_grad;
-      }
+    const ElementCtx ctx{&band, sm.lse[stage], sm.dpsum[stage], row0, col0 + kv_row, seq.seqlen_q, seq.seqlen_k, g, t};
+    if (p.softcap > 0.f) probs_and_grads<true, kQTiles>(p, ctx, partial, s, dp);
+    else probs_and_grads<false, kQTiles>(p, ctx, partial, s, dp);
 
     // dV += P^T dO and dK += dS^T Q over this warp's columns.
 #pragma unroll
