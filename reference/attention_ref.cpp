@@ -298,7 +298,13 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
             for (int64_t c = 0; c < pr.dim_v; ++c) dv.data[j * pr.dim_v + c] += pj * g[c];
           }
         }
+        if (rule.emulate)
+          for (double& x : dq.data) x = rule.r(x);
         scatter(p.dq, pr.lq, b, h, dq);
+      }
+      if (rule.emulate) {
+        for (double& x : dk.data) x = rule.r(x);
+        for (double& x : dv.data) x = rule.r(x);
       }
       scatter(p.dk, pr.lk, b, hk, dk);
       scatter(p.dv, pr.lk, b, hk, dv);

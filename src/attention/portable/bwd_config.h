@@ -32,8 +32,11 @@ struct BwdTileConfig {
 
 template <int kHeadDim>
 struct BwdConfigFor {
-  using type = BwdTileConfig<kHeadDim, /*row_warps=*/4, /*col_split=*/kHeadDim <= 128 ? 1 : 2,
-                             /*block_m=*/kHeadDim <= 64 ? 64 : (kHeadDim == 128 ? 16 : 32)>;
+  // Measured on the H100 (tune_portable_bwd, bench/RESULTS.md).
+  // 8 x 16 keys for 64 and 128; 96 keeps 4 (its dQ columns must split in 16s); 192 and 256
+  // split each key row's dK/dV columns over two warps.
+  using type = BwdTileConfig<kHeadDim, /*row_warps=*/(kHeadDim == 64 || kHeadDim == 128) ? 8 : 4,
+                             /*col_split=*/kHeadDim <= 128 ? 1 : 2, /*block_m=*/32>;
 };
 
 template <typename Cfg, typename T>

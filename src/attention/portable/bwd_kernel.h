@@ -290,13 +290,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
 #pragma unroll
     for (int c = 0; c < kDqTiles; ++c)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row0 + dq_row + g + 8 * (e / 2), col = dq_col + 8 * c + 2 * t + (e % 2);
+      for (int r = 0; r < 2; ++r) {  // columns col, col + 1 of row i: one 8-byte reduction
+        const int i = row0 + dq_row + g + 8 * r, col = dq_col + 8 * c + 2 * t;
         if (i >= seq.seqlen_q || col >= p.head_dim) continue;
         float* dst = P.dq_accum + (detail::accum_row(p, b, seq.q_start, i, p.seqlen_q) * p.heads + h) * p.head_dim + col;
-        const float val = dq[c][e] * p.scale;
-        if (sem) *dst += val;
-        else atomicAdd(dst, val);
+        const float v0 = dq[c][2 * r] * p.scale, v1 = dq[c][2 * r + 1] * p.scale;
+        if (sem) {
+          dst[0] += v0;
+          dst[1] += v1;
+        } else {
+          red_add_f32x2(dst, v0, v1);
+        }
       }
     if (sem) pass_turn(sem);
   }
@@ -326,10 +330,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
           P.dv_accum[off] += v0;
           P.dv_accum[off + 1] += v1;
         } else {
-          atomicAdd(P.dk_accum + off, k0);
-          atomicAdd(P.dk_accum + off + 1, k1);
-          atomicAdd(P.dv_accum + off, v0);
-          atomicAdd(P.dv_accum + off + 1, v1);
+          red_add_f32x2(P.dk_accum + off, k0, k1);
+          red_add_f32x2(P.dv_accum + off, v0, v1);
         }
       }
     }

@@ -85,6 +85,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// dst[0] += a, dst[1] += b in global memory without a return value: one vector reduction on
+// sm_90, two scalar ones before. dst must be 8-byte aligned.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 // tanh on the special-function unit (max relative error about 2^-11), for soft-capping.
 __device__ __forceinline__ float fast_tanh(float x) {
   float y;
