@@ -295,12 +295,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
         if (i >= seq.seqlen_q || col >= p.head_dim) continue;
         float* dst = P.dq_accum + (detail::accum_row(p, b, seq.q_start, i, p.seqlen_q) * p.heads + h) * p.head_dim + col;
         const float v0 = dq[c][2 * r] * p.scale, v1 = dq[c][2 * r + 1] * p.scale;
-        if (sem) {
-          dst[0] += v0;
-          dst[1] += v1;
-        } else {
-          red_add_f32x2(dst, v0, v1);
-        }
+        red_add_f32x2(dst, v0, v1);  // in turn order when deterministic: the fence orders CTAs' reductions
       }
     if (sem) pass_turn(sem);
   }
@@ -324,15 +319,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
         *reinterpret_cast<uint32_t*>(dvp) = ElemTraits<T>::pack(v0, v1);
       } else {
         const int64_t off = (detail::accum_row(p, b, seq.k_start, col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
-        if (sem) {
-          P.dk_accum[off] += k0;
-          P.dk_accum[off + 1] += k1;
-          P.dv_accum[off] += v0;
-          P.dv_accum[off + 1] += v1;
-        } else {
-          red_add_f32x2(P.dk_accum + off, k0, k1);
-          red_add_f32x2(P.dv_accum + off, v0, v1);
-        }
+        red_add_f32x2(P.dk_accum + off, k0, k1);
+        red_add_f32x2(P.dv_accum + off, v0, v1);
       }
     }
   if (sem) pass_turn(sem);
