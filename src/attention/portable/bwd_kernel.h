@@ -59,10 +59,12 @@ __device__ __forceinline__ void pass_turn(int* sem) {
   if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
 }
 
-// The kv block a launch index works on: shortest work first for causal masks (the last blocks
-// see the fewest query blocks), in order otherwise.
+// Deterministic causal runs walk the kv blocks shortest work first (the last blocks see the fewest
+// query blocks): the block that reaches a query block first holds the first turn there. Otherwise
+// the order is ascending: longest work first for causal, any order for the rest.
+__device__ __forceinline__ bool descending_kv_order(const BwdKernelParams& P) { return P.deterministic && P.fwd.causal; }
 __device__ __forceinline__ int kv_block_of(const BwdKernelParams& P, int x) {
-  return P.fwd.causal ? P.num_n_blocks - 1 - x : x;
+  return descending_kv_order(P) ? P.num_n_blocks - 1 - x : x;
 }
 
 // dQ turn of kv block n at query block m: its rank among the kv blocks that see m, in launch
@@ -71,7 +73,7 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
                                           int block_m, int block_n, int seqlen_q, int seqlen_k) {
   const int r0 = m * block_m, r1 = min(seqlen_q, r0 + block_m);
   const sched::BlockRange kv = sched::kv_block_range(band, r0, r1, seqlen_k, block_n);
-  return P.fwd.causal ? kv.last - 1 - n : n - kv.first;
+  return descending_kv_order(P) ? kv.last - 1 - n : n - kv.first;
 }
 
 // What the element loops need to know about a (query block, key rows) tile.

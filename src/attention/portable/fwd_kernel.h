@@ -71,7 +71,11 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
   constexpr int kStride = Cfg::kRowStride;
 
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // Causal and windowed rows further down see more keys: launch those blocks first (longest work
+  // first), so the short ones fill the tail.
+  const bool longest_first = p.causal || p.window_left >= 0;
+  const int m_block = longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
   const detail::SeqInfo seq = detail::seq_info(p, b);
   const int row0 = m_block * kBlockM;
   if (row0 >= seq.seqlen_q) return;
