@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp within the block
+  const float score_scale = p.softcap > 0.f ? 1.f : p.scale_log2;  // raw (or capped) score -> log2 units
   // K/V blocks are loaded kStages - 1 iterations ahead, one cp.async group per block (Q joins
   // the first), so a block's load overlaps the compute of the blocks before it.
   auto load_kv = [&](int n, int stage) {
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         }
       }
 
-      // Scores in scaled log2 units, soft-capped, masked on partial tiles. Each step is a
+      // Scores soft-capped (then in scaled log2 units) and masked on partial tiles. Each step is a
       // branch-free loop under a uniform condition, so the compiler keeps the element work
       // straight-line and interleaved.
       if (p.softcap > 0.f) {
@@ -168,14 +169,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
           for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[mt][j][e] = post * fast_tanh(s[mt][j][e] * pre);
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][j][e] *= p.scale_log2;
-      }
+      }  // without a cap, the scale is folded into the exponent below (one FFMA per element)
       const int col0 = n * kBlockN;
       if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN, seq.seqlen_k) !=
           sched::TileKind::kFull) {
@@ -197,19 +191,20 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float mx = st.max[mt][r];
+          float mx = -INFINITY;  // of the raw scores: the scale is positive
 #pragma unroll
           for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx = fmaxf(st.max[mt][r], mx * score_scale);      // scaled log2 units
           const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
           const float alpha = fast_exp2(st.max[mt][r] - base);
           st.max[mt][r] = mx;
           float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < kNTiles; ++j) {
-            s[mt][j][2 * r] = fast_exp2(s[mt][j][2 * r] - base);
-            s[mt][j][2 * r + 1] = fast_exp2(s[mt][j][2 * r + 1] - base);
+            s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], score_scale, -base));
+            s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], score_scale, -base));
             sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
           }
           st.sum[mt][r] = st.sum[mt][r] * alpha + sum;
