@@ -61,7 +61,7 @@ flare::detail::FwdKernelParams params_for(Env& e, int d, int s, bool causal, voi
 }
 
 template <typename Cfg>
-void measure(Env& e, const char* label, bool causal) {
+void measure(Env& e, const char* label, bool causal, bool persistent = false) {
   constexpr int d = Cfg::kHeadDim, s = 4096;
   std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
@@ -71,7 +71,7 @@ void measure(Env& e, const char* label, bool causal) {
   if (!flare::detail::naive_attention_forward(ref, DType::kBFloat16, e.stream).ok()) std::abort();
   flare::detail::FwdKernelParams p = params_for(e, d, s, causal, e.out);
   FLARE_BENCH_CHECK(cudaMemsetAsync(e.out, 0xFF, n * 2, e.stream));
-  Status st = portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, e.stream);
+  Status st = portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, e.stream, persistent);
   if (!st.ok()) {
     e.table.add_row({{"config", name}, {"check", st.message()}});
     return;
@@ -82,7 +82,7 @@ void measure(Env& e, const char* label, bool causal) {
   FLARE_BENCH_CHECK(cudaMemcpyAsync(sums, e.sums, 16, cudaMemcpyDeviceToHost, e.stream));
   FLARE_BENCH_CHECK(cudaStreamSynchronize(e.stream));
   Timing t = time_kernel([&](cudaStream_t st2) {
-    if (!portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, st2).ok()) std::abort();
+    if (!portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, st2, persistent).ok()) std::abort();
   }, e.args.timing({.warmup = 3, .repeats = 15}), e.stream);
   const double tf = tflops(attention_fwd_flops(16384 / s, 2048 / d, s, s, d, causal), t.median_ms);
   cudaFuncAttributes attr;
@@ -102,6 +102,10 @@ void measure(Env& e, const char* label, bool causal) {
 // warps, m-tiles per warp, kv block, stages
 template <int d>
 void sweep(Env& e, bool causal) {
+  using Default = typename portable::FwdConfigFor<d>::type;
+  measure<Default>(e, "default, one CTA per tile", causal, false);
+  measure<Default>(e, "default, persistent L2-grouped", causal, true);
+  if (e.args.quick) return;
   measure<FwdTileConfig<d, 4, 1, 64>>(e, "w4 m1 n64", causal);
   measure<FwdTileConfig<d, 8, 1, 64>>(e, "w8 m1 n64", causal);
   measure<FwdTileConfig<d, 4, 2, 32>>(e, "w4 m2 n32", causal);

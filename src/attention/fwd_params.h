@@ -6,6 +6,7 @@
 #include "flare/attention.h"
 #include "src/attention/attention_args.h"
 #include "src/scheduling/mask_math.h"
+#include "src/scheduling/tile_order.h"
 
 namespace flare::detail {
 
@@ -32,6 +33,10 @@ struct FwdKernelParams {
   const float* sinks = nullptr;    // optional, [heads], natural-log units
   bool causal = false;
   int window_left = -1, window_right = -1;
+  // Persistent launch: CTA c works on tiles c, c + gridDim.x, ... of `order` (heads grouped so
+  // their K/V stay in L2, longest work first). Otherwise one CTA per (q-block, head, batch).
+  bool persistent = false;
+  sched::TileOrder order;
 };
 
 // A sequence's place in the packed or batched tensors.

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "src/attention/fwd_params.h"
@@ -63,19 +64,14 @@ struct RowState {
   float sum[kMTiles][2];  // this thread's share of the denominator
 };
 
+// One tile: query rows [m_block * kBlockM, +kBlockM) of head h of sequence b.
 template <typename Cfg, typename T>
-__global__ void __launch_bounds__(Cfg::kThreads)
-    portable_fwd_kernel(const FwdKernelParams p) {
+__device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, T>& sm, int m_block, int h, int b) {
   constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
   constexpr int kStride = Cfg::kRowStride;
 
-  // Causal and windowed rows further down see more keys: launch those blocks first (longest work
-  // first), so the short ones fill the tail.
-  const bool longest_first = p.causal || p.window_left >= 0;
-  const int m_block = longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
   const detail::SeqInfo seq = detail::seq_info(p, b);
   const int row0 = m_block * kBlockM;
   if (row0 >= seq.seqlen_q) return;
@@ -83,9 +79,6 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int rows = min(kBlockM, seq.seqlen_q - row0);
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<FwdSmem<Cfg, T>*>(smem_raw);
 
   const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start + row0, h);
   const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start, hk);
@@ -271,6 +264,23 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 }
 
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads) portable_fwd_kernel(const FwdKernelParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<FwdSmem<Cfg, T>*>(smem_raw);
+  if (p.persistent) {
+    for (int tile = blockIdx.x; tile < p.order.num_tiles; tile += gridDim.x) {
+      const sched::TileCoord c = sched::tile_at(p.order, tile);
+      fwd_tile<Cfg, T>(p, sm, c.block, c.head, c.batch);
+      __syncthreads();  // the epilogue's shared-memory reads end before the next tile's loads
+    }
+  } else {
+    // Causal and windowed rows further down see more keys: launch those blocks first.
+    const bool longest_first = p.causal || p.window_left >= 0;
+    fwd_tile<Cfg, T>(p, sm, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+  }
+}
+
 // Raises the kernel's shared-memory limit and asks for the largest carveout, so that as many
 // CTAs fit per SM as registers allow. Once per kernel.
 template <typename Kernel>
@@ -282,14 +292,44 @@ cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
   return e;
 }
 
+// The device facts a persistent launch is sized from, read once per process (device 0's view is
+// refreshed when the current device changes).
+struct DeviceFacts {
+  int device = -1, num_sms = 0, l2_bytes = 0;
+};
+DeviceFacts current_device_facts();
+
 template <typename Cfg, typename T>
-Status launch_portable_fwd_cfg(const FwdKernelParams& p, Stream stream) {
+Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, bool persistent = true) {
   constexpr int kSmem = fwd_smem_bytes<Cfg, T>();
   auto kernel = portable_fwd_kernel<Cfg, T>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable forward: shared memory attribute");
-  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
+  if (params.seqlen_q == 0 || params.batch == 0) return Status::Ok();
+  FwdKernelParams p = params;
   dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+  if (persistent) {
+    static int ctas_per_sm = 0;
+    if (ctas_per_sm == 0)
+      FLARE_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, Cfg::kThreads, kSmem));
+    const DeviceFacts dev = current_device_facts();
+    sched::TileShape shape;
+    shape.batch = p.batch;
+    shape.heads = p.heads;
+    shape.heads_kv = p.heads_kv;
+    shape.seqlen_q = p.seqlen_q;
+    shape.seqlen_k = p.seqlen_k;
+    shape.q_block = Cfg::kBlockM;
+    shape.kv_block = Cfg::kBlockN;
+    shape.head_dim = p.head_dim;
+    shape.elem_bytes = sizeof(T);
+    shape.causal = p.causal;
+    shape.window_left = p.window_left;
+    shape.window_right = p.window_right;
+    p.order = sched::make_forward_order(shape, dev.l2_bytes / 2);
+    p.persistent = true;
+    grid = dim3(std::min(p.order.num_tiles, std::max(1, ctas_per_sm) * dev.num_sms));
+  }
   kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return detail::cuda_status(cudaGetLastError(), "portable forward launch");
 }
