@@ -61,7 +61,7 @@ flare::detail::FwdKernelParams params_for(Env& e, int d, int s, bool causal, voi
 }
 
 template <typename Cfg>
-void measure(Env& e, const char* label, bool causal, bool persistent = false) {
+void measure(Env& e, const char* label, bool causal, int persistent = 0) {
   constexpr int d = Cfg::kHeadDim, s = 4096;
   std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
@@ -86,10 +86,10 @@ void measure(Env& e, const char* label, bool causal, bool persistent = false) {
   }, e.args.timing({.warmup = 3, .repeats = 15}), e.stream);
   const double tf = tflops(attention_fwd_flops(16384 / s, 2048 / d, s, s, d, causal), t.median_ms);
   cudaFuncAttributes attr;
-  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_fwd_kernel<Cfg, __nv_bfloat16>));
+  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_fwd_kernel<Cfg, __nv_bfloat16, false>));
   int blocks = 0;
   FLARE_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, portable::portable_fwd_kernel<Cfg, __nv_bfloat16>, Cfg::kThreads,
+      &blocks, portable::portable_fwd_kernel<Cfg, __nv_bfloat16, false>, Cfg::kThreads,
       portable::fwd_smem_bytes<Cfg, __nv_bfloat16>()));
   const double rel = std::sqrt(sums[0] / sums[1]);
   std::fprintf(stderr, "%-28s %8.3f ms %7.1f TFLOP/s regs %d CTAs/SM %d rel err %.4f\n", name.c_str(), t.median_ms,
@@ -103,8 +103,8 @@ void measure(Env& e, const char* label, bool causal, bool persistent = false) {
 template <int d>
 void sweep(Env& e, bool causal) {
   using Default = typename portable::FwdConfigFor<d>::type;
-  measure<Default>(e, "default, one CTA per tile", causal, false);
-  measure<Default>(e, "default, persistent L2-grouped", causal, true);
+  measure<Default>(e, "default, one CTA per tile", causal, 0);
+  measure<Default>(e, "default, persistent L2-grouped", causal, 1);
   if (e.args.quick) return;
   measure<FwdTileConfig<d, 4, 1, 64>>(e, "w4 m1 n64", causal);
   measure<FwdTileConfig<d, 8, 1, 64>>(e, "w8 m1 n64", causal);

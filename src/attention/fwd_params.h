@@ -33,9 +33,8 @@ struct FwdKernelParams {
   const float* sinks = nullptr;    // optional, [heads], natural-log units
   bool causal = false;
   int window_left = -1, window_right = -1;
-  // Persistent launch: CTA c works on tiles c, c + gridDim.x, ... of `order` (heads grouped so
-  // their K/V stay in L2, longest work first). Otherwise one CTA per (q-block, head, batch).
-  bool persistent = false;
+  // Persistent launches: CTA c works on tiles c, c + gridDim.x, ... of `order` (heads grouped so
+  // their K/V stay in L2, longest work first).
   sched::TileOrder order;
 };
 
