@@ -315,8 +315,13 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
   }();
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable forward: shared memory attribute");
   if (params.seqlen_q == 0 || params.batch == 0) return Status::Ok();
+  // A persistent variant that spills (its loop costs registers; d64 does at 255) is never chosen.
+  static const bool persistent_spills = [&] {
+    cudaFuncAttributes a{};
+    return cudaFuncGetAttributes(&a, persistent_kernel) != cudaSuccess || a.localSizeBytes > 0;
+  }();
   const bool uniform = !params.causal && params.window_left < 0 && params.window_right < 0;
-  if (persistent == 0 || (persistent < 0 && !uniform)) {
+  if (persistent == 0 || (persistent < 0 && (!uniform || persistent_spills))) {
     dim3 grid((params.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, params.heads, params.batch);
     tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
     return detail::cuda_status(cudaGetLastError(), "portable forward launch");

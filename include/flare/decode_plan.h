@@ -1,0 +1,188 @@
+// Decode planning: which kernel runs a decode shape, how its KV sequence is split, and how much
+// workspace the run needs. Plan once per shape on the host (pure, no CUDA, no device query), then
+// run many times with the plan and a caller-provided workspace: the run allocates nothing, so a
+// decode step can be captured in a CUDA graph and replayed with new cache lengths.
+//
+// Kernels. The standard kernel runs one CTA per (sequence, KV head): the q_len x (heads_q /
+// heads_kv) query rows of that KV head are packed together so K/V are read once. The split-KV
+// kernel runs num_splits CTAs per (sequence, KV head), each over one chunk of keys, writes fp32
+// partial outputs and their log-sum-exps to the workspace, and a combine step merges them by LSE.
+//
+// Where a split's keys lie (what the kernels implement). For sequence b with L_b =
+// cache_seqlens[b] keys, the attended span is [span_begin, L_b) with span_begin = 0, or with a
+// window span_begin = max(0, L_b - q_len - window_left) (the earliest key any of the q_len queries
+// sees). Splits start at origin = span_begin rounded down to a multiple of kv_align, and split i
+// covers [origin + i * kv_chunk, origin + (i + 1) * kv_chunk) intersected with the span. kv_chunk
+// and origin are multiples of kv_align, itself a multiple of the page size, so no split starts
+// inside a page. For the longest span the plan was made for, every split holds at least one key;
+// a shorter sequence leaves its trailing splits empty: such a split writes LSE = -inf and a zero
+// partial output, and the combine gives it weight 0.
+//
+// Workspace (split-KV only; 0 bytes for the standard kernel), fp32, row-major:
+//   partial_out [batch, heads_q, q_len, num_splits, head_dim]   at byte 0
+//   partial_lse [batch, heads_q, q_len, num_splits]            at byte partial_lse_offset
+// so workspace_bytes = batch * heads_q * q_len * num_splits * (head_dim + 1) * 4. head_dim is a
+// multiple of 64, so partial_lse_offset is a multiple of 256 bytes.
+//
+// Choosing the plan. A tuning table hit wins (its split count is measured on the device, see
+// DecodeTuningTable). Otherwise the fallback heuristic, "wave efficiency":
+//   n = batch * heads_kv CTAs per split; a grid of n * s CTAs on num_sms SMs has wave efficiency
+//     eff(s) = n * s / (ceil(n * s / num_sms) * num_sms),
+//   the fraction of the launched waves' SM slots that do work. Decode streams K/V, so its time
+//   goes as (waves x keys per CTA), i.e. as 1 / eff(s).
+//   Candidates s: 1 (standard), or split counts whose splits average at least
+//     kDecodeMinKvPerSplit = 256 keys (below that a split's fixed costs, its pipeline fill and the
+//     partial write and combine read, are no longer small against its K/V stream), up to
+//     kMaxDecodeSplits = 128, with at most kDecodeMaxWaves = 8 waves of CTAs.
+//   Choice: the fewest splits whose efficiency is within kDecodeWaveEfficiencySlack = 0.05 of the
+//     best candidate's ("ties"): every extra split costs the fixed costs above, which the wave
+//     model does not count.
+// Examples on an H100 (num_sms = 132), heads_q 32, heads_kv 8, head dim 128, q_len 1, contiguous:
+//   batch 1,  cache   1024: 4 splits (256 keys each, eff 0.24: the cache is too short to fill more)
+//   batch 1,  cache   4096: 16 splits of 256 keys, eff 0.97
+//   batch 1,  cache  65536: 16 splits of 4096 keys, eff 0.97
+//   batch 8,  cache   4096: 2 splits of 2048 keys, eff 0.97 (unsplit, 64 CTAs fill 0.48 of a wave)
+//   batch 64, cache  65536: standard (512 CTAs, eff 0.97)
+//   any batch, cache < 512: standard (two splits would average under 256 keys)
+// The chosen split count is then fitted to the cache (see decode_plan_for_splits): kv_chunk =
+// ceil(span / s) rounded up to kv_align, num_splits = ceil(span / kv_chunk) <= s.
+#pragma once
+
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <iosfwd>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flare/decode.h"
+#include "flare/status.h"
+#include "flare/tensor.h"
+
+namespace flare {
+
+// The combine step merges at most this many partial states per query row.
+inline constexpr int kMaxDecodeSplits = 128;
+// Split boundaries are multiples of this many keys (or of the page size if larger), so only a
+// span's first and last KV tile need masking for any kernel tile of 16, 32 or 64 keys.
+inline constexpr int kDecodeKvAlign = 64;
+// The heuristic's numbers (see above).
+inline constexpr int kDecodeMinKvPerSplit = 256;
+inline constexpr int kDecodeMaxWaves = 8;
+inline constexpr double kDecodeWaveEfficiencySlack = 0.05;
+
+enum class DecodeKernel : uint8_t { kStandard, kSplitKv };
+const char* decode_kernel_name(DecodeKernel k);  // "standard", "split_kv"
+
+// Everything a plan depends on. Build it by hand (e.g. before the caches exist) or from the
+// params with decode_shape_key().
+struct DecodeShapeKey {
+  int batch = 0;
+  int heads_q = 0, heads_kv = 0;
+  int head_dim = 0;
+  int q_len = 1;
+  int64_t max_cache_len = 0;  // keys one sequence can hold (paged: max_pages_per_seq * page_size)
+  int page_size = 0;          // 0: contiguous cache
+  int window_left = -1;       // -1: unbounded; else splits cover only the window's span
+  DType dtype = DType::kBFloat16;
+
+  bool paged() const { return page_size > 0; }
+  friend bool operator==(const DecodeShapeKey&, const DecodeShapeKey&) = default;
+};
+
+// The key of validated params (validated on the device where q lives).
+Status decode_shape_key(const DecodeParams& params, DecodeShapeKey* key);
+
+enum class DecodePlanSource : uint8_t { kHeuristic, kTuningTable, kForced };
+
+struct DecodePlan {
+  DecodeKernel kernel = DecodeKernel::kStandard;
+  int num_splits = 1;            // 1 exactly for the standard kernel
+  int kv_chunk = 0;              // keys per split, a multiple of kv_align
+  int kv_align = kDecodeKvAlign; // split boundaries are multiples of it: max(page_size, 64)
+  std::size_t workspace_bytes = 0;
+  std::size_t partial_lse_offset = 0;  // byte offset of partial_lse in the workspace
+  DecodePlanSource source = DecodePlanSource::kHeuristic;
+  DecodeShapeKey shape;          // the shape planned for; the run checks its params against it
+};
+
+// The class of shapes that share one tuned winner. Neighbouring batches and cache lengths share
+// a class: both are bucketed to the largest power of two not above them, which is the shape a
+// tuner sweeping powers of two measures, so a shape never has less work per split than was timed.
+// heads_kv is exact (it multiplies the grid like the batch does); the dtype is left out (fp16
+// and bf16 stream the same bytes through the same instructions); the page size is reduced to
+// paged or not (kv_chunk is refitted to the actual page size).
+struct DecodeShapeClass {
+  int batch_bucket = 0;
+  int heads_kv = 0;
+  int group = 0;                 // heads_q / heads_kv
+  int head_dim = 0;
+  int q_len = 0;
+  int64_t kv_len_bucket = 0;     // of the keys one sequence attends: max_cache_len or the window span
+  bool paged = false;
+
+  friend auto operator<=>(const DecodeShapeClass&, const DecodeShapeClass&) = default;
+};
+
+// The class of a valid key (decode_plan validates; this does not).
+DecodeShapeClass decode_shape_class(const DecodeShapeKey& key);
+
+// A measured winner: the standard kernel (num_splits 1) or split-KV with 2..kMaxDecodeSplits.
+struct DecodeTuningEntry {
+  DecodeKernel kernel = DecodeKernel::kStandard;
+  int num_splits = 1;
+  friend bool operator==(const DecodeTuningEntry&, const DecodeTuningEntry&) = default;
+};
+
+// Winners by shape class, filled by a GPU tuner, saved to and loaded from a text file:
+//
+//   flare-decode-tuning 1
+//   # comment lines and blank lines are ignored
+//   batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=contiguous kernel=split_kv splits=16
+//
+// Line 1 names the format and its version. Each other line is one class and its winner, every
+// field exactly once in any order: batch and kv_len are bucket values (powers of two), layout is
+// contiguous or paged, kernel is standard (splits=1) or split_kv (splits 2..128). A malformed file
+// gives InvalidArgument "<source>:<line>: <what is wrong>", and the table is left unchanged.
+class DecodeTuningTable {
+ public:
+  std::optional<DecodeTuningEntry> lookup(const DecodeShapeKey& key) const;
+  // Records (or replaces) the winner of key's class.
+  Status insert(const DecodeShapeKey& key, const DecodeTuningEntry& winner);
+
+  Status save(const std::string& path) const;
+  Status load(const std::string& path);  // replaces the contents
+  void write(std::ostream& out) const;
+  Status read(std::istream& in, const std::string& source_name);  // replaces the contents
+
+  std::size_t size() const { return entries_.size(); }
+  const std::map<DecodeShapeClass, DecodeTuningEntry>& entries() const { return entries_; }
+
+ private:
+  std::map<DecodeShapeClass, DecodeTuningEntry> entries_;
+};
+
+// The plan for `key`: the table's winner for its class if `table` has one, else the heuristic.
+// num_sms: the device's SM count (cudaDevAttrMultiProcessorCount, 132 on an H100 SXM), queried
+// once by the caller. Pure: allocates nothing on success and touches no device.
+Status decode_plan(const DecodeShapeKey& key, const DecodeTuningTable* table, int num_sms, DecodePlan* plan);
+
+// The plan with (at most) `num_splits` splits: 1 is the standard kernel. The split count is
+// fitted so that no split is empty at the longest span, which can lower it. For tests and tuners.
+Status decode_plan_for_splits(const DecodeShapeKey& key, int num_splits, DecodePlan* plan);
+
+// What a GPU tuner times for `key`: the standard kernel, then every distinct fitted split count
+// from 2 up, each split averaging at least kDecodeKvAlign keys, up to kMaxDecodeSplits splits and
+// kDecodeMaxWaves waves of CTAs on num_sms SMs. Includes the heuristic's choice. Empty if the key
+// or num_sms is invalid.
+std::vector<DecodePlan> decode_candidates(const DecodeShapeKey& key, int num_sms);
+
+// For the run: `plan` was made for `key` (the params' key) and is internally consistent.
+Status check_decode_plan(const DecodePlan& plan, const DecodeShapeKey& key);
+
+// n / (ceil(n / num_sms) * num_sms): the fraction of the launched waves' SM slots in use.
+double decode_wave_efficiency(int64_t num_ctas, int num_sms);
+
+}  // namespace flare

@@ -1,0 +1,176 @@
+// The deterministic block-sparse backward's plan: which q blocks each (b, h, kv block n) tile
+// visits and in which order, the turn of each of its dQ adds, and the order in which the
+// persistent grid takes the tiles. Computed once per mask and attention shape on the host and
+// reused by every layer that shares the mask; all of it is one int32 buffer (one upload).
+//
+// The protocol (as in dq_turns.h). The dQ of (b, h, q block m) is an fp32 accumulator with a
+// semaphore counting finished adds. Tile (b, h, n) adds its contribution to m when the semaphore
+// equals dq_write_order(n, m), then increments it. The turns at m are 0..dq_num_turns(m) - 1,
+// one per kv block that sees m, so the adds happen in one fixed order: bitwise reproducible.
+// With GQA the q heads of a kv head add their dK/dV of block n the same way (dkv_write_order);
+// every q head's tile takes its turn, even one that visits no q block (it adds zeros).
+//
+// The rule: turns follow the schedule. At every q block, and every GQA dK/dV block, the turns
+// rank the contributing tiles by their position in the schedule, so a tile only ever waits for
+// tiles dispatched before it.
+//
+// Why it cannot deadlock, for P >= 1 resident CTAs, static dispatch (CTA c runs positions c,
+// c + P, c + 2P, ...) or dynamic (the next position from a counter), any walk order and any
+// schedule. Take the unfinished tile t at the lowest position.
+//  - t is resident. Dynamic: positions are handed out in increasing order, so if t is not out yet
+//    no later tile is, every tile out is finished, and a free CTA takes t. Static: t's CTA has
+//    finished its earlier positions t - P, t - 2P, ... (all lower), so it holds t.
+//  - t never waits forever. At each of its adds the lower turns belong exactly to the
+//    contributors at lower positions, all finished; contributors at higher positions wait for
+//    higher turns and have not added. So the semaphore shows t's turn.
+// The lowest unfinished tile always advances; by induction every tile finishes. Unlike the
+// rotated order of dq_turns.h, nothing here depends on the number of resident CTAs. The
+// simulation (tests/cpu/test_dq_write_order.cpp) checks it on thousands of masks and shows that
+// turns breaking the rule deadlock.
+//
+// Which order: waiting, not deadlock. A tile computes a block's contribution, then waits for its
+// turn; it waits when the tile holding the previous turn has not added yet. Three choices, each
+// measured with the grid simulation (8192 tokens, 128 x 128 blocks, 16 heads, 132 CTAs; the
+// numbers are in tests/cpu/test_dq_write_order.cpp's report):
+//  - Heads interleaved. The schedule takes the first tile of every (b, h), then the second of
+//    every (b, h), and so on. Tiles of one head share semaphores, so the fewer of them run at
+//    once the fewer waits: interleaved, about resident CTAs / (batch * heads) of them do. Keeping
+//    a head's tiles consecutive (as dq_turns.h does for dense masks) costs 1.3-2.2x on random
+//    and document masks.
+//  - Longest first inside a head (most q blocks; ties: the earlier last q block, then the lower
+//    kv block), so the short tiles fill the grid's tail, as in the ordinary backward.
+//    kShortestFirst (ties: the later first q block, then the higher kv block) is the mirror
+//    image; its tail is worse (causal: 1.12x the ordinary backward against 1.00x).
+//  - Planned walks. A tile's turns do not depend on the order it walks its q blocks, so the
+//    walk is free. Every predecessor of a tile (at any of its q blocks) comes earlier in the
+//    schedule, so one pass over the schedule, modelling the grid (dynamic dispatch onto
+//    `resident_ctas` CTAs, nominal block costs), knows when each predecessor's add ends; the
+//    tile walks its q blocks in that order (ties: the monotone order below) and its own adds
+//    are recorded for its successors. kMonotone walks q blocks descending under longest first
+//    (causal tiles then reach each q block at the same step; ties only queue the short adds)
+//    and ascending under shortest first (the earlier, shorter tile gets there first). Monotone
+//    walks serialize across document boundaries (a tile straddling two documents takes its
+//    last turn at its first q block): 2.1x for one head of 8 documents, 1.04x planned. The
+//    planned walk stays within 1-7% of no semaphores with +-50% random step-cost noise.
+// A broadcast mask has one walk per mask row; it is planned at the row's first tile in the
+// schedule and kept for the other heads (their tiles of the same rank run alongside it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "flare/status.h"
+#include "src/block_sparse/block_mask_build.h"
+#include "src/scheduling/mask_math.h"
+
+namespace flare::block_sparse {
+
+// Both interleave the heads (rank r of every (b, h) before rank r + 1).
+enum class TileSchedule : int {
+  kLongestFirst = 0,   // a head's tiles with the most q blocks first
+  kShortestFirst = 1,  // the fewest first
+};
+
+enum class WalkOrder : int {
+  kPlanned = 0,   // by the modelled end of the predecessor's add at each q block
+  kMonotone = 1,  // q blocks descending (longest first) or ascending (shortest first)
+};
+
+struct DqPlanOptions {
+  TileSchedule schedule = TileSchedule::kLongestFirst;
+  WalkOrder walk = WalkOrder::kPlanned;
+  // The planned walk's model of the launch: resident CTAs (SMs x CTAs per SM) and step costs in
+  // units of a full block. Only the speed depends on them, never the deadlock freedom.
+  int resident_ctas = 132;
+  double full_block_cost = 1.0, partial_block_cost = 1.0;
+  double dq_add_cost = 0.05, dkv_add_cost = 0.1;
+};
+
+struct DqTile {
+  int batch = 0, head = 0, kv_block = 0;
+};
+
+// Where each array starts in the plan's buffer, in int32 elements.
+struct DqPlanLayout {
+  int64_t walk_offsets = 0;     // [mask rows * num_kv_blocks + 1]: each walk's steps in the next three
+  int64_t walk_q_blocks = 0;    // [steps]: each walk's q blocks in walk order
+  int64_t walk_is_full = 0;     // [steps]: 1 where the block needs no element mask
+  int64_t dq_write_order = 0;   // [steps]: the turn of the step's dQ add at its q block
+  int64_t dq_num_turns = 0;     // [mask rows * num_q_blocks]: the adds into each q block
+  int64_t schedule = 0;         // [num_tiles]: tile ids in dispatch order
+  int64_t dkv_write_order = 0;  // [num_tiles] by tile id, GQA only (else 0 elements)
+  int64_t size = 0;
+};
+
+// The plan as a kernel reads it: `data` is the plan's buffer, on the host or uploaded. Walks are
+// per mask row (a broadcast mask has one set for every head); tiles and semaphores are per
+// attention (b, h). Tile id: (b * heads + h) * num_kv_blocks + n.
+struct DqPlanView {
+  const int32_t* data = nullptr;
+  DqPlanLayout layout;
+  int batch = 1, heads = 1, group = 1;  // group: q heads per kv head
+  int mask_batch = 1, mask_heads = 1;
+  int num_q_blocks = 0, num_kv_blocks = 0;
+
+  FLARE_HD int num_tiles() const { return batch * heads * num_kv_blocks; }
+  FLARE_HD int tile_id(const DqTile& t) const { return (t.batch * heads + t.head) * num_kv_blocks + t.kv_block; }
+  // The tile at dispatch position `position`.
+  FLARE_HD DqTile tile_at(int position) const {
+    const int id = data[layout.schedule + position];
+    DqTile t;
+    t.kv_block = id % num_kv_blocks;
+    const int flat_head = id / num_kv_blocks;
+    t.head = flat_head % heads;
+    t.batch = flat_head / heads;
+    return t;
+  }
+  FLARE_HD int mask_row(int b, int h) const {
+    return (mask_batch == 1 ? 0 : b) * mask_heads + (mask_heads == 1 ? 0 : h);
+  }
+  // The tile's steps are [walk_begin, walk_end) of the step arrays.
+  FLARE_HD int walk_begin(const DqTile& t) const {
+    return data[layout.walk_offsets + mask_row(t.batch, t.head) * num_kv_blocks + t.kv_block];
+  }
+  FLARE_HD int walk_end(const DqTile& t) const {
+    return data[layout.walk_offsets + mask_row(t.batch, t.head) * num_kv_blocks + t.kv_block + 1];
+  }
+  FLARE_HD int q_block(int step) const { return data[layout.walk_q_blocks + step]; }
+  FLARE_HD bool is_full(int step) const { return data[layout.walk_is_full + step] != 0; }
+  FLARE_HD int dq_turn(int step) const { return data[layout.dq_write_order + step]; }
+  FLARE_HD int dq_num_turns(int b, int h, int m) const {
+    return data[layout.dq_num_turns + mask_row(b, h) * num_q_blocks + m];
+  }
+  FLARE_HD int dkv_turn(const DqTile& t) const { return group == 1 ? 0 : data[layout.dkv_write_order + tile_id(t)]; }
+  FLARE_HD int dkv_num_turns() const { return group; }
+
+  // Semaphores: dQ of (b, h, m) first, then (GQA) dK/dV of (b, kv head, n).
+  FLARE_HD int dq_semaphore(int b, int h, int m) const { return (b * heads + h) * num_q_blocks + m; }
+  FLARE_HD int dkv_semaphore(int b, int kv_head, int n) const {
+    return batch * heads * num_q_blocks + (b * (heads / group) + kv_head) * num_kv_blocks + n;
+  }
+  FLARE_HD int num_semaphores() const {
+    return batch * heads * num_q_blocks + (group == 1 ? 0 : batch * (heads / group) * num_kv_blocks);
+  }
+};
+
+struct DqWritePlan {
+  int batch = 1, heads = 1, heads_kv = 1;
+  int mask_batch = 1, mask_heads = 1;
+  int num_q_blocks = 0, num_kv_blocks = 0;
+  DqPlanOptions options;
+  DqPlanLayout layout;
+  std::vector<int32_t> data;
+
+  std::size_t bytes() const { return data.size() * sizeof(int32_t); }
+  // `base`: data.data(), or a device copy of data.
+  DqPlanView view_at(const int32_t* base) const;
+  DqPlanView view() const { return view_at(data.data()); }
+};
+
+// For an attention of `batch` x `heads` q heads (`heads_kv` kv heads) under `mask` (with its
+// transposed lists, as every builder makes it). The mask's batch and heads are 1 or these.
+Status make_dq_write_plan(const HostBlockMask& mask, int batch, int heads, int heads_kv, const DqPlanOptions& options,
+                          DqWritePlan* plan);
+
+}  // namespace flare::block_sparse
