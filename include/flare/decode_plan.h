@@ -14,9 +14,11 @@
 // sees). Splits start at origin = span_begin rounded down to a multiple of kv_align, and split i
 // covers [origin + i * kv_chunk, origin + (i + 1) * kv_chunk) intersected with the span. kv_chunk
 // and origin are multiples of kv_align, itself a multiple of the page size, so no split starts
-// inside a page. For the longest span the plan was made for, every split holds at least one key;
-// a shorter sequence leaves its trailing splits empty: such a split writes LSE = -inf and a zero
-// partial output, and the combine gives it weight 0.
+// inside a page. The plan covers the longest span from the origin: max_cache_len, or with a window
+// min(max_cache_len, window_left + q_len + kv_align - 1) (the worst rounding of the origin).
+// Without a window, a sequence of max_cache_len keys leaves no split empty; a shorter sequence
+// (or a window whose origin rounds less) leaves trailing splits empty: such a split writes
+// LSE = -inf and a zero partial output, and the combine gives it weight 0.
 //
 // Workspace (split-KV only; 0 bytes for the standard kernel), fp32, row-major:
 //   partial_out [batch, heads_q, q_len, num_splits, head_dim]   at byte 0
