@@ -105,17 +105,6 @@ Status validate_common(const CommonArgs& a, DeviceKind device, AttentionShape* s
   return Status::Ok();
 }
 
-Status check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name,
-                  DeviceKind device) {
-  FLARE_RETURN_IF_ERROR(check_operand(t, name, like.rank, device));
-  FLARE_RETURN_IF_ERROR(check_same_dtype(t, name, like, like_name));
-  for (int d = 0; d < like.rank; ++d)
-    if (t.shape[d] != like.shape[d])
-      return Status::InvalidArgument(name, "shape " + shape_string(t) + " must equal " + like_name + "'s " +
-                                               shape_string(like));
-  return Status::Ok();
-}
-
 Status check_lse(const TensorView& lse, const AttentionShape& s, DeviceKind device) {
   FLARE_RETURN_IF_ERROR(check_defined(lse, "lse"));
   FLARE_RETURN_IF_ERROR(check_dtype(lse, "lse", {DType::kFloat32}));

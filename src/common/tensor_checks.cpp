@@ -133,4 +133,32 @@ Status check_operand(const TensorView& t, const char* name, int rank, DeviceKind
   return check_aligned16(t, name);
 }
 
+Status check_elementwise_operand(const TensorView& t, const char* name, int rank, DeviceKind device) {
+  FLARE_RETURN_IF_ERROR(check_defined(t, name));
+  FLARE_RETURN_IF_ERROR(check_rank(t, name, rank));
+  FLARE_RETURN_IF_ERROR(check_device(t, name, device));
+  FLARE_RETURN_IF_ERROR(check_index_range(t, name));
+  FLARE_RETURN_IF_ERROR(check_last_dim_contiguous(t, name));
+  if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+    return Status::InvalidArgument(name, "data pointer must be aligned to its " + std::to_string(dtype_size(t.dtype)) +
+                                             "-byte elements");
+  return Status::Ok();
+}
+
+Status check_same_shape(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
+  bool same = t.rank == like.rank;
+  for (int d = 0; same && d < like.rank; ++d) same = t.shape[d] == like.shape[d];
+  if (!same)
+    return Status::InvalidArgument(name, "shape " + shape_string(t) + " must equal " + like_name + "'s " +
+                                             shape_string(like));
+  return Status::Ok();
+}
+
+Status check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name,
+                  DeviceKind device) {
+  FLARE_RETURN_IF_ERROR(check_operand(t, name, like.rank, device));
+  FLARE_RETURN_IF_ERROR(check_same_dtype(t, name, like, like_name));
+  return check_same_shape(t, name, like, like_name);
+}
+
 }  // namespace flare::detail

@@ -26,8 +26,16 @@ Status check_index_range(const TensorView& t, const char* name);
 // no length above `max_len` (when max_len > 0). Device views are not read here.
 Status check_cu_seqlens(const TensorView& t, const char* name, int64_t batch, int64_t total, int64_t max_len);
 
-// The usual bundle for a dense float operand: defined, dtype, rank, layout, alignment, range.
+// The usual bundle for a tile operand (loaded in 16-byte rows): defined, rank, device, index
+// range, contiguous last dim, 16-byte alignment.
 Status check_operand(const TensorView& t, const char* name, int rank, DeviceKind device);
+// The bundle for a tensor read one element at a time (index tables, per-head scalars): as
+// check_operand but with natural alignment only (16-byte rows would reject, e.g., a bf16 [T, 4]).
+Status check_elementwise_operand(const TensorView& t, const char* name, int rank, DeviceKind device);
+Status check_same_shape(const TensorView& t, const char* name, const TensorView& like, const char* like_name);
+// A tile operand with the dtype and shape of `like` (out like q, dq like q, ...).
+Status check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name,
+                  DeviceKind device);
 
 std::string shape_string(const TensorView& t);
 

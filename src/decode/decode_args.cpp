@@ -20,14 +20,7 @@ std::string str(int64_t x) { return std::to_string(x); }
 Status check_index_table(const TensorView& t, const char* name, int rank, DeviceKind device) {
   FLARE_RETURN_IF_ERROR(check_defined(t, name));
   FLARE_RETURN_IF_ERROR(check_dtype(t, name, {DType::kInt32}));
-  FLARE_RETURN_IF_ERROR(check_rank(t, name, rank));
-  FLARE_RETURN_IF_ERROR(check_device(t, name, device));
-  FLARE_RETURN_IF_ERROR(check_index_range(t, name));
-  FLARE_RETURN_IF_ERROR(check_last_dim_contiguous(t, name));
-  if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
-    return Status::InvalidArgument(name, "data pointer must be aligned to its " + str(dtype_size(t.dtype)) +
-                                             "-byte elements");
-  return Status::Ok();
+  return check_elementwise_operand(t, name, rank, device);
 }
 
 Status check_query(const TensorView& q, DeviceKind device, DecodeShape* s) {

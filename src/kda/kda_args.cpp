@@ -23,33 +23,8 @@ std::string str(int64_t x) { return std::to_string(x); }
 enum class Access { kTiled, kElementwise };
 
 Status check_layout(const TensorView& t, const char* name, int rank, DeviceKind device, Access access) {
-  if (access == Access::kTiled) return check_operand(t, name, rank, device);
-  FLARE_RETURN_IF_ERROR(check_defined(t, name));
-  FLARE_RETURN_IF_ERROR(check_rank(t, name, rank));
-  FLARE_RETURN_IF_ERROR(check_device(t, name, device));
-  FLARE_RETURN_IF_ERROR(check_index_range(t, name));
-  FLARE_RETURN_IF_ERROR(check_last_dim_contiguous(t, name));
-  if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
-    return Status::InvalidArgument(name, "data pointer must be aligned to its " + str(dtype_size(t.dtype)) +
-                                             "-byte elements");
-  return Status::Ok();
-}
-
-Status check_same_shape(const TensorView& t, const char* name, const TensorView& like, const char* like_name) {
-  bool same = t.rank == like.rank;
-  for (int d = 0; same && d < like.rank; ++d) same = t.shape[d] == like.shape[d];
-  if (!same)
-    return Status::InvalidArgument(name, "shape " + shape_string(t) + " must equal " + like_name + "'s " +
-                                             shape_string(like));
-  return Status::Ok();
-}
-
-// Same layout rules, dtype and shape as `like` (dq like q, ...).
-Status check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name,
-                  DeviceKind device) {
-  FLARE_RETURN_IF_ERROR(check_operand(t, name, like.rank, device));
-  FLARE_RETURN_IF_ERROR(check_same_dtype(t, name, like, like_name));
-  return check_same_shape(t, name, like, like_name);
+  return access == Access::kTiled ? check_operand(t, name, rank, device)
+                                  : check_elementwise_operand(t, name, rank, device);
 }
 
 Status check_head_dim(int64_t dim, const char* name, const char* what) {
