@@ -364,4 +364,53 @@ double measure_gemm_tflops(cudaStream_t stream) {
   return tflops(flops, t.median_ms);
 }
 
+// ---- device data -------------------------------------------------------------------------------
+
+namespace {
+
+__global__ void fill_normal_bf16_kernel(__nv_bfloat16* x, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    const float u1 = ((h & 0xffffff) + 1) / 16777217.f, u2 = ((h >> 24) & 0xffffff) / 16777216.f;
+    x[i] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+// sums[0] += sum (a - b)^2, sums[1] += sum b^2, sums[2] = max |a - b| (inf for NaN).
+__global__ void error_sums_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, double* sums) {
+  double num = 0, den = 0, mx = 0;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    num += isnan(x) ? INFINITY : (x - y) * (x - y);
+    den += y * y;
+    mx = fmax(mx, isnan(x) ? INFINITY : fabs(x - y));
+  }
+  atomicAdd(&sums[0], num);
+  atomicAdd(&sums[1], den);
+  atomicMax(reinterpret_cast<unsigned long long*>(&sums[2]), __double_as_longlong(mx));  // non-negative: bits order
+}
+
+}  // namespace
+
+void fill_normal_bf16(void* data, int64_t n, uint64_t seed, cudaStream_t stream) {
+  fill_normal_bf16_kernel<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(data), n, seed);
+  FLARE_BENCH_CHECK(cudaGetLastError());
+}
+
+ErrorStats compare_bf16(const void* got, const void* ref, int64_t n, cudaStream_t stream) {
+  static double* sums = nullptr;
+  if (sums == nullptr) FLARE_BENCH_CHECK(cudaMalloc(&sums, 3 * sizeof(double)));
+  FLARE_BENCH_CHECK(cudaMemsetAsync(sums, 0, 3 * sizeof(double), stream));
+  error_sums_kernel<<<512, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(got),
+                                             static_cast<const __nv_bfloat16*>(ref), n, sums);
+  FLARE_BENCH_CHECK(cudaGetLastError());
+  double host[3];
+  FLARE_BENCH_CHECK(cudaMemcpyAsync(host, sums, sizeof host, cudaMemcpyDeviceToHost, stream));
+  FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+  return {std::sqrt(host[0] / host[1]), host[2]};
+}
+
 }  // namespace flare::bench

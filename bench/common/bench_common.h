@@ -75,4 +75,17 @@ double measure_copy_bandwidth_gbps(cudaStream_t stream);
 // random non-zero inputs, median time, counting 2·m·n·k FLOPs.
 double measure_gemm_tflops(cudaStream_t stream);
 
+// ---- device data -------------------------------------------------------------------------------
+
+// n bf16 values, roughly standard normal, from a counter-based hash of (index, seed): the same
+// seed gives the same data, never zeros.
+void fill_normal_bf16(void* data, int64_t n, uint64_t seed, cudaStream_t stream);
+
+// `got` against `ref` (both n bf16 values): relative L2 error and max abs error; a NaN in `got`
+// (an unwritten, poisoned element) makes both infinite.
+struct ErrorStats {
+  double rel_l2 = 0, max_abs = 0;
+};
+ErrorStats compare_bf16(const void* got, const void* ref, int64_t n, cudaStream_t stream);
+
 }  // namespace flare::bench

@@ -16,34 +16,12 @@ namespace {
 
 using portable::BwdTileConfig;
 
-__global__ void fill(__nv_bfloat16* x, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 0x2c1b3c6dU;
-    h ^= h >> 12;
-    x[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);
-  }
-}
-
-__global__ void rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, double* s) {
-  double num = 0, den = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    num += isnan(x) ? 1e30 : (x - y) * (x - y);
-    den += y * y;
-  }
-  atomicAdd(&s[0], num);
-  atomicAdd(&s[1], den);
-}
-
 constexpr int kSeqlen = 4096;
 constexpr int64_t kElems = int64_t{16384} * 2048;
 
 struct Env {
   __nv_bfloat16 *q, *k, *v, *out, *dout, *dq, *dk, *dv, *ref_dq;
   float* lse;
-  double* sums;
   void* ws;
   cudaStream_t stream;
   Args args;
@@ -103,12 +81,7 @@ void measure(Env& e, const char* label, bool causal) {
     };
     run(e.stream);
     if (det == 0) {
-      FLARE_BENCH_CHECK(cudaMemsetAsync(e.sums, 0, 16, e.stream));
-      rel_err<<<512, 256, 0, e.stream>>>(e.dq, e.ref_dq, kElems, e.sums);
-      double sums[2];
-      FLARE_BENCH_CHECK(cudaMemcpyAsync(sums, e.sums, 16, cudaMemcpyDeviceToHost, e.stream));
-      FLARE_BENCH_CHECK(cudaStreamSynchronize(e.stream));
-      err = std::sqrt(sums[0] / sums[1]);
+      err = compare_bf16(e.dq, e.ref_dq, kElems, e.stream).rel_l2;
     }
     ms[det] = time_kernel(run, e.args.timing({.warmup = 2, .repeats = 10}), e.stream).median_ms;
   }
@@ -144,12 +117,11 @@ int run(int argc, char** argv) {
   for (__nv_bfloat16** p : {&e.q, &e.k, &e.v, &e.out, &e.dout, &e.dq, &e.dk, &e.dv, &e.ref_dq})
     FLARE_BENCH_CHECK(cudaMalloc(p, kElems * 2));
   FLARE_BENCH_CHECK(cudaMalloc(&e.lse, kElems / 64 * 4));
-  FLARE_BENCH_CHECK(cudaMalloc(&e.sums, 16));
   FLARE_BENCH_CHECK(cudaMalloc(&e.ws, size_t{1} << 31));  // 2 GiB: any layout of this configuration fits
-  fill<<<1024, 256>>>(e.q, kElems, 1);
-  fill<<<1024, 256>>>(e.k, kElems, 2);
-  fill<<<1024, 256>>>(e.v, kElems, 3);
-  fill<<<1024, 256>>>(e.dout, kElems, 4);
+  fill_normal_bf16(e.q, kElems, 1, e.stream);
+  fill_normal_bf16(e.k, kElems, 2, e.stream);
+  fill_normal_bf16(e.v, kElems, 3, e.stream);
+  fill_normal_bf16(e.dout, kElems, 4, e.stream);
   for (bool causal : {false, true}) {
     sweep<64>(e, causal);
     sweep<128>(e, causal);

@@ -16,31 +16,9 @@ namespace {
 
 using portable::FwdTileConfig;
 
-__global__ void fill(__nv_bfloat16* x, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 0x2c1b3c6dU;
-    h ^= h >> 12;
-    x[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);
-  }
-}
-
-__global__ void rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, double* s) {
-  double num = 0, den = 0;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    double x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
-    num += isnan(x) ? 1e30 : (x - y) * (x - y);
-    den += y * y;
-  }
-  atomicAdd(&s[0], num);
-  atomicAdd(&s[1], den);
-}
-
 struct Env {
   __nv_bfloat16 *q, *k, *v, *out, *ref;
   float* lse;
-  double* sums;
   cudaStream_t stream;
   Args args;
   Table table;
@@ -76,10 +54,7 @@ void measure(Env& e, const char* label, bool causal, int persistent = 0) {
     e.table.add_row({{"config", name}, {"check", st.message()}});
     return;
   }
-  FLARE_BENCH_CHECK(cudaMemsetAsync(e.sums, 0, 16, e.stream));
-  rel_err<<<512, 256, 0, e.stream>>>(e.out, e.ref, n, e.sums);
-  double sums[2];
-  FLARE_BENCH_CHECK(cudaMemcpyAsync(sums, e.sums, 16, cudaMemcpyDeviceToHost, e.stream));
+  const double rel = compare_bf16(e.out, e.ref, n, e.stream).rel_l2;
   FLARE_BENCH_CHECK(cudaStreamSynchronize(e.stream));
   Timing t = time_kernel([&](cudaStream_t st2) {
     if (!portable::launch_portable_fwd_cfg<Cfg, __nv_bfloat16>(p, st2, persistent).ok()) std::abort();
@@ -91,7 +66,6 @@ void measure(Env& e, const char* label, bool causal, int persistent = 0) {
   FLARE_BENCH_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, portable::portable_fwd_kernel<Cfg, __nv_bfloat16, false>, Cfg::kThreads,
       portable::fwd_smem_bytes<Cfg, __nv_bfloat16>()));
-  const double rel = std::sqrt(sums[0] / sums[1]);
   std::fprintf(stderr, "%-28s %8.3f ms %7.1f TFLOP/s regs %d CTAs/SM %d rel err %.4f\n", name.c_str(), t.median_ms,
                tf, attr.numRegs, blocks, rel);
   e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
@@ -125,10 +99,9 @@ int run(int argc, char** argv) {
   FLARE_BENCH_CHECK(cudaStreamCreate(&e.stream));
   const int64_t n = int64_t{16384} * 2048;
   for (__nv_bfloat16** p : {&e.q, &e.k, &e.v, &e.out, &e.ref}) FLARE_BENCH_CHECK(cudaMalloc(p, n * 2));
-  FLARE_BENCH_CHECK(cudaMalloc(&e.sums, 16));
-  fill<<<1024, 256>>>(e.q, n, 1);
-  fill<<<1024, 256>>>(e.k, n, 2);
-  fill<<<1024, 256>>>(e.v, n, 3);
+  fill_normal_bf16(e.q, n, 1, e.stream);
+  fill_normal_bf16(e.k, n, 2, e.stream);
+  fill_normal_bf16(e.v, n, 3, e.stream);
   for (bool causal : {false, true}) {
     sweep<64>(e, causal);
     sweep<128>(e, causal);

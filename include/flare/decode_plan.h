@@ -32,10 +32,13 @@
 //     eff(s) = n * s / (ceil(n * s / num_sms) * num_sms),
 //   the fraction of the launched waves' SM slots that do work. Decode streams K/V, so its time
 //   goes as (waves x keys per CTA), i.e. as 1 / eff(s).
-//   Candidates s: 1 (standard), or split counts whose splits average at least
-//     kDecodeMinKvPerSplit = 256 keys (below that a split's fixed costs, its pipeline fill and the
-//     partial write and combine read, are no longer small against its K/V stream), up to
-//     kMaxDecodeSplits = 128, with at most kDecodeMaxWaves = 8 waves of CTAs.
+//   Split counts are fitted to the span first: kv_chunk = ceil(span / s) rounded up to kv_align,
+//   then s = ceil(span / kv_chunk) (so no split is empty; span = the keys a sequence attends,
+//   max_cache_len without a window). Candidates: s = 1 (standard), and fitted s up to
+//     kMaxDecodeSplits = 128 whose splits average at least kDecodeMinKvPerSplit = 256 keys
+//     (below that a split's fixed costs, its pipeline fill, partial write and combine read, are
+//     no longer small against its K/V stream) and whose grid is at most kDecodeMaxWaves = 8
+//     waves (past 8 full waves the last partial wave costs under 1/9 of the run anyway).
 //   Choice: the fewest splits whose efficiency is within kDecodeWaveEfficiencySlack = 0.05 of the
 //     best candidate's ("ties"): every extra split costs the fixed costs above, which the wave
 //     model does not count.
@@ -46,8 +49,6 @@
 //   batch 8,  cache   4096: 2 splits of 2048 keys, eff 0.97 (unsplit, 64 CTAs fill 0.48 of a wave)
 //   batch 64, cache  65536: standard (512 CTAs, eff 0.97)
 //   any batch, cache < 512: standard (two splits would average under 256 keys)
-// The chosen split count is then fitted to the cache (see decode_plan_for_splits): kv_chunk =
-// ceil(span / s) rounded up to kv_align, num_splits = ceil(span / kv_chunk) <= s.
 #pragma once
 
 #include <compare>

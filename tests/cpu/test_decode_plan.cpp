@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <initializer_list>
 #include <new>
@@ -14,6 +16,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "flare/decode_plan.h"
@@ -114,7 +117,9 @@ void expect_consistent_plan(const DecodePlan& p, const DecodeShapeKey& key) {
 
   EXPECT_EQ(p.kv_align, expected_kv_align(key));
   EXPECT_EQ(p.kv_chunk % p.kv_align, 0);
-  if (key.paged()) EXPECT_EQ(p.kv_align % key.page_size, 0);
+  if (key.paged()) {
+    EXPECT_EQ(p.kv_align % key.page_size, 0);
+  }
   // The splits cover the span from the origin, and the last one starts inside it (none empty).
   const int64_t span = expected_span(key);
   EXPECT_GE(int64_t{p.num_splits} * p.kv_chunk, span);
@@ -162,7 +167,9 @@ TEST(DecodeHeuristic, SplitsAverageTheMinimumKeys) {
   for (int64_t cache_len : {512, 600, 1000, 1024, 3000, 4096})
     for (int batch : {1, 2, 4}) {
       const DecodePlan p = plan_or_fail(bench_key(batch, cache_len));
-      if (p.num_splits > 1) EXPECT_GE(cache_len, int64_t{p.num_splits} * kDecodeMinKvPerSplit) << cache_len;
+      if (p.num_splits > 1) {
+        EXPECT_GE(cache_len, int64_t{p.num_splits} * kDecodeMinKvPerSplit) << cache_len;
+      }
     }
 }
 
@@ -322,7 +329,9 @@ TEST(DecodeCandidates, StandardFirstThenDistinctSplitCounts) {
         std::set<int> counts;
         for (size_t i = 0; i < candidates.size(); ++i) {
           expect_consistent_plan(candidates[i], key);
-          if (i > 0) EXPECT_GT(candidates[i].num_splits, candidates[i - 1].num_splits);
+          if (i > 0) {
+            EXPECT_GT(candidates[i].num_splits, candidates[i - 1].num_splits);
+          }
           counts.insert(candidates[i].num_splits);
         }
         EXPECT_EQ(counts, brute_force_candidates(key, kH100Sms));
@@ -410,7 +419,9 @@ TEST(DecodePlanPurity, PlansAllocateNothingAndRepeat) {
 
   for (size_t i = 0; i < keys.size(); ++i) {
     EXPECT_EQ(second[i].source, i == 1 ? DecodePlanSource::kTuningTable : DecodePlanSource::kHeuristic);
-    if (i != 1) EXPECT_EQ(std::memcmp(&first[i], &second[i], sizeof(DecodePlan)), 0) << i;
+    if (i != 1) {
+      EXPECT_EQ(std::memcmp(&first[i], &second[i], sizeof(DecodePlan)), 0) << i;
+    }
   }
 }
 
