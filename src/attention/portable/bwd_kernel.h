@@ -17,7 +17,8 @@
 
 #include "src/attention/bwd_params.h"
 #include "src/attention/portable/bwd_config.h"
-#include "src/attention/portable/fwd_kernel.h"
+#include "src/attention/portable/fwd_kernel.h"  // prepare_smem
+#include "src/attention/portable/tile_copy.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/cuda_check.h"
 
@@ -167,12 +168,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   const sched::BlockRange mrange =
       sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
 
-  using LoadCfg = FwdTileConfig<kHeadDim, Cfg::kWarps, 1, 16>;  // thread count and row stride for load_tile
-  static_assert(LoadCfg::kThreads == Cfg::kThreads && LoadCfg::kRowStride == kStride);
   auto load_q_block = [&](int m, int stage) {
     const int r0 = m * kBlockM, rows = seq.seqlen_q - r0;
-    load_tile<LoadCfg, kBlockM>(sm.q[stage], q_g + r0 * p.q_str.row, p.q_str.row, rows, p.head_dim);
-    load_tile<LoadCfg, kBlockM>(sm.dout[stage], do_g + r0 * P.dout_str.row, P.dout_str.row, rows, p.head_dim);
+    load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q[stage], q_g + r0 * p.q_str.row, p.q_str.row, rows, p.head_dim);
+    load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.dout[stage], do_g + r0 * P.dout_str.row, P.dout_str.row, rows, p.head_dim);
     for (int i = threadIdx.x; i < kBlockM; i += Cfg::kThreads) {
       const bool valid = r0 + i < seq.seqlen_q;
       cp_async_4(&sm.lse[stage][i], lse_g + (valid ? r0 + i : 0), valid);
@@ -189,8 +188,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   if (mrange.first < mrange.last) {
     const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
     const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
-    load_tile<LoadCfg, kBlockN>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
-    load_tile<LoadCfg, kBlockN>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
     load_q_block(mrange.first, 0);
     cp_async_commit();
   }

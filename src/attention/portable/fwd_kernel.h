@@ -13,42 +13,13 @@
 
 #include "src/attention/fwd_params.h"
 #include "src/attention/portable/fwd_config.h"
+#include "src/attention/portable/tile_copy.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/cuda_check.h"
 
 namespace flare::portable {
 
 using detail::FwdKernelParams;
-
-// Copies rows [0, rows) x columns [0, cols) of a row-major global tile into a padded shared tile
-// of kRows rows; rows and columns past the valid range are zero-filled (V's zero rows keep
-// 0 * garbage out of the output).
-template <typename Cfg, int kRows, typename T>
-__device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_stride, int rows, int cols) {
-  constexpr int kChunksPerRow = Cfg::kHeadDim / 8;
-  constexpr int kChunks = kRows * kChunksPerRow;
-  if constexpr (Cfg::kThreads % kChunksPerRow == 0 && kChunks % Cfg::kThreads == 0) {
-    // Each thread keeps one column and walks rows: one running pointer, few registers.
-    constexpr int kRowStep = Cfg::kThreads / kChunksPerRow;
-    const int col = (threadIdx.x % kChunksPerRow) * 8;
-    int r = threadIdx.x / kChunksPerRow;
-    const T* src = gmem + r * row_stride + col;
-    T* dst = smem + r * Cfg::kRowStride + col;
-#pragma unroll
-    for (int it = 0; it < kChunks / Cfg::kThreads; ++it, r += kRowStep) {
-      const bool valid = r < rows && col < cols;
-      cp_async_16(dst, valid ? src : gmem, valid);
-      src += kRowStep * row_stride;
-      dst += kRowStep * Cfg::kRowStride;
-    }
-  } else {
-    for (int c = threadIdx.x; c < kChunks; c += Cfg::kThreads) {
-      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      const bool valid = r < rows && col < cols;
-      cp_async_16(smem + r * Cfg::kRowStride + col, valid ? gmem + r * row_stride + col : gmem, valid);
-    }
-  }
-}
 
 template <typename Cfg, typename T>
 struct FwdSmem {
@@ -107,11 +78,11 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
   // the first), so a block's load overlaps the compute of the blocks before it.
   auto load_kv = [&](int n, int stage) {
     const int valid_rows = seq.seqlen_k - n * kBlockN;
-    load_tile<Cfg, kBlockN>(sm.k[stage], k_g + n * kBlockN * p.k_str.row, p.k_str.row, valid_rows, p.head_dim);
-    load_tile<Cfg, kBlockN>(sm.v[stage], v_g + n * kBlockN * p.v_str.row, p.v_str.row, valid_rows, p.head_dim);
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k[stage], k_g + n * kBlockN * p.k_str.row, p.k_str.row, valid_rows, p.head_dim);
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v[stage], v_g + n * kBlockN * p.v_str.row, p.v_str.row, valid_rows, p.head_dim);
   };
   if (range.first < range.last) {
-    load_tile<Cfg, kBlockM>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
+    load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
     int n_next = range.last - 1;  // the next block to load
     for (int stage = 0; stage < Cfg::kStages - 1; ++stage, --n_next) {
       if (n_next >= range.first) load_kv(n_next, stage);
