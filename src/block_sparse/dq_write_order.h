@@ -30,17 +30,18 @@
 //
 // Which order: waiting, not deadlock. A tile computes a block's contribution, then waits for its
 // turn; it waits when the tile holding the previous turn has not added yet. Three choices, each
-// measured with the grid simulation (8192 tokens, 128 x 128 blocks, 16 heads, 132 CTAs; the
-// numbers are in tests/cpu/test_dq_write_order.cpp's report):
+// measured with the grid simulation (8192 tokens, 128 x 128 blocks, 16 heads, 132 CTAs, dynamic
+// dispatch; the table is printed by tests/cpu/test_dq_write_order.cpp), against the ordinary
+// backward (all tiles longest first, atomic adds):
 //  - Heads interleaved. The schedule takes the first tile of every (b, h), then the second of
 //    every (b, h), and so on. Tiles of one head share semaphores, so the fewer of them run at
 //    once the fewer waits: interleaved, about resident CTAs / (batch * heads) of them do. Keeping
-//    a head's tiles consecutive (as dq_turns.h does for dense masks) costs 1.3-2.2x on random
-//    and document masks.
+//    a head's tiles consecutive (as dq_turns.h does for dense masks) costs 1.12x (causal) to
+//    3.4x (random 25% of blocks).
 //  - Longest first inside a head (most q blocks; ties: the earlier last q block, then the lower
 //    kv block), so the short tiles fill the grid's tail, as in the ordinary backward.
 //    kShortestFirst (ties: the later first q block, then the higher kv block) is the mirror
-//    image; its tail is worse (causal: 1.12x the ordinary backward against 1.00x).
+//    image; its tail is worse (causal: 1.12x against 1.00x).
 //  - Planned walks. A tile's turns do not depend on the order it walks its q blocks, so the
 //    walk is free. Every predecessor of a tile (at any of its q blocks) comes earlier in the
 //    schedule, so one pass over the schedule, modelling the grid (dynamic dispatch onto
@@ -50,8 +51,12 @@
 //    (causal tiles then reach each q block at the same step; ties only queue the short adds)
 //    and ascending under shortest first (the earlier, shorter tile gets there first). Monotone
 //    walks serialize across document boundaries (a tile straddling two documents takes its
-//    last turn at its first q block): 2.1x for one head of 8 documents, 1.04x planned. The
-//    planned walk stays within 1-7% of no semaphores with +-50% random step-cost noise.
+//    last turn at its first q block): 2.1x for one head of 8 documents, 1.04x planned.
+// Result: 1.00-1.03x the ordinary backward for causal, sliding window, 8 documents and random 25%
+// masks at 16 heads; 1.01-1.06x when every step cost is scaled by a random 0.5-1.5 the plan did
+// not know; up to 1.12x under static dispatch, which the model does not plan for (take tiles
+// from a counter, as dq_turns.h concludes). The weak case is a single head of a random mask
+// (1.26x): its 64 tiles are all resident at once and each q block's adds chain through them.
 // A broadcast mask has one walk per mask row; it is planned at the row's first tile in the
 // schedule and kept for the other heads (their tiles of the same rank run alongside it).
 #pragma once
