@@ -78,8 +78,10 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
   // the first), so a block's load overlaps the compute of the blocks before it.
   auto load_kv = [&](int n, int stage) {
     const int valid_rows = seq.seqlen_k - n * kBlockN;
-    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k[stage], k_g + n * kBlockN * p.k_str.row, p.k_str.row, valid_rows, p.head_dim);
-    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v[stage], v_g + n * kBlockN * p.v_str.row, p.v_str.row, valid_rows, p.head_dim);
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k[stage], k_g + n * kBlockN * p.k_str.row,
+                                                         p.k_str.row, valid_rows, p.head_dim);
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v[stage], v_g + n * kBlockN * p.v_str.row,
+                                                         p.v_str.row, valid_rows, p.head_dim);
   };
   if (range.first < range.last) {
     load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
