@@ -86,7 +86,7 @@ void measure(Env& e, const char* label, bool causal) {
     ms[det] = time_kernel(run, e.args.timing({.warmup = 2, .repeats = 10}), e.stream).median_ms;
   }
   cudaFuncAttributes attr;
-  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_bwd_kernel<Cfg, __nv_bfloat16, false>));
+  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_bwd_kernel<Cfg, __nv_bfloat16>));
   const double flops = 2.5 * attention_fwd_flops(16384 / kSeqlen, 2048 / d, kSeqlen, kSeqlen, d, causal);
   std::fprintf(stderr, "%-26s %7.3f ms %6.1f TF/s det %7.3f ms %6.1f TF/s regs %d spill %d err %.4f\n", name.c_str(),
                ms[0], tflops(flops, ms[0]), ms[1], tflops(flops, ms[1]), attr.numRegs, (int)attr.localSizeBytes, err);

@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "src/attention/fwd_params.h"
-#include "src/scheduling/dq_turns.h"
 
 namespace flare::detail {
 
@@ -31,9 +30,6 @@ struct BwdKernelParams {
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
   int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths
   bool deterministic = false;
-  // Deterministic mode: the tile order (CTA x works on tile_at(dq_plan.order, x)), each tile's walk
-  // over its q-blocks and the dQ turns, all from src/scheduling/dq_turns.h (simulated there).
-  sched::DqPlan dq_plan;
 };
 
 // Rows of the q (or k) side: batch * seqlen when batched, total rows when varlen.

@@ -7,10 +7,8 @@
 //   S^T = K Q^T;  P^T = exp2(S^T - lse);  dP^T = V dO^T;  dS^T = P^T o (dP^T - dpsum)
 //   dV += P^T dO;  dK += dS^T Q;  dQ += dS K  (dS^T through shared memory, dQ into fp32)
 // Deterministic mode adds each dQ (and GQA's dK/dV) contribution in a fixed turn order behind a
-// per-(sequence, head, block) semaphore. The tile order, each tile's walk over its q-blocks and the
-// turns come from src/scheduling/dq_turns.h (shortest first for staircase masks, rotated walks for
-// full attention; deadlock-free by the argument there and the simulation in test_grid_sim); the
-// 1-D grid is launched in tile order, which the hardware dispatches in index order.
+// per-(sequence, head, block) semaphore; the turn order follows the launch order, so a CTA only
+// waits for CTAs launched before it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -60,6 +58,23 @@ __device__ __forceinline__ void pass_turn(int* sem) {
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+}
+
+// Deterministic causal runs walk the kv blocks shortest work first (the last blocks see the fewest
+// query blocks): the block that reaches a query block first holds the first turn there. Otherwise
+// the order is ascending: longest work first for causal, any order for the rest.
+__device__ __forceinline__ bool descending_kv_order(const BwdKernelParams& P) { return P.deterministic && P.fwd.causal; }
+__device__ __forceinline__ int kv_block_of(const BwdKernelParams& P, int x) {
+  return descending_kv_order(P) ? P.num_n_blocks - 1 - x : x;
+}
+
+// dQ turn of kv block n at query block m: its rank among the kv blocks that see m, in launch
+// order (descending n for causal, ascending otherwise).
+__device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched::Band& band, int m, int n,
+                                          int block_m, int block_n, int seqlen_q, int seqlen_k) {
+  const int r0 = m * block_m, r1 = min(seqlen_q, r0 + block_m);
+  const sched::BlockRange kv = sched::kv_block_range(band, r0, r1, seqlen_k, block_n);
+  return descending_kv_order(P) ? kv.last - 1 - n : n - kv.first;
 }
 
 // What the element loops need to know about a (query block, key rows) tile.
@@ -119,9 +134,7 @@ __device__ __forceinline__ void probs_and_grads(const detail::FwdKernelParams& p
     }
 }
 
-// kDeterministic is a template parameter: the planned walk and the turns cost registers that
-// the ordinary mode should not pay.
-template <typename Cfg, typename T, bool kDeterministic>
+template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKernelParams P) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kStride = Cfg::kRowStride, kDsStride = Cfg::kDsStride;
@@ -131,13 +144,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   constexpr int kDqTiles = Cfg::kDqCols / 8;
   const detail::FwdKernelParams& p = P.fwd;
 
-  // Deterministic runs follow the planned tile order (1-D grid, launched in index order);
-  // the ordinary ones take (kv block, head, batch) from the grid.
-  int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  if constexpr (kDeterministic) {
-    const sched::TileCoord c = sched::tile_at(P.dq_plan.order, blockIdx.x);
-    n = c.block, h = c.head, b = c.batch;
-  }
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int n = kv_block_of(P, blockIdx.x);
   const detail::SeqInfo seq = detail::seq_info(p, b);
   const int col0 = n * kBlockN;  // first key of this block
   if (col0 >= seq.seqlen_k) return;
@@ -157,17 +165,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
 
   const sched::Band band = detail::band_of(p, seq);
-  // The q-blocks this tile visits, in walk order: ascending, or rotated in deterministic runs.
-  sched::DqSequence dq_seq;
-  sched::DqWalk walk;
-  if constexpr (kDeterministic) {
-    dq_seq = sched::dq_sequence(P.dq_plan, seq.seqlen_q, seq.seqlen_k);
-    walk = sched::dq_walk(P.dq_plan, dq_seq, n);
-  } else {
-    const sched::BlockRange r = sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
-    walk.first = walk.start = r.first;
-    walk.count = r.last > r.first ? r.last - r.first : 0;
-  }
+  const sched::BlockRange mrange =
+      sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
 
   auto load_q_block = [&](int m, int stage) {
     const int r0 = m * kBlockM, rows = seq.seqlen_q - r0;
@@ -186,22 +185,21 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[c][e] = dv[c][e] = 0.f;
 
-  if (walk.count > 0) {
+  if (mrange.first < mrange.last) {
     const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
     const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
     load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
     load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
-    load_q_block(sched::q_block_at(walk, 0), 0);
+    load_q_block(mrange.first, 0);
     cp_async_commit();
   }
 
-  for (int it = 0; it < walk.count; ++it) {
-    const int m = sched::q_block_at(walk, it);
+  for (int m = mrange.first, it = 0; m < mrange.last; ++m, ++it) {
     const int stage = it & 1;
     const int row0 = m * kBlockM;
     cp_async_wait<0>();
     __syncthreads();  // block m landed; the previous block's readers of ds and the other stage are done
-    if (it + 1 < walk.count) load_q_block(sched::q_block_at(walk, it + 1), stage ^ 1);
+    if (m + 1 < mrange.last) load_q_block(m + 1, stage ^ 1);
     cp_async_commit();
     const T* sq = sm.q[stage];
     const T* sdo = sm.dout[stage];
@@ -288,8 +286,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
         mma_16x8x16<T>(dq[2 * cp + 1], a, bk[2], bk[3]);
       }
     }
-    int* sem = kDeterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
-    if (sem) wait_turn(sem, sched::dq_turn(P.dq_plan, dq_seq, b, h, n, m));
+    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
+    if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
 #pragma unroll
     for (int c = 0; c < kDqTiles; ++c)
 #pragma unroll
@@ -305,8 +303,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
 
   // dK (scaled) and dV: written directly without GQA, else added into fp32 accumulators.
   const bool gqa = p.group > 1;
-  int* sem = (gqa && kDeterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
-  if (sem) wait_turn(sem, sched::dkv_turn(h, p.group));
+  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
+  if (sem) wait_turn(sem, h % p.group);
 #pragma unroll
   for (int c = 0; c < kDkvTiles; ++c)
 #pragma unroll
@@ -375,44 +373,16 @@ Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
   if (p.batch == 0 || p.heads == 0) return Status::Ok();
   constexpr int kSmem = bwd_smem_bytes<Cfg, T>();
-  auto kernel = portable_bwd_kernel<Cfg, T, false>;
-  auto deterministic_kernel = portable_bwd_kernel<Cfg, T, true>;
-  static const cudaError_t attr = [&] {
-    cudaError_t e = prepare_smem(kernel, kSmem);
-    return e == cudaSuccess ? prepare_smem(deterministic_kernel, kSmem) : e;
-  }();
+  auto kernel = portable_bwd_kernel<Cfg, T>;
+  static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward: shared memory attribute");
   if (p.seqlen_q > 0) {
     dim3 grid((p.seqlen_q + 7) / 8, p.heads, p.batch);
     bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
   }
   if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
-    if (P.deterministic) {
-      BwdKernelParams Pd = P;
-      static int ctas_per_sm = 0;
-      if (ctas_per_sm == 0)
-        FLARE_CUDA_RETURN(
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, deterministic_kernel, Cfg::kThreads, kSmem));
-      const DeviceFacts dev = current_device_facts();
-      sched::TileShape shape;
-      shape.batch = p.batch;
-      shape.heads = p.heads;
-      shape.heads_kv = p.heads_kv;
-      shape.seqlen_q = p.seqlen_q;
-      shape.seqlen_k = p.seqlen_k;
-      shape.q_block = Cfg::kBlockM;
-      shape.kv_block = Cfg::kBlockN;
-      shape.head_dim = p.head_dim;
-      shape.elem_bytes = sizeof(T);
-      shape.causal = p.causal;
-      shape.window_left = p.window_left;
-      shape.window_right = p.window_right;
-      Pd.dq_plan = sched::make_dq_plan(shape, dev.l2_bytes / 2, std::max(1, ctas_per_sm) * dev.num_sms);
-      deterministic_kernel<<<Pd.dq_plan.order.num_tiles, Cfg::kThreads, kSmem, stream>>>(Pd);
-    } else {
-      dim3 grid(P.num_n_blocks, p.heads, p.batch);
-      kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
-    }
+    dim3 grid(P.num_n_blocks, p.heads, p.batch);
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
   }
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(launch_bwd_dsinks(P, stream));
   const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
