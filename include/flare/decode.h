@@ -26,4 +26,22 @@ struct DecodeParams {
   Stream stream = nullptr;
 };
 
+// Merges partial attention states by their log-sum-exp (the split-KV combine; ring attention and
+// cascade inference need it too). For each row n, over its num_states states s:
+//   lse[n] = log(sum_s exp(partial_lse[n, s])),
+//   out[n] = sum_s exp(partial_lse[n, s] - lse[n]) * partial_out[n, s].
+// A state with LSE -inf contributes nothing (its partial output is not read into the sum); a row
+// whose states all have LSE -inf gets out = 0, lse = -inf; a state with LSE +inf (the forward's
+// mark of a row that saw no key) gives its row out = 0, lse = +inf, as ref::merge_states does.
+// Rows are any leading dims (at most 3), flattened. Allocates nothing.
+struct MergeStatesParams {
+  TensorView partial_out;  // fp32 [rows..., num_states, dim], contiguous
+  TensorView partial_lse;  // fp32 [rows..., num_states], contiguous
+  TensorView out;          // fp32, bf16 or fp16 [rows..., dim]; last dim contiguous, any row strides
+  TensorView lse;          // optional fp32 [rows...]
+  Stream stream = nullptr;
+};
+
+Status merge_states(const MergeStatesParams& params);
+
 }  // namespace flare

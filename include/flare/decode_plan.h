@@ -185,6 +185,13 @@ std::vector<DecodePlan> decode_candidates(const DecodeShapeKey& key, int num_sms
 // For the run: `plan` was made for `key` (the params' key) and is internally consistent.
 Status check_decode_plan(const DecodePlan& plan, const DecodeShapeKey& key);
 
+// Runs one decode step on params.stream with `plan` (made for the params' shape: see
+// check_decode_plan). Split-KV plans need `workspace`: device memory of at least
+// plan.workspace_bytes, 16-byte aligned, its contents scratch; the standard kernel needs none
+// (nullptr, 0). Validates, launches, allocates nothing: capturable in a CUDA graph, whose replays
+// read the current cache_seqlens and page_table contents.
+Status decode_run(const DecodePlan& plan, const DecodeParams& params, void* workspace, std::size_t workspace_bytes);
+
 // n / (ceil(n / num_sms) * num_sms): the fraction of the launched waves' SM slots in use.
 double decode_wave_efficiency(int64_t num_ctas, int num_sms);
 
