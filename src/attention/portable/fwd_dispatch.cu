@@ -3,7 +3,6 @@
 
 #include <string>
 
-#include "src/attention/portable/fwd_kernel.h"
 #include "src/attention/portable/fwd_launch.h"
 #include "src/attention/portable/head_dims.h"
 
@@ -29,20 +28,3 @@ Status portable_attention_forward(const detail::FwdKernelParams& p, DType dtype,
 
 }  // namespace flare::portable
 
-namespace flare::portable {
-
-DeviceFacts current_device_facts() {
-  static thread_local DeviceFacts cached;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return cached;
-  if (device != cached.device) {
-    DeviceFacts f;
-    f.device = device;
-    cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device);
-    cudaDeviceGetAttribute(&f.l2_bytes, cudaDevAttrL2CacheSize, device);
-    cached = f;
-  }
-  return cached;
-}
-
-}  // namespace flare::portable

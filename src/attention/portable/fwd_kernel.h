@@ -16,6 +16,7 @@
 #include "src/attention/portable/tile_copy.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/cuda_check.h"
+#include "src/common/device_facts.h"
 
 namespace flare::portable {
 
@@ -266,13 +267,6 @@ cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
   return e;
 }
 
-// The device facts a persistent launch is sized from, read once per process (device 0's view is
-// refreshed when the current device changes).
-struct DeviceFacts {
-  int device = -1, num_sms = 0, l2_bytes = 0;
-};
-DeviceFacts current_device_facts();
-
 // Uniform work (no causal or window mask) runs on a persistent grid over the L2-grouped tile
 // order; masked work keeps one CTA per tile, launched longest first, so the hardware's block
 // scheduler balances the uneven tiles (measured: persistent static round-robin lost 2-10 % on
@@ -302,7 +296,7 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
   static int ctas_per_sm = 0;
   if (ctas_per_sm == 0)
     FLARE_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, persistent_kernel, Cfg::kThreads, kSmem));
-  const DeviceFacts dev = current_device_facts();
+  const detail::DeviceFacts dev = detail::current_device_facts();
   sched::TileShape shape;
   shape.batch = params.batch;
   shape.heads = params.heads;
