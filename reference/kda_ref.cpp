@@ -440,6 +440,14 @@ Matrix unit_lower_inverse(const Matrix& L) {
   return A;
 }
 
+// Rounding of the intermediates a chunked kernel keeps in its input dtype (the "same computation
+// in the input dtype" that GPU tests measure their error against); identity when off.
+struct Rounding {
+  bool on = false;
+  DType dtype = DType::kFloat64;
+  double operator()(double x) const { return on ? round_to(dtype, x) : x; }
+};
+
 // One chunk of n tokens of one value head, and the matrices of its WY form.
 struct Chunk {
   std::vector<Token> x;
@@ -459,7 +467,8 @@ double decayed_dot(const Chunk& ch, const double* a, int64_t i, int64_t j) {
 // Gam, P and vnew for the chunk's tokens starting from state S:
 //   L_ij = beta_i decayed_dot(k_i, i, j) (j < i),  A = (I + L)^-1,
 //   w = A (beta k exp(Gam)),  u = A (beta v),  vnew = u - w S.
-Chunk make_chunk(std::vector<Token> x, int64_t K, int64_t V, const double* S) {
+// With rounding: A, w, u, S (as an operand) and vnew are rounded, as a kernel stores them.
+Chunk make_chunk(std::vector<Token> x, int64_t K, int64_t V, const double* S, const Rounding& r) {
   Chunk ch{std::move(x), 0, K, V, {}, {}, {}};
   const int64_t n = ch.n = static_cast<int64_t>(ch.x.size());
   ch.gam = zeros(n, K);
@@ -471,52 +480,61 @@ Chunk make_chunk(std::vector<Token> x, int64_t K, int64_t V, const double* S) {
     for (int64_t j = 0; j < i; ++j) L[i][j] = ch.x[i].beta * decayed_dot(ch, ch.x[i].k, i, j);
     for (int64_t j = 0; j <= i; ++j) ch.P[i][j] = decayed_dot(ch, ch.x[i].q, i, j);
   }
-  const Matrix A = unit_lower_inverse(L);
-  Matrix w = zeros(n, K);
+  Matrix A = unit_lower_inverse(L);
+  for (auto& row : A)
+    for (double& a : row) a = r(a);
+  std::vector<double> w(K), u(V);
   ch.vnew = zeros(n, V);
   for (int64_t i = 0; i < n; ++i) {
+    std::fill(w.begin(), w.end(), 0.0);
+    std::fill(u.begin(), u.end(), 0.0);
     for (int64_t j = 0; j <= i; ++j) {
       const Token& t = ch.x[j];
-      for (int64_t c = 0; c < K; ++c) w[i][c] += A[i][j] * t.beta * t.k[c] * std::exp(ch.gam[j][c]);
-      for (int64_t e = 0; e < V; ++e) ch.vnew[i][e] += A[i][j] * t.beta * t.v[e];
+      for (int64_t c = 0; c < K; ++c) w[c] += A[i][j] * t.beta * t.k[c] * std::exp(ch.gam[j][c]);
+      for (int64_t e = 0; e < V; ++e) u[e] += A[i][j] * t.beta * t.v[e];
     }
-    for (int64_t c = 0; c < K; ++c)
-      for (int64_t e = 0; e < V; ++e) ch.vnew[i][e] -= w[i][c] * S[c * V + e];
+    for (int64_t e = 0; e < V; ++e) {
+      double acc = r(u[e]);
+      for (int64_t c = 0; c < K; ++c) acc -= r(w[c]) * r(S[c * V + e]);
+      ch.vnew[i][e] = r(acc);
+    }
   }
   return ch;
 }
 
 // Row i of O = scale (q exp(Gam)) S + scale P vnew, S the state at the chunk start.
-void chunk_output_row(const Chunk& ch, int64_t i, const double* S, double scale, double* o) {
+void chunk_output_row(const Chunk& ch, int64_t i, const double* S, double scale, const Rounding& r, double* o) {
   for (int64_t e = 0; e < ch.V; ++e) {
     double acc = 0;
-    for (int64_t c = 0; c < ch.K; ++c) acc += ch.x[i].q[c] * std::exp(ch.gam[i][c]) * S[c * ch.V + e];
-    for (int64_t j = 0; j <= i; ++j) acc += ch.P[i][j] * ch.vnew[j][e];
-    o[e] = scale * acc;
+    for (int64_t c = 0; c < ch.K; ++c)
+      acc += r(scale * ch.x[i].q[c] * std::exp(ch.gam[i][c])) * r(S[c * ch.V + e]);
+    for (int64_t j = 0; j <= i; ++j) acc += r(scale * ch.P[i][j]) * ch.vnew[j][e];
+    o[e] = acc;
   }
 }
 
 // S <- Diag(exp(Gam_last)) S + (k exp(Gam_last - Gam))^T vnew.
-void chunk_advance_state(const Chunk& ch, double* S) {
+void chunk_advance_state(const Chunk& ch, const Rounding& r, double* S) {
   const std::vector<double>& last = ch.gam[ch.n - 1];
   for (int64_t c = 0; c < ch.K; ++c) {
     for (int64_t e = 0; e < ch.V; ++e) {
       double acc = std::exp(last[c]) * S[c * ch.V + e];
       for (int64_t j = 0; j < ch.n; ++j)
-        acc += ch.x[j].k[c] * std::exp(last[c] - ch.gam[j][c]) * ch.vnew[j][e];
+        acc += r(ch.x[j].k[c] * std::exp(last[c] - ch.gam[j][c])) * ch.vnew[j][e];
       S[c * ch.V + e] = acc;
     }
   }
 }
 
 // Tokens [t0, t0 + n) of batch row b, value head hv: writes their outputs and advances S.
-void chunk_step(const Problem& p, int64_t b, int64_t t0, int64_t n, int64_t hv, double* S, double* out) {
+void chunk_step(const Problem& p, int64_t b, int64_t t0, int64_t n, int64_t hv, const Rounding& r, double* S,
+                double* out) {
   const KdaShape& s = p.shape;
   std::vector<Token> x;
   for (int64_t i = 0; i < n; ++i) x.push_back(token_at(p, b, t0 + i, hv));
-  const Chunk ch = make_chunk(std::move(x), s.K, s.V, S);
-  for (int64_t i = 0; i < n; ++i) chunk_output_row(ch, i, S, p.scale, out + s.v_row(b, t0 + i, hv));
-  chunk_advance_state(ch, S);
+  const Chunk ch = make_chunk(std::move(x), s.K, s.V, S, r);
+  for (int64_t i = 0; i < n; ++i) chunk_output_row(ch, i, S, p.scale, r, out + s.v_row(b, t0 + i, hv));
+  chunk_advance_state(ch, r, S);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -647,13 +665,14 @@ Status kda_forward(const KdaForwardParams& params) {
   });
 }
 
-Status kda_forward_chunked(const KdaForwardParams& params, int chunk_size) {
+Status kda_forward_chunked(const KdaForwardParams& params, int chunk_size, DType intermediates) {
   if (chunk_size < 1) return Status::InvalidArgument("chunk_size", "must be positive");
-  return run_forward(params, [chunk_size](const Problem& p, const Sequence& seq, int64_t hv, double* S,
-                                          double* out) {
+  const Rounding r{intermediates != DType::kFloat64, intermediates};
+  return run_forward(params, [chunk_size, r](const Problem& p, const Sequence& seq, int64_t hv, double* S,
+                                             double* out) {
     for (int64_t t0 = 0; t0 < seq.length; t0 += chunk_size) {
       const int64_t n = std::min<int64_t>(chunk_size, seq.length - t0);
-      chunk_step(p, seq.batch, seq.begin + t0, n, hv, S, out);
+      chunk_step(p, seq.batch, seq.begin + t0, n, hv, r, S, out);
     }
   });
 }

@@ -25,7 +25,10 @@ Status kda_backward(const KdaBackwardParams& p);
 
 // An independent forward through the chunked WY form of KDA.md section (b) with chunks of
 // `chunk_size` tokens (the last chunk of each sequence may be partial). Only for cross-checking
-// kda_forward: both must agree to rounding.
-Status kda_forward_chunked(const KdaForwardParams& p, int chunk_size);
+// kda_forward: both must agree to rounding. With `intermediates` a 16-bit dtype, the per-chunk
+// matrices a GPU kernel stores in its input dtype (A = (I + L)^-1, w, u, the gated q and k, the
+// scaled P, the state as an MMA operand, vnew) are rounded to it: the low-precision baseline of
+// the GPU tests.
+Status kda_forward_chunked(const KdaForwardParams& p, int chunk_size, DType intermediates = DType::kFloat64);
 
 }  // namespace flare::ref

@@ -7,6 +7,8 @@
 //   S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,  o_t = scale S_t^T q_t
 #pragma once
 
+#include <cstddef>
+
 #include "flare/status.h"
 #include "flare/tensor.h"
 #include "flare/types.h"
@@ -31,6 +33,8 @@ struct KdaForwardParams {
   TensorView out;             // [B, T, HV, V], dtype of q
   TensorView final_state;     // optional fp32 [N, HV, K, V]
   KdaOptions options;
+  void* workspace = nullptr;  // device memory of kda_forward_workspace_size bytes (GPU forward)
+  size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
@@ -44,5 +48,17 @@ struct KdaBackwardParams {
   KdaOptions options;
   Stream stream = nullptr;
 };
+
+// The chunked forward on the GPU (mma.sync, sm_80+): K and V in {64, 128}, fp16 or bf16.
+// It keeps each 64-token chunk's WY form (w, u, the gated q and k, the intra-chunk scores) in the
+// caller's workspace between its two stages; kda_forward_workspace_size gives its size, which
+// depends on the shapes only (with cu_seqlens: on T and N, not on the lengths). Nothing is
+// allocated and nothing synchronizes with the host; cu_seqlens stays on the device.
+// Numerics: gates are cumulated per chunk in fp32; the per-chunk matrices and the state used as
+// an MMA operand are rounded to the input dtype (as in flash-linear-attention); the state is
+// carried in fp32. Intra-chunk decays are exact while one channel's gate summed over 8
+// consecutive tokens stays above -87 (exp(-87) ~ 1e-38).
+Status kda_forward_workspace_size(const KdaForwardParams& params, size_t* bytes);
+Status kda_forward(const KdaForwardParams& params);
 
 }  // namespace flare

@@ -1,0 +1,376 @@
+// KDA forward, stage 1: the WY form of one 64-token chunk of one value head (KDA.md section (b)).
+// One CTA of 4 warps per (chunk, value head); every chunk is independent. Warp I owns the rows of
+// sub-chunk I, [16 I, 16 I + 16). All gates are in log2 units (exp -> exp2).
+//
+//   load      q, k, v (cp.async), the gate (activated in flight), beta
+//   cumsum    Gam = cumulative gate; per sub-chunk the reference m_I = Gam at row 16 I + 7
+//   scale     qa = q 2^(Gam - m_I), ka = beta k 2^(Gam - m_I), kb = k 2^(m_J - Gam)   (smem)
+//             qg = scale q 2^Gam, kg = k 2^(Gam_last - Gam)                        (global)
+//   L, P      block (I, J <= I): P = scale (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T
+//   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by block
+//             substitution A_IJ = -A_II sum_{M=J}^{I-1} L_IM A_MJ (fp32)
+//   w, u      w = A (beta k 2^Gam), u = A (beta v)                               (global)
+//
+// Safe exponents. Every factor 2^x that an MMA operand carries has |x| at most the gate summed
+// over 8 rows (the distance to the sub-chunk's middle row), and the factors 2^(m_I - m_J) are
+// <= 1; so nothing overflows while 8 tokens of one channel decay by less than 2^126 (e^87).
+// Beyond that the exponents are clamped (results degrade, never inf or NaN). qg and kg, which
+// carry the state between chunks, are formed from exact exponent differences.
+#pragma once
+
+#include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_tiles.cuh"
+
+namespace flare::kda {
+
+using detail::KdaChunk;
+using detail::KdaFwdArgs;
+using detail::kKdaChunk;
+using detail::kKdaSubChunk;
+
+constexpr float kL2NormEps = 1e-6f;
+
+template <int K, int V>
+struct PrepConfig {
+  static_assert(K % 64 == 0 && V % 16 == 0 && K <= 128 && V <= 128, "K in {64, 128}, V a multiple of 16 up to 128");
+  static constexpr int kWarps = kKdaChunk / kKdaSubChunk;  // one warp per sub-chunk
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kLdK = K + 8;  // bf16 rows padded by 16 bytes: ldmatrix rows hit distinct banks
+  static constexpr int kLdV = V + 8;
+  static constexpr int kLdG = K + 4;
+  static constexpr int kLdA = kKdaChunk + 4;
+  static constexpr int kPairs = 6;  // sub-chunk pairs J < I
+};
+
+__host__ __device__ constexpr int sub_pair(int I, int J) { return I * (I - 1) / 2 + J; }
+
+template <typename T, int K, int V>
+struct PrepSmem {
+  using C = PrepConfig<K, V>;
+  T q[kKdaChunk][C::kLdK];   // q -> qa
+  T k[kKdaChunk][C::kLdK];   // k -> ka -> x = beta k 2^Gam
+  T v[kKdaChunk][C::kLdV];   // v -> beta v
+  T kb[kKdaChunk][C::kLdK];  // kb; then the block substitution's scratch
+  union {
+    float gam[kKdaChunk][C::kLdG];  // cumulative gate (log2)
+    struct {
+      float L[kKdaChunk][kKdaChunk];  // strictly lower, fp32
+      float A[kKdaChunk][C::kLdA];    // (I + L)^-1
+    } wy;
+  };
+  float ref[4][K];          // m_I
+  float ref_exp[4][K];      // 2^m_I
+  float cross[C::kPairs][K];  // 2^(m_I - m_J), J < I
+  float beta[kKdaChunk];
+};
+
+__device__ __forceinline__ KdaChunk chunk_at(const KdaFwdArgs& a, int c) {
+  if (a.varlen) return a.chunks[c];
+  const int b = c / a.chunks_per_row;
+  const int t0 = (c - b * a.chunks_per_row) * kKdaChunk;
+  return {b, t0, min(kKdaChunk, a.seqlen - t0), b};
+}
+
+template <typename T>
+__device__ __forceinline__ float load_scalar(const void* p, bool fp32, int64_t at) {
+  return fp32 ? static_cast<const float*>(p)[at] : to_float(static_cast<const T*>(p)[at]);
+}
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
+__device__ __forceinline__ float softplusf(float x) { return x > 0.f ? x + log1pf(__expf(-x)) : log1pf(__expf(x)); }
+
+// The activated log decay (natural log) of a raw gate value, as in flare::KdaOptions.
+__device__ __forceinline__ float activate_gate(const KdaFwdArgs& a, float g, int hv, int channel) {
+  if (!a.gate_in_kernel) return g;
+  const float z = g + (a.dt_bias ? a.dt_bias[a.scalar_gate ? hv : hv * a.key_dim + channel] : 0.f);
+  if (a.lower_bound < 0.f) return a.lower_bound * sigmoidf((a.A_log ? __expf(a.A_log[hv]) : 1.f) * z);
+  return -__expf(a.A_log[hv]) * softplusf(z);
+}
+
+// rows [0, 64) of a [token][dim] operand into smem with 16-byte cp.async; rows >= len are zeros.
+template <typename T, int D, int LD>
+__device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t token_stride, int len) {
+  constexpr int kVecs = D / 8;
+  for (int idx = threadIdx.x; idx < kKdaChunk * kVecs; idx += blockDim.x) {
+    const int i = idx / kVecs, c = (idx % kVecs) * 8;
+    const bool valid = i < len;
+    cp_async_16(&dst[i][c], src + (valid ? i * token_stride + c : 0), valid);
+  }
+}
+
+// x <- x / sqrt(sum x^2 + eps) for the rows of this warp's sub-chunk.
+template <typename T, int K, int LD>
+__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0) {
+  const int lane = threadIdx.x % 32;
+  for (int i = row0; i < row0 + kKdaSubChunk; ++i) {
+    float vals[K / 32], sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < K / 32; ++e) {
+      vals[e] = to_float(x[i][lane + 32 * e]);
+      sum += vals[e] * vals[e];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float r = rsqrtf(sum + kL2NormEps);
+#pragma unroll
+    for (int e = 0; e < K / 32; ++e) x[i][lane + 32 * e] = from_float<T>(vals[e] * r);
+  }
+}
+
+// A 16-bit pair scaled by a per-column factor pair, repacked.
+template <typename T>
+__device__ __forceinline__ uint32_t scale2(uint32_t x, float2 f) {
+  const float2 v = unpack2<T>(x);
+  return pack2<T>(v.x * f.x, v.y * f.y);
+}
+
+template <typename T, int K, int V>
+__global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_kernel(const KdaFwdArgs a) {
+  using C = PrepConfig<K, V>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<PrepSmem<T, K, V>*>(smem_raw);
+
+  const int chunk = blockIdx.x, hv = blockIdx.y;
+  const KdaChunk ch = chunk_at(a, chunk);
+  if (ch.len <= 0) return;
+  const int h = hv / (a.heads_v / a.heads);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
+
+  // ---- load: q, k, v asynchronously; gate and beta activated on the way in ------------------
+  const T* q = static_cast<const T*>(a.q) + ch.batch * a.q_st.batch + ch.t0 * a.q_st.token + h * a.q_st.head;
+  const T* k = static_cast<const T*>(a.k) + ch.batch * a.k_st.batch + ch.t0 * a.k_st.token + h * a.k_st.head;
+  const T* v = static_cast<const T*>(a.v) + ch.batch * a.v_st.batch + ch.t0 * a.v_st.token + hv * a.v_st.head;
+  load_rows<T, K>(s.q, q, a.q_st.token, ch.len);
+  load_rows<T, K>(s.k, k, a.k_st.token, ch.len);
+  load_rows<T, V>(s.v, v, a.v_st.token, ch.len);
+  cp_async_commit();
+
+  const int64_t g_base = ch.batch * a.g_st.batch + ch.t0 * a.g_st.token + hv * a.g_st.head;
+  for (int idx = tid; idx < kKdaChunk * K; idx += C::kThreads) {
+    const int i = idx / K, c = idx % K;
+    float x = 0.f;
+    if (i < ch.len) {
+      const float raw = load_scalar<T>(a.g, a.g_fp32, g_base + i * a.g_st.token + (a.scalar_gate ? 0 : c));
+      x = activate_gate(a, raw, hv, c) * kRcpLn2;
+    }
+    s.gam[i][c] = x;
+  }
+  if (tid < kKdaChunk) {
+    float b = 0.f;
+    if (tid < ch.len) {
+      b = load_scalar<T>(a.beta, a.beta_fp32,
+                         ch.batch * a.beta_st.batch + (ch.t0 + tid) * a.beta_st.token + hv * a.beta_st.head);
+      if (a.beta_sigmoid) b = a.beta_factor * sigmoidf(b);
+    }
+    s.beta[tid] = b;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- l2norm (per warp: its rows), cumulative gate and the references (per channel) ---------
+  if (a.qk_l2norm) {
+    l2norm_rows<T, K>(s.q, warp * kKdaSubChunk);
+    l2norm_rows<T, K>(s.k, warp * kKdaSubChunk);
+  }
+  for (int c = tid; c < K; c += C::kThreads) {
+    float run = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < kKdaChunk; ++i) s.gam[i][c] = run += s.gam[i][c];
+    float m[4];
+#pragma unroll
+    for (int I = 0; I < 4; ++I) {
+      m[I] = s.gam[I * kKdaSubChunk + kKdaSubChunk / 2 - 1][c];
+      s.ref[I][c] = m[I];
+      s.ref_exp[I][c] = exp2_clamped(m[I]);
+    }
+#pragma unroll
+    for (int I = 1; I < 4; ++I)
+#pragma unroll
+      for (int J = 0; J < I; ++J) s.cross[sub_pair(I, J)][c] = exp2_clamped(m[I] - m[J]);
+    a.decay[slot * K + c] = exp2_clamped(run);
+  }
+  __syncthreads();
+
+  // ---- scaled operands: qa, ka, kb in place / smem; qg, kg to global -------------------------
+  {
+    T* qg = static_cast<T*>(a.qg) + slot * kKdaChunk * K;
+    T* kg = static_cast<T*>(a.kg) + slot * kKdaChunk * K;
+    constexpr int kVecs = K / 8;
+    for (int idx = tid; idx < kKdaChunk * kVecs; idx += C::kThreads) {
+      const int i = idx / kVecs, c0 = (idx % kVecs) * 8, I = i / kKdaSubChunk;
+      const float beta = s.beta[i];
+      alignas(16) T qv[8], kv[8], qa[8], ka[8], kb[8], qgv[8], kgv[8];
+      *reinterpret_cast<uint4*>(qv) = *reinterpret_cast<const uint4*>(&s.q[i][c0]);
+      *reinterpret_cast<uint4*>(kv) = *reinterpret_cast<const uint4*>(&s.k[i][c0]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int c = c0 + e;
+        const float G = s.gam[i][c], x = G - s.ref[I][c];
+        const float up = exp2_clamped(x), down = exp2_clamped(-x);
+        const float qf = to_float(qv[e]), kf = to_float(kv[e]);
+        qa[e] = from_float<T>(qf * up);
+        ka[e] = from_float<T>(beta * kf * up);
+        kb[e] = from_float<T>(kf * down);
+        qgv[e] = from_float<T>(a.scale * qf * exp2_clamped(G));
+        kgv[e] = from_float<T>(kf * exp2_clamped(s.gam[kKdaChunk - 1][c] - G));
+      }
+      *reinterpret_cast<uint4*>(&s.q[i][c0]) = *reinterpret_cast<const uint4*>(qa);
+      *reinterpret_cast<uint4*>(&s.k[i][c0]) = *reinterpret_cast<const uint4*>(ka);
+      *reinterpret_cast<uint4*>(&s.kb[i][c0]) = *reinterpret_cast<const uint4*>(kb);
+      *reinterpret_cast<uint4*>(qg + i * K + c0) = *reinterpret_cast<const uint4*>(qgv);
+      *reinterpret_cast<uint4*>(kg + i * K + c0) = *reinterpret_cast<const uint4*>(kgv);
+    }
+  }
+  __syncthreads();
+
+  // ---- L and P: warp I computes row block I against column blocks J <= I ---------------------
+  {
+    const int I = warp;
+    T* P = static_cast<T*>(a.P) + slot * kKdaChunk * kKdaChunk;
+    uint32_t aq[K / 16][4], ak[K / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      load_a(aq[kk], &s.q[0][0], C::kLdK, I * 16, kk * 16);
+      load_a(ak[kk], &s.k[0][0], C::kLdK, I * 16, kk * 16);
+    }
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      float p[2][4], l[2][4];
+      zero(p);
+      zero(l);
+      if (J <= I) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+          uint32_t a_q[4], a_k[4], b[4];
+          if (J == I) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a_q[r] = aq[kk][r], a_k[r] = ak[kk][r];
+          } else {
+            const float* f = s.cross[sub_pair(I, J)] + kk * 16 + 2 * t;
+            const float2 lo = make_float2(f[0], f[1]), hi = make_float2(f[8], f[9]);
+            a_q[0] = scale2<T>(aq[kk][0], lo), a_q[1] = scale2<T>(aq[kk][1], lo);
+            a_q[2] = scale2<T>(aq[kk][2], hi), a_q[3] = scale2<T>(aq[kk][3], hi);
+            a_k[0] = scale2<T>(ak[kk][0], lo), a_k[1] = scale2<T>(ak[kk][1], lo);
+            a_k[2] = scale2<T>(ak[kk][2], hi), a_k[3] = scale2<T>(ak[kk][3], hi);
+          }
+          load_b_rows(b, &s.kb[0][0], C::kLdK, J * 16, kk * 16);
+          mma_pair<T>(p[0], p[1], a_q, b);
+          mma_pair<T>(l[0], l[1], a_k, b);
+        }
+      }
+      // P keeps j <= i (scaled), L keeps j < i; blocks above the diagonal are zeros.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = I * 16 + g + half * 8, j = J * 16 + nt * 8 + 2 * t;
+          const float p0 = j <= i ? a.scale * p[nt][2 * half] : 0.f;
+          const float p1 = j + 1 <= i ? a.scale * p[nt][2 * half + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(P + i * kKdaChunk + j) = pack2<T>(p0, p1);
+          s.wy.L[i][j] = j < i ? l[nt][2 * half] : 0.f;
+          s.wy.L[i][j + 1] = j + 1 < i ? l[nt][2 * half + 1] : 0.f;
+        }
+    }
+  }
+  __syncthreads();
+
+  // ---- (I + L)^-1, diagonal blocks: lane j of warp I solves column j of block (I, I) ----------
+  // Meanwhile the other threads turn ka into x = beta k 2^Gam and v into beta v, for w and u.
+  if (lane < kKdaSubChunk) {
+    const int o = warp * kKdaSubChunk, j = lane;
+    float col[kKdaSubChunk];
+#pragma unroll
+    for (int r = 0; r < kKdaSubChunk; ++r) {
+      float x = r == j ? 1.f : 0.f;
+#pragma unroll
+      for (int m = 0; m < r; ++m) x -= s.wy.L[o + r][o + m] * col[m];
+      col[r] = x;
+    }
+#pragma unroll
+    for (int r = 0; r < kKdaSubChunk; ++r) s.wy.A[o + r][o + j] = col[r];
+  } else {
+    const int lane16 = lane - kKdaSubChunk;  // 16 threads per warp, 64 in all
+    const int id = warp * kKdaSubChunk + lane16;
+    for (int idx = id; idx < kKdaChunk * K; idx += 64) {
+      const int i = idx / K, c = idx % K;
+      s.k[i][c] = from_float<T>(to_float(s.k[i][c]) * s.ref_exp[i / kKdaSubChunk][c]);
+    }
+    for (int idx = id; idx < kKdaChunk * V; idx += 64) {
+      const int i = idx / V, c = idx % V;
+      s.v[i][c] = from_float<T>(to_float(s.v[i][c]) * s.beta[i]);
+    }
+    for (int idx = id; idx < kKdaChunk * kKdaChunk; idx += 64) {
+      const int i = idx / kKdaChunk, j = idx % kKdaChunk;
+      if (j / kKdaSubChunk > i / kKdaSubChunk) s.wy.A[i][j] = 0.f;
+    }
+  }
+  __syncthreads();
+
+  // ---- (I + L)^-1, off-diagonal blocks by block substitution, one block row at a time ---------
+  {
+    float(*scratch)[kKdaSubChunk][kKdaSubChunk] = reinterpret_cast<float(*)[kKdaSubChunk][kKdaSubChunk]>(&s.kb[0][0]);
+    for (int I = 1; I < 4; ++I) {
+      // scratch[J] = sum_{M=J}^{I-1} L_IM A_MJ
+      for (int e = tid; e < I * 256; e += C::kThreads) {
+        const int J = e / 256, r = (e / 16) % 16, col = e % 16;
+        float acc = 0.f;
+        for (int M = J; M < I; ++M)
+#pragma unroll
+          for (int m = 0; m < kKdaSubChunk; ++m)
+            acc += s.wy.L[I * 16 + r][M * 16 + m] * s.wy.A[M * 16 + m][J * 16 + col];
+        scratch[J][r][col] = acc;
+      }
+      __syncthreads();
+      // A_IJ = -A_II scratch[J]
+      for (int e = tid; e < I * 256; e += C::kThreads) {
+        const int J = e / 256, r = (e / 16) % 16, col = e % 16;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < kKdaSubChunk; ++m) acc += s.wy.A[I * 16 + r][I * 16 + m] * scratch[J][m][col];
+        s.wy.A[I * 16 + r][J * 16 + col] = -acc;
+      }
+      __syncthreads();
+    }
+  }
+
+  // ---- w = A x, u = A (beta v): warp I writes its 16 rows -----------------------------------
+  {
+    const int I = warp;
+    uint32_t aA[4][4];
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      const float* r0 = &s.wy.A[I * 16 + g][J * 16 + 2 * t];
+      const float* r1 = &s.wy.A[I * 16 + g + 8][J * 16 + 2 * t];
+      aA[J][0] = pack2<T>(r0[0], r0[1]);
+      aA[J][1] = pack2<T>(r1[0], r1[1]);
+      aA[J][2] = pack2<T>(r0[8], r0[9]);
+      aA[J][3] = pack2<T>(r1[8], r1[9]);
+    }
+    T* w = static_cast<T*>(a.w) + slot * kKdaChunk * K;
+    T* u = static_cast<T*>(a.u) + slot * kKdaChunk * V;
+    auto product = [&](auto* rhs, int ld, int n0, T* dst, int dst_ld) {
+      float acc[2][4];
+      zero(acc);
+#pragma unroll
+      for (int J = 0; J < 4; ++J) {
+        if (J > I) break;
+        uint32_t b[4];
+        load_b_cols(b, rhs, ld, J * 16, n0);
+        mma_pair<T>(acc[0], acc[1], aA[J], b);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int i = I * 16 + g, c = n0 + nt * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(dst + i * dst_ld + c) = pack2<T>(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<uint32_t*>(dst + (i + 8) * dst_ld + c) = pack2<T>(acc[nt][2], acc[nt][3]);
+      }
+    };
+#pragma unroll 2
+    for (int n0 = 0; n0 < K; n0 += 16) product(&s.k[0][0], C::kLdK, n0, w, K);
+#pragma unroll 2
+    for (int n0 = 0; n0 < V; n0 += 16) product(&s.v[0][0], C::kLdV, n0, u, V);
+  }
+}
+
+}  // namespace flare::kda

@@ -1,0 +1,73 @@
+// Launch of the KDA forward kernels for one (dtype, K, V); instantiated by kda_fwd_*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "src/common/cuda_check.h"
+#include "src/common/device_facts.h"
+#include "src/kda/kda_chunk_prep.cuh"
+#include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_state_pass.cuh"
+
+namespace flare::kda {
+
+// Builds the varlen chunk table (kda_chunk_table.cu).
+cudaError_t launch_chunk_table(const KdaFwdArgs& a, cudaStream_t stream);
+
+// Value columns per state-pass CTA: the widest slice that still gives every SM a CTA (the pass
+// is sequential along T, so CTAs, not chunks, are its parallelism; a wider slice re-reads each
+// chunk's w, qg, kg fewer times). FLARE_KDA_STATE_BV overrides it (tuning).
+inline int state_slice_width(const KdaFwdArgs& a, int num_sms) {
+  if (const char* env = std::getenv("FLARE_KDA_STATE_BV")) {
+    const int bv = std::atoi(env);
+    if ((bv == 16 || bv == 32 || bv == 64) && a.value_dim % bv == 0) return bv;
+  }
+  const int64_t heads = int64_t{a.num_seqs} * a.heads_v;
+  for (int bv : {64, 32})
+    if (a.value_dim % bv == 0 && heads * (a.value_dim / bv) >= num_sms) return bv;
+  return 16;
+}
+
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const KdaFwdArgs& a) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  kernel<<<grid, threads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int K, int V, int BV>
+cudaError_t launch_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
+  return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs),
+                StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a);
+}
+
+template <typename T, int K, int V>
+Status launch_forward(const KdaFwdArgs& a, cudaStream_t stream) {
+  if (a.varlen) FLARE_CUDA_RETURN(launch_chunk_table(a, stream));
+  if (a.max_chunks > 0)
+    FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v), PrepConfig<K, V>::kThreads,
+                             sizeof(PrepSmem<T, K, V>), stream, a));
+  switch (state_slice_width(a, detail::current_device_facts().num_sms)) {
+    case 64:
+      if constexpr (V % 64 == 0) FLARE_CUDA_RETURN((launch_state_pass<T, K, V, 64>(a, stream)));
+      break;
+    case 32:
+      FLARE_CUDA_RETURN((launch_state_pass<T, K, V, 32>(a, stream)));
+      break;
+    default:
+      FLARE_CUDA_RETURN((launch_state_pass<T, K, V, 16>(a, stream)));
+  }
+  return Status::Ok();
+}
+
+template <typename T, int K>
+Status launch_forward_k(const KdaFwdArgs& a, cudaStream_t stream) {
+  if (a.value_dim == 64) return launch_forward<T, K, 64>(a, stream);
+  if (a.value_dim == 128) return launch_forward<T, K, 128>(a, stream);
+  return Status::NotSupported("KDA forward: value dim V must be 64 or 128");
+}
+
+}  // namespace flare::kda

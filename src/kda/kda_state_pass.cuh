@@ -1,0 +1,215 @@
+// KDA forward, stage 2: the sequential pass over the chunks of one sequence, carrying the fp32
+// state, and the output. One CTA per (sequence, value head, BV-wide value slice); warp w owns the
+// 16 value columns [16 w, 16 w + 16) of the slice and never needs another warp's data.
+//
+// The state is kept transposed, S^T [16 values x K keys] per warp, as MMA accumulators. Then
+// every product of the chunk step has S^T or vnew^T as its A operand, and an accumulator block
+// turns into the next A operand in registers (to_a), never through memory:
+//   vnew^T = u^T - S^T w^T                      (the delta-rule corrections, 16 x 64)
+//   O^T    = S^T qg^T + vnew^T P^T               (qg and P carry the scale)
+//   S^T    = S^T Diag(decay) + vnew^T kg
+// The chunk's w, u, qg, kg, P come from kda_chunk_prep through a 2-stage cp.async pipeline.
+#pragma once
+
+#include "src/kda/kda_chunk_prep.cuh"
+#include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_tiles.cuh"
+
+namespace flare::kda {
+
+template <int K, int BV>
+struct StateConfig {
+  static_assert(BV % 16 == 0 && BV <= 64, "BV: 16, 32 or 64 value columns");
+  static constexpr int kWarps = BV / 16;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStages = 2;
+  static constexpr int kLdK = K + 8;  // 16-byte padding: conflict-free ldmatrix
+  static constexpr int kLdP = kKdaChunk + 8;
+  static constexpr int kLdU = BV + 8;
+  static constexpr int kLdO = 16 + 8;
+};
+
+template <typename T, int K, int BV>
+struct StateStage {
+  using C = StateConfig<K, BV>;
+  T w[kKdaChunk][C::kLdK];
+  T qg[kKdaChunk][C::kLdK];
+  T kg[kKdaChunk][C::kLdK];
+  T P[kKdaChunk][C::kLdP];
+  T u[kKdaChunk][C::kLdU];  // this CTA's value slice
+  float decay[K];
+};
+
+template <typename T, int K, int BV>
+struct StateSmem {
+  using C = StateConfig<K, BV>;
+  StateStage<T, K, BV> stage[C::kStages];
+  T out[C::kWarps][kKdaChunk][C::kLdO];  // each warp's output tile, staged for 16-byte stores
+};
+
+// cp.async of chunk `chunk`'s operands (value columns [v0, v0 + BV) of u) into one stage.
+template <typename T, int K, int V, int BV>
+__device__ __forceinline__ void load_chunk(StateStage<T, K, BV>& st, const KdaFwdArgs& a, int chunk, int hv,
+                                           int v0) {
+  constexpr int kThreads = StateConfig<K, BV>::kThreads;
+  const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
+  const T* w = static_cast<const T*>(a.w) + slot * kKdaChunk * K;
+  const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
+  const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
+  const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
+  const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
+  constexpr int kRowVecs = K / 8;
+  for (int idx = threadIdx.x; idx < kKdaChunk * kRowVecs; idx += kThreads) {
+    const int i = idx / kRowVecs, c = (idx % kRowVecs) * 8;
+    cp_async_16(&st.w[i][c], w + i * K + c, true);
+    cp_async_16(&st.qg[i][c], qg + i * K + c, true);
+    cp_async_16(&st.kg[i][c], kg + i * K + c, true);
+  }
+  for (int idx = threadIdx.x; idx < kKdaChunk * kKdaChunk / 8; idx += kThreads) {
+    const int i = idx / (kKdaChunk / 8), c = (idx % (kKdaChunk / 8)) * 8;
+    cp_async_16(&st.P[i][c], P + i * kKdaChunk + c, true);
+  }
+  for (int idx = threadIdx.x; idx < kKdaChunk * BV / 8; idx += kThreads) {
+    const int i = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
+    cp_async_16(&st.u[i][c], u + i * V + c, true);
+  }
+  const float* decay = a.decay + slot * K;
+  for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
+}
+
+template <typename T, int K, int V, int BV>
+__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_kernel(const KdaFwdArgs a) {
+  using C = StateConfig<K, BV>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<StateSmem<T, K, BV>*>(smem_raw);
+
+  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * BV;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int vw = warp * 16;  // this warp's columns within the slice
+  const int begin = a.varlen ? a.seq_chunk_begin[n] : n * a.chunks_per_row;
+  const int end = a.varlen ? a.seq_chunk_begin[n + 1] : begin + a.chunks_per_row;
+
+  // S^T: rows v = v0 + vw + g (+8), columns c = 8 nt + 2 t (+1).
+  float S[K / 8][4];
+  const int64_t state_base = (static_cast<int64_t>(n) * a.heads_v + hv) * K * V + v0 + vw + g;
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+    const int c = nt * 8 + 2 * t;
+    if (a.initial_state) {
+      const float* h0 = a.initial_state + state_base + c * V;
+      S[nt][0] = h0[0], S[nt][1] = h0[V], S[nt][2] = h0[8], S[nt][3] = h0[V + 8];
+    } else {
+      S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
+    }
+  }
+
+#pragma unroll
+  for (int s = 0; s < C::kStages; ++s) {
+    if (begin + s < end) load_chunk<T, K, V, BV>(sm.stage[s], a, begin + s, hv, v0);
+    cp_async_commit();
+  }
+
+  for (int chunk = begin; chunk < end; ++chunk) {
+    const int stage = (chunk - begin) % C::kStages;
+    const StateStage<T, K, BV>& st = sm.stage[stage];
+    cp_async_wait<C::kStages - 1>();
+    __syncthreads();
+
+    uint32_t aS[K / 16][4];  // S^T as the A operand (the state at the chunk start)
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) to_a<T>(aS[kk], S, kk);
+
+    // vnew^T = u^T - S^T w^T
+    float vnew[kKdaChunk / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
+      const int j = nt * 8 + 2 * t;
+      vnew[nt][0] = to_float(st.u[j][vw + g]);
+      vnew[nt][1] = to_float(st.u[j + 1][vw + g]);
+      vnew[nt][2] = to_float(st.u[j][vw + g + 8]);
+      vnew[nt][3] = to_float(st.u[j + 1][vw + g + 8]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      const uint32_t neg_s[4] = {neg2(aS[kk][0]), neg2(aS[kk][1]), neg2(aS[kk][2]), neg2(aS[kk][3])};
+#pragma unroll
+      for (int np = 0; np < kKdaChunk / 16; ++np) {
+        uint32_t b[4];
+        load_b_rows(b, &st.w[0][0], C::kLdK, np * 16, kk * 16);
+        mma_pair<T>(vnew[2 * np], vnew[2 * np + 1], neg_s, b);
+      }
+    }
+    uint32_t aV[kKdaChunk / 16][4];
+#pragma unroll
+    for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
+
+    // O^T = S^T qg^T + vnew^T P^T   (P is lower triangular: token block i sees blocks j <= i)
+    float o[kKdaChunk / 8][4];
+    zero(o);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+      for (int np = 0; np < kKdaChunk / 16; ++np) {
+        uint32_t b[4];
+        load_b_rows(b, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
+        mma_pair<T>(o[2 * np], o[2 * np + 1], aS[kk], b);
+      }
+#pragma unroll
+    for (int np = 0; np < kKdaChunk / 16; ++np)
+#pragma unroll
+      for (int jj = 0; jj <= np; ++jj) {
+        uint32_t b[4];
+        load_b_rows(b, &st.P[0][0], C::kLdP, np * 16, jj * 16);
+        mma_pair<T>(o[2 * np], o[2 * np + 1], aV[jj], b);
+      }
+
+    // out: through this warp's smem tile, 32 bytes per token
+    const KdaChunk ch = chunk_at(a, chunk);
+    T(*ot)[C::kLdO] = sm.out[warp];
+#pragma unroll
+    for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
+      const int j = nt * 8 + 2 * t;
+      ot[j][g] = from_float<T>(o[nt][0]);
+      ot[j + 1][g] = from_float<T>(o[nt][1]);
+      ot[j][g + 8] = from_float<T>(o[nt][2]);
+      ot[j + 1][g + 8] = from_float<T>(o[nt][3]);
+    }
+    __syncwarp();
+    T* out = static_cast<T*>(a.out) + ch.batch * a.out_st.batch + ch.t0 * a.out_st.token + hv * a.out_st.head + v0 + vw;
+#pragma unroll
+    for (int r = 0; r < kKdaChunk * 2 / 32; ++r) {
+      const int idx = r * 32 + lane, i = idx / 2, half = idx % 2;
+      if (i < ch.len)
+        *reinterpret_cast<uint4*>(out + i * a.out_st.token + half * 8) = *reinterpret_cast<const uint4*>(&ot[i][half * 8]);
+    }
+
+    // S^T <- S^T Diag(decay) + vnew^T kg
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      const float d0 = st.decay[nt * 8 + 2 * t], d1 = st.decay[nt * 8 + 2 * t + 1];
+      S[nt][0] *= d0, S[nt][1] *= d1, S[nt][2] *= d0, S[nt][3] *= d1;
+    }
+#pragma unroll
+    for (int jj = 0; jj < kKdaChunk / 16; ++jj)
+#pragma unroll
+      for (int np = 0; np < K / 16; ++np) {
+        uint32_t b[4];
+        load_b_cols(b, &st.kg[0][0], C::kLdK, jj * 16, np * 16);
+        mma_pair<T>(S[2 * np], S[2 * np + 1], aV[jj], b);
+      }
+
+    __syncthreads();  // every warp is done with this stage (and its out tile)
+    if (chunk + C::kStages < end) load_chunk<T, K, V, BV>(sm.stage[stage], a, chunk + C::kStages, hv, v0);
+    cp_async_commit();
+  }
+
+  if (a.final_state) {
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt) {
+      float* ht = a.final_state + state_base + (nt * 8 + 2 * t) * V;
+      ht[0] = S[nt][0], ht[V] = S[nt][1], ht[8] = S[nt][2], ht[V + 8] = S[nt][3];
+    }
+  }
+}
+
+}  // namespace flare::kda

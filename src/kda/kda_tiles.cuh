@@ -1,0 +1,106 @@
+// Warp tile operations of the KDA kernels, on top of flare's m16n8k16 helpers (warp_mma.h).
+//
+// Names say which operand a fragment is and where it comes from:
+//   load_a(tile, row0, col0)      A fragment (16x16) of a row-major smem tile
+//   load_b_rows(tile, n0, k0)     B fragments of two n8 tiles, smem stored [n][k] (k contiguous)
+//   load_b_cols(tile, k0, n0)     the same from a tile stored [k][n] (n contiguous), via .trans
+//   to_a(acc, kk)                 the A fragment of k-step kk from fp32 accumulators (C layout)
+// An accumulator row block of 16 rows x N columns is `float acc[N / 8][4]`.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "src/attention/portable/warp_mma.h"
+
+namespace flare::kda {
+
+using portable::cp_async_16;
+using portable::cp_async_commit;
+using portable::cp_async_wait;
+using portable::ElemTraits;
+using portable::fast_exp2;
+using portable::ldmatrix_x4;
+using portable::ldmatrix_x4_trans;
+using portable::mma_16x8x16;
+
+constexpr float kRcpLn2 = 1.4426950408889634f;  // gates are cumulated in log2 units: exp -> exp2
+constexpr float kMaxExp2 = 126.f;               // clamp: exp2 stays finite in fp32 and bf16
+
+__device__ __forceinline__ float exp2_clamped(float x) { return fast_exp2(fminf(x, kMaxExp2)); }
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) { return ElemTraits<T>::pack(lo, hi); }
+
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t x) {
+  const T* p = reinterpret_cast<const T*>(&x);
+  return make_float2(to_float(p[0]), to_float(p[1]));
+}
+
+// A fragment of the 16x16 block at (row0, col0) of a row-major tile with row stride `ld`.
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int ld, int row0, int col0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(a, tile + (row0 + lane % 16) * ld + col0 + (lane / 16) * 8);
+}
+
+// B fragments (b0, b1 of n-tiles n0..n0+7 and n0+8..n0+15, k-step at k0) of a tile stored [n][k].
+template <typename T>
+__device__ __forceinline__ void load_b_rows(uint32_t (&b)[4], const T* tile, int ld, int n0, int k0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4(b, tile + (n0 + lane % 8 + (lane / 16) * 8) * ld + k0 + ((lane / 8) % 2) * 8);
+}
+
+// The same for a tile stored [k][n].
+template <typename T>
+__device__ __forceinline__ void load_b_cols(uint32_t (&b)[4], const T* tile, int ld, int k0, int n0) {
+  const int lane = threadIdx.x % 32;
+  ldmatrix_x4_trans(b, tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ld + n0 + (lane / 16) * 8);
+}
+
+// acc[n-tile pair] += a * b for the two n8 tiles a load_b_* returned.
+template <typename T>
+__device__ __forceinline__ void mma_pair(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  mma_16x8x16<T>(c0, a, b[0], b[1]);
+  mma_16x8x16<T>(c1, a, b[2], b[3]);
+}
+
+// The A fragment of k-step kk (columns 16kk..16kk+15) from accumulators in C layout.
+template <typename T, int N8>
+__device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&acc)[N8][4], int kk) {
+  a[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
+// -a for a packed pair of 16-bit floats.
+__device__ __forceinline__ uint32_t neg2(uint32_t x) { return x ^ 0x80008000u; }
+
+template <int N8>
+__device__ __forceinline__ void zero(float (&acc)[N8][4]) {
+#pragma unroll
+  for (int i = 0; i < N8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+}  // namespace flare::kda
