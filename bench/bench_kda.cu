@@ -1,0 +1,207 @@
+// KDA chunked forward benchmark: bf16, H = HV = 32, K = V = 128, 32k tokens (B x T = 32768 for
+// T from 1k to 32k, and a varlen batch of uneven lengths), in the plain mode (pre-computed fp32
+// log-space gate, as FLA's chunk_kda is usually timed) and the layer mode (raw gate activated in
+// the kernel, q/k l2norm, beta sigmoid). Prints time, the bandwidth of the tensors read and
+// written once (q, k, v, g, beta, out) and its fraction of the measured copy bandwidth; checks
+// that every output is finite. FLA's figure (issue 8, H100): ~4.1 ms forward for this size.
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "bench/common/bench_common.h"
+#include "flare/kda.h"
+
+namespace flare::bench {
+namespace {
+
+constexpr int kTokens = 32768, kHeads = 32, kDim = 128;
+
+struct Case {
+  std::string name;
+  int batch, seqlen;
+  std::vector<int> seqlens;  // varlen (batch 1, seqlen = sum)
+  bool layer_mode;
+};
+
+// k rows to unit norm (keeps the delta rule contractive), g to a log decay in [-0.6, -0.01]
+// (plain mode) or left raw (layer mode), beta into (0, 1) (plain) or raw (layer).
+__global__ void shape_inputs(__nv_bfloat16* k, float* g, __nv_bfloat16* beta, int64_t rows, bool layer_mode) {
+  const int64_t row = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
+  if (row >= rows) return;
+  const int lane = threadIdx.x;
+  float x[kDim / 32], sum = 0.f;
+  for (int e = 0; e < kDim / 32; ++e) {
+    x[e] = __bfloat162float(k[row * kDim + lane + 32 * e]);
+    sum += x[e] * x[e];
+  }
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  for (int e = 0; e < kDim / 32; ++e) {
+    k[row * kDim + lane + 32 * e] = __float2bfloat16(layer_mode ? x[e] : x[e] * rsqrtf(sum));
+    float& ge = g[row * kDim + lane + 32 * e];
+    if (!layer_mode) ge = -0.01f - 0.2f * fabsf(ge);
+  }
+  if (lane == 0 && !layer_mode) beta[row] = __float2bfloat16(0.5f + 0.4f * tanhf(__bfloat162float(beta[row])));
+}
+
+__global__ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = __bfloat162float(in[i]);
+}
+
+__global__ void count_nonfinite(const __nv_bfloat16* x, int64_t n, unsigned long long* bad) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    if (!isfinite(__bfloat162float(x[i]))) atomicAdd(bad, 1ull);
+}
+
+struct Buffers {
+  __nv_bfloat16 *q, *k, *v, *beta, *out;
+  float *g, *A_log, *dt_bias, *final_state;
+  int* cu_seqlens;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+KdaForwardParams make_params(const Case& c, const Buffers& b) {
+  const int64_t B = c.batch, T = c.seqlen, H = kHeads, D = kDim;
+  const int64_t N = c.seqlens.empty() ? B : static_cast<int64_t>(c.seqlens.size());
+  KdaForwardParams p;
+  p.q = TensorView::contiguous(b.q, DType::kBFloat16, {B, T, H, D});
+  p.k = TensorView::contiguous(b.k, DType::kBFloat16, {B, T, H, D});
+  p.v = TensorView::contiguous(b.v, DType::kBFloat16, {B, T, H, D});
+  p.g = TensorView::contiguous(b.g, DType::kFloat32, {B, T, H, D});
+  p.beta = TensorView::contiguous(b.beta, DType::kBFloat16, {B, T, H});
+  p.out = TensorView::contiguous(b.out, DType::kBFloat16, {B, T, H, D});
+  p.final_state = TensorView::contiguous(b.final_state, DType::kFloat32, {N, H, D, D});
+  for (TensorView* t : {&p.q, &p.k, &p.v, &p.g, &p.beta, &p.out, &p.final_state}) t->device = {DeviceKind::kCUDA, 0};
+  if (!c.seqlens.empty()) {
+    p.cu_seqlens = TensorView::contiguous(b.cu_seqlens, DType::kInt32, {N + 1}, {DeviceKind::kCUDA, 0});
+  }
+  if (c.layer_mode) {
+    p.options.qk_l2norm = p.options.beta_sigmoid = p.options.gate_in_kernel = true;
+    p.A_log = TensorView::contiguous(b.A_log, DType::kFloat32, {H}, {DeviceKind::kCUDA, 0});
+    p.dt_bias = TensorView::contiguous(b.dt_bias, DType::kFloat32, {H * D}, {DeviceKind::kCUDA, 0});
+  }
+  return p;
+}
+
+int run(int argc, char** argv) {
+  const Args args = parse_args_or_exit(argc, argv);
+  require_cuda_device_or_exit();
+  cudaStream_t stream;
+  FLARE_BENCH_CHECK(cudaStreamCreate(&stream));
+  const double copy_gbps = measure_copy_bandwidth_gbps(stream);
+
+  std::vector<Case> cases;
+  for (bool layer : {false, true}) {
+    const std::string mode = layer ? " layer" : "";
+    for (int T : {1024, 4096, 32768}) cases.push_back({"B" + std::to_string(kTokens / T) + " T" + std::to_string(T) + mode, kTokens / T, T, {}, layer});
+    // varlen: uneven lengths summing to 32k (partial chunks in most sequences)
+    cases.push_back({"varlen 12" + mode, 1, kTokens, {8000, 100, 3000, 1, 6000, 4567, 2222, 64, 5000, 1800, 1000, 1016}, layer});
+  }
+
+  const int64_t elems = int64_t{kTokens} * kHeads * kDim, rows = int64_t{kTokens} * kHeads;
+  Buffers b;
+  FLARE_BENCH_CHECK(cudaMalloc(&b.q, elems * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.k, elems * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.v, elems * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.out, elems * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.g, elems * 4));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.beta, rows * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.A_log, kHeads * 4));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.dt_bias, kHeads * kDim * 4));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.final_state, int64_t{kTokens} * kHeads * kDim * kDim / 64 * 4));  // >= N states
+  FLARE_BENCH_CHECK(cudaMalloc(&b.cu_seqlens, 64 * 4));
+  unsigned long long* bad;
+  FLARE_BENCH_CHECK(cudaMalloc(&bad, sizeof(*bad)));
+
+  Table table;
+  std::vector<Record> records;
+  int failures = 0;
+  for (const Case& c : cases) {
+    if (!args.selected(c.name)) continue;
+    // fresh inputs per mode
+    fill_normal_bf16(b.q, elems, 1, stream);
+    fill_normal_bf16(b.k, elems, 2, stream);
+    fill_normal_bf16(b.v, elems, 3, stream);
+    fill_normal_bf16(b.out, elems, 4, stream);  // scratch for g
+    bf16_to_f32<<<1024, 256, 0, stream>>>(b.out, b.g, elems);
+    fill_normal_bf16(b.beta, rows, 5, stream);
+    {
+      std::vector<float> a_log(kHeads), dt(kHeads * kDim);
+      for (int h = 0; h < kHeads; ++h) a_log[h] = std::log(1.f + 15.f * h / kHeads);
+      for (int i = 0; i < kHeads * kDim; ++i) dt[i] = -1.f + 0.001f * (i % 997);
+      FLARE_BENCH_CHECK(cudaMemcpyAsync(b.A_log, a_log.data(), kHeads * 4, cudaMemcpyHostToDevice, stream));
+      FLARE_BENCH_CHECK(cudaMemcpyAsync(b.dt_bias, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice, stream));
+    }
+    shape_inputs<<<(rows + 7) / 8, dim3(32, 8), 0, stream>>>(b.k, b.g, b.beta, rows, c.layer_mode);
+    if (!c.seqlens.empty()) {
+      std::vector<int> cu{0};
+      for (int len : c.seqlens) cu.push_back(cu.back() + len);
+      FLARE_BENCH_CHECK(cudaMemcpyAsync(b.cu_seqlens, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice, stream));
+    }
+    FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+
+    KdaForwardParams p = make_params(c, b);
+    p.stream = stream;
+    size_t bytes = 0;
+    Status s = kda_forward_workspace_size(p, &bytes);
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s: %s\n", c.name.c_str(), s.message().c_str());
+      return 1;
+    }
+    if (bytes > b.workspace_bytes) {
+      if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
+      FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, bytes));
+      b.workspace_bytes = bytes;
+    }
+    p.workspace = b.workspace;
+    p.workspace_bytes = b.workspace_bytes;
+    const Timing t = time_kernel(
+        [&](cudaStream_t st) {
+          KdaForwardParams q = p;
+          q.stream = st;
+          const Status r = kda_forward(q);
+          if (!r.ok()) {
+            std::fprintf(stderr, "%s: %s\n", c.name.c_str(), r.message().c_str());
+            std::exit(1);
+          }
+        },
+        args.timing(), stream);
+
+    FLARE_BENCH_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
+    count_nonfinite<<<1024, 256, 0, stream>>>(b.out, elems, bad);
+    unsigned long long nonfinite = 0;
+    FLARE_BENCH_CHECK(cudaMemcpyAsync(&nonfinite, bad, sizeof(nonfinite), cudaMemcpyDeviceToHost, stream));
+    FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+    failures += nonfinite != 0;
+
+    // q, k, v, out bf16, g fp32, beta bf16: each once
+    const double io_bytes = elems * (2.0 * 4 + 4.0) + rows * 2.0;
+    const double gbps = io_bytes / (t.median_ms * 1e6);
+    table.add_row({{"case", c.name},
+                   {"ms", Table::Cell(t.median_ms, 3)},
+                   {"GB/s (io once)", Table::Cell(gbps, 0)},
+                   {"of copy bw", Table::Cell(gbps / copy_gbps, 2)},
+                   {"non-finite", Table::Cell(static_cast<int64_t>(nonfinite))}});
+    Record r;
+    r.name = "kda_fwd " + c.name;
+    r.metrics = {{"median_ms", t.median_ms}, {"gbps_io_once", gbps}, {"fraction_of_copy_bw", gbps / copy_gbps}};
+    r.tags = device_tags();
+    r.tags["dtype"] = "bf16";
+    records.push_back(r);
+  }
+  std::printf("KDA forward, bf16, H = HV = %d, K = V = %d, %d tokens (copy bandwidth %.0f GB/s)\n", kHeads, kDim,
+              kTokens, copy_gbps);
+  table.print();
+  if (!args.json_path.empty()) write_json(args.json_path, records);
+  return failures ? 1 : 0;
+}
+
+}  // namespace
+}  // namespace flare::bench
+
+int main(int argc, char** argv) { return flare::bench::run(argc, argv); }

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""flash-linear-attention's chunk_kda forward on bench_kda's configuration: bf16, H = HV = 32,
+K = V = 128, 32k tokens (B x T = 32768), plain mode (pre-computed fp32 log-space gate, unit-norm
+k, beta in (0, 1)) and layer mode (gate, q/k l2norm, beta sigmoid in the kernel). Median of
+CUDA-event timings after warm-up (Triton compiles during the warm-up). fla is not installed on
+the GPU machine: carry the fla-core and einops wheels (pip download --no-deps into .whl/) and put
+them on PYTHONPATH. Prints a note and exits 0 when fla cannot be imported. Writes JSON with --json."""
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+
+def time_ms(fn, warmup=3, repeats=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--seqlens", default="1024,4096,32768")
+    ap.add_argument("--modes", default="plain,layer")
+    args = ap.parse_args()
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001
+        print(f"fla not importable ({type(e).__name__}: {e}); FLA's figure from issue 8: ~4.1 ms forward")
+        return 0
+    tokens, H, D = 32768, 32, 128
+    records = []
+    dev = "cuda"
+    for mode in args.modes.split(","):
+        layer = mode == "layer"
+        for T in [int(s) for s in args.seqlens.split(",")]:
+            B = tokens // T
+            torch.manual_seed(0)
+            q = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+            v = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+            g = torch.randn(B, T, H, D, device=dev, dtype=torch.float32)
+            beta = torch.randn(B, T, H, device=dev, dtype=torch.bfloat16)
+            kw = {}
+            if layer:
+                kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                          A_log=torch.log(1 + 15 * torch.arange(H, device=dev, dtype=torch.float32) / H),
+                          dt_bias=torch.zeros(H * D, device=dev, dtype=torch.float32))
+            else:
+                k = torch.nn.functional.normalize(k.float(), dim=-1).to(torch.bfloat16)
+                g = -0.01 - 0.2 * g.abs()
+                beta = (0.5 + 0.4 * torch.tanh(beta.float())).to(torch.bfloat16)
+
+            def fwd():
+                with torch.no_grad():
+                    return chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw)
+
+            ms = time_ms(fwd)
+            name = f"B{B} T{T}" + (" layer" if layer else "")
+            print(f"fla chunk_kda fwd {name}: {ms:.3f} ms", flush=True)
+            records.append({"name": "fla_kda_fwd " + name, "metrics": {"median_ms": ms}})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
