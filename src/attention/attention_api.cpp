@@ -5,6 +5,9 @@
 #include "src/attention/bwd_params.h"
 #include "src/attention/portable/bwd_launch.h"
 #include "src/attention/portable/fwd_launch.h"
+#ifdef FLARE_WITH_HOPPER
+#include "src/attention/hopper/fwd_launch.h"
+#endif
 #include "src/common/cuda_check.h"
 
 namespace flare {
@@ -18,12 +21,21 @@ Status attention_forward(const AttentionForwardParams& params) {
     case Backend::kReference:
       return detail::naive_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kAuto:
+#ifdef FLARE_WITH_HOPPER
+      if (hopper::hopper_forward_check(kp, params.q.dtype).ok())
+        return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
+#endif
+      return portable::portable_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kPortable:
       return portable::portable_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kHopper:
-      break;
+#ifdef FLARE_WITH_HOPPER
+      return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
+#else
+      return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
+#endif
   }
-  return Status::NotSupported("attention forward: requested backend is not built yet");
+  return Status::NotSupported("attention forward: unknown backend");
 }
 
 namespace {

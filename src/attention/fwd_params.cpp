@@ -43,6 +43,8 @@ FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const At
   k.head_dim = s.head_dim;
   k.seqlen_q = s.seqlen_q;
   k.seqlen_k = s.seqlen_k;
+  k.total_q = s.total_q;
+  k.total_k = s.total_k;
   k.scale = s.softmax_scale;
   k.scale_log2 = s.softmax_scale * static_cast<float>(M_LOG2E);
   k.softcap = p.softcap;

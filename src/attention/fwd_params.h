@@ -27,6 +27,7 @@ struct FwdKernelParams {
   const int* cu_seqlens_k = nullptr;
   int batch = 0, heads = 0, heads_kv = 0, group = 1, head_dim = 0;
   int seqlen_q = 0, seqlen_k = 0;  // batched lengths, or the max lengths when varlen
+  int64_t total_q = 0, total_k = 0;  // rows of the q and k tensors (batch * seqlen when batched)
   float scale = 1.f;               // softmax scale
   float scale_log2 = 1.f;          // scale * log2(e): the online softmax runs in exp2
   float softcap = 0.f;             // 0: off

@@ -13,6 +13,8 @@ DeviceFacts current_device_facts() {
     f.device = device;
     cudaDeviceGetAttribute(&f.num_sms, cudaDevAttrMultiProcessorCount, device);
     cudaDeviceGetAttribute(&f.l2_bytes, cudaDevAttrL2CacheSize, device);
+    cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&f.cc_minor, cudaDevAttrComputeCapabilityMinor, device);
     cached = f;
   }
   return cached;

@@ -6,6 +6,7 @@ namespace flare::detail {
 
 struct DeviceFacts {
   int device = -1, num_sms = 0, l2_bytes = 0;
+  int cc_major = 0, cc_minor = 0;  // compute capability
 };
 
 // The current device's facts; queried again only when the current device changes.

@@ -1,10 +1,12 @@
-// The portable (mma.sync) attention forward against the CPU oracle, over the sweep of issue 3:
-// head dims, dtypes, masks, GQA ratios, awkward sequence lengths, seqlen_q != seqlen_k, varlen.
+// The attention forward against the CPU oracle, on each backend (portable mma.sync, Hopper
+// wgmma/TMA), over the sweep of issue 3: head dims, dtypes, masks, GQA ratios, awkward sequence
+// lengths, seqlen_q != seqlen_k, varlen, strided operands.
 // FLARE_TEST_REDUCED=1 runs a small subset (for compute-sanitizer).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
+#include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
 
 namespace flare::test {
@@ -12,7 +14,7 @@ namespace {
 
 bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
-void run_forward(const AttnCase& c, Backend backend = Backend::kPortable) {
+void run_forward(const AttnCase& c, Backend backend) {
   SCOPED_TRACE(c.name());
   AttnProblem prob(c);
   prob.run_oracle();
@@ -23,11 +25,25 @@ void run_forward(const AttnCase& c, Backend backend = Backend::kPortable) {
   prob.check_forward();
 }
 
+class Forward : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+      if (GetParam() != Backend::kHopper) return;
+#ifndef FLARE_HAS_HOPPER
+    GTEST_SKIP() << "built without the Hopper kernels";
+#endif
+    int dev = 0, major = 0, minor = 0;
+    FLARE_CUDA_OK(cudaGetDevice(&dev));
+    FLARE_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    FLARE_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major != 9 || minor != 0) GTEST_SKIP() << "the Hopper kernels need an sm_90 device";
+  }
+};
+
 const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
                              MaskParams{true, 64, -1}};
 
-TEST(PortableForward, Sweep) {
-  FLARE_REQUIRE_GPU();
+TEST_P(Forward, Sweep) {
   const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {1000, 1000}, {2049, 300},
                                       {1, 1000}, {300, 2049}};
   const int ratios[] = {1, 4, 8};
@@ -46,15 +62,14 @@ TEST(PortableForward, Sweep) {
       c.mask = kMasks[(li + d / 32) % 4];
       c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
       c.seed = seed++;
-      run_forward(c);
+      run_forward(c, GetParam());
       ++count;
     }
   }
   EXPECT_GT(count, 0);
 }
 
-TEST(PortableForward, EveryMaskEveryRatio) {
-  FLARE_REQUIRE_GPU();
+TEST_P(Forward, EveryMaskEveryRatio) {
   uint64_t seed = 500;
   for (const MaskParams& m : kMasks)
     for (int ratio : {1, 4, 8}) {
@@ -66,13 +81,12 @@ TEST(PortableForward, EveryMaskEveryRatio) {
       c.heads_kv = 8 / ratio;
       c.mask = m;
       c.seed = seed++;
-      run_forward(c);
+      run_forward(c, GetParam());
       if (reduced()) return;
     }
 }
 
-TEST(PortableForward, SoftcapSinksAndScale) {
-  FLARE_REQUIRE_GPU();
+TEST_P(Forward, SoftcapSinksAndScale) {
   for (int d : {64, 128, 256}) {
     AttnCase c;
     c.head_dim = d;
@@ -84,12 +98,11 @@ TEST(PortableForward, SoftcapSinksAndScale) {
     c.sinks = true;
     c.mask = MaskParams{true, -1, -1};
     c.seed = 900 + d;
-    run_forward(c);
+    run_forward(c, GetParam());
   }
 }
 
-TEST(PortableForward, VarlenWithEmptyAndSingleTokenSequences) {
-  FLARE_REQUIRE_GPU();
+TEST_P(Forward, VarlenWithEmptyAndSingleTokenSequences) {
   for (int d : {64, 128, 256})
     for (const MaskParams& m : kMasks) {
       AttnCase c;
@@ -102,13 +115,12 @@ TEST(PortableForward, VarlenWithEmptyAndSingleTokenSequences) {
       c.mask = m;
       c.sinks = d == 64;
       c.seed = 1000 + d;
-      run_forward(c);
+      run_forward(c, GetParam());
       if (reduced()) return;
     }
 }
 
-TEST(PortableForward, StridedInputs) {
-  FLARE_REQUIRE_GPU();
+TEST_P(Forward, StridedInputs) {
   // q/k/v as slices of a packed qkv tensor: non-contiguous head and row strides.
   AttnCase c;
   c.head_dim = 64;
@@ -127,7 +139,7 @@ TEST(PortableForward, StridedInputs) {
       }
   DeviceTensor dqkv(qkv);
   dqkv.upload(qkv);
-  AttentionForwardParams p = prob.forward_params(Backend::kPortable);
+  AttentionForwardParams p = prob.forward_params(GetParam());
   for (int which = 0; which < 3; ++which) {
     TensorView t;
     t.data = static_cast<char*>(dqkv.view().data) + which * 2 * 64 * dtype_size(c.dtype);
@@ -142,6 +154,11 @@ TEST(PortableForward, StridedInputs) {
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_forward();
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, Forward, ::testing::Values(Backend::kPortable, Backend::kHopper),
+                         [](const ::testing::TestParamInfo<Backend>& i) {
+                           return i.param == Backend::kHopper ? std::string("Hopper") : std::string("Portable");
+                         });
 
 }  // namespace
 }  // namespace flare::test

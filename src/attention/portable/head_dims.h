@@ -8,6 +8,19 @@
 
 namespace flare::portable {
 
+inline constexpr int kLargestHeadDim =
+#if defined(FLARE_HAS_HEAD_DIM_256)
+    256;
+#elif defined(FLARE_HAS_HEAD_DIM_192)
+    192;
+#elif defined(FLARE_HAS_HEAD_DIM_128)
+    128;
+#elif defined(FLARE_HAS_HEAD_DIM_96)
+    96;
+#else
+    64;
+#endif
+
 // 0 when no instantiated head dim can serve d.
 constexpr int instantiated_head_dim(int d) {
 #ifdef FLARE_HAS_HEAD_DIM_64
@@ -44,8 +57,10 @@ decltype(auto) visit_head_dim(int d, F&& f) {
 #ifdef FLARE_HAS_HEAD_DIM_192
     case 192: return f(std::integral_constant<int, 192>{});
 #endif
-    default: return f(std::integral_constant<int, 256>{});
+    default: break;
   }
+  // 256, or (for a head dim the caller did not check) the largest instantiated one.
+  return f(std::integral_constant<int, kLargestHeadDim>{});
 }
 
 }  // namespace flare::portable

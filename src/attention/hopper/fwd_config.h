@@ -1,0 +1,37 @@
+// Tile configuration of the Hopper forward, one constexpr choice per head dim.
+//
+// A CTA is one producer warpgroup (TMA loads) and kConsumerWGs consumer warpgroups, each owning 64
+// query rows (one wgmma M tile): kBlockM = 64 * kConsumerWGs rows share every K/V block loaded.
+// Registers move from the producer to the consumers with setmaxnreg; the budget is the SM's 64K
+// registers for one CTA.
+#pragma once
+
+namespace flare::hopper {
+
+template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2>
+struct HopperFwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;  // keys per block: a multiple of 16 (the PV GEMM's k step)
+  static constexpr int kConsumerWGs = kConsumerWGs_;
+  static constexpr int kBlockM = 64 * kConsumerWGs;
+  static constexpr int kStages = kStages_;  // K and V stages, each
+  static constexpr int kThreads = 128 * (kConsumerWGs + 1);
+  // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
+  static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN: a multiple of 16, at most 256");
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: a multiple of 16, at most 256");
+  static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "two or three consumer warpgroups");
+};
+
+// Per head dim: the S accumulator (kBlockN / 2 floats a thread) and O (kHeadDim / 2) share the
+// consumers' registers; K, V stages and Q share 227 KB of shared memory.
+template <int kHeadDim>
+struct HopperFwdConfigFor;
+template <> struct HopperFwdConfigFor<64> { using type = HopperFwdConfig<64, 128, 3>; };
+template <> struct HopperFwdConfigFor<96> { using type = HopperFwdConfig<96, 128, 2>; };
+template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 128, 2>; };
+template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
+template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 80, 2>; };
+
+}  // namespace flare::hopper

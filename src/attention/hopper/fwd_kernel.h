@@ -1,0 +1,274 @@
+// Hopper attention forward (sm_90a): warp-specialized, TMA-fed, wgmma-computed.
+//
+// A CTA owns kBlockM = 64 x kConsumerWGs query rows of one (sequence, head). Warpgroup 0 is the
+// producer: one thread issues the TMA loads of Q and of the visible K/V blocks, last block first
+// (the masked blocks at the diagonal come first), into rings of kStages stages. Each consumer
+// warpgroup owns 64 rows and runs, per key block n (from the last to the first):
+//
+//     S_n = Q K_n^T                       (wgmma, issued before the softmax of the previous block)
+//     O  += P_{n+1} V_{n+1}              (wgmma, P from registers, overlapping S_n's softmax)
+//     P_n = exp2(S_n * scale - m_n)      (online softmax; O rescaled by exp2(m_{n+1} - m_n))
+//
+// Masks apply on the partial tiles only. The epilogue normalizes O and writes it and the LSE.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "src/attention/fwd_params.h"
+#include "src/attention/hopper/fwd_config.h"
+#include "src/attention/hopper/fwd_layouts.h"
+#include "src/attention/hopper/online_softmax.h"
+#include "src/attention/hopper/stage_ring.h"
+#include "src/attention/hopper/wg_gemm.h"
+
+namespace flare::hopper {
+
+template <typename Cfg, typename T>
+struct HopperFwdParams {
+  using L = FwdLayouts<Cfg, T>;
+  detail::FwdKernelParams p;
+  typename L::TmaQ tma_q;
+  typename L::TmaKV tma_k, tma_v;
+  GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
+};
+
+template <typename Cfg, typename T>
+struct FwdSmem {
+  using L = FwdLayouts<Cfg, T>;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> k;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> v;
+  uint64_t q_full;
+  StageBarriers<Cfg::kStages> k_ring, v_ring;
+};
+
+template <typename Cfg, typename T>
+constexpr int hopper_fwd_smem_bytes() {
+  return static_cast<int>(sizeof(FwdSmem<Cfg, T>)) + 1024;  // + the alignment slack of the base
+}
+
+// The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, key blocks [first, last).
+struct FwdTile {
+  detail::SeqInfo seq;
+  sched::Band band;
+  int m_block = 0, h = 0, b = 0, row0 = 0, rows = 0;
+  sched::BlockRange range;
+};
+
+template <typename Cfg>
+__device__ __forceinline__ FwdTile fwd_tile_of(const detail::FwdKernelParams& p, int m_block, int h, int b) {
+  FwdTile t;
+  t.seq = detail::seq_info(p, b);
+  t.band = detail::band_of(p, t.seq);
+  t.m_block = m_block;
+  t.h = h;
+  t.b = b;
+  t.row0 = m_block * Cfg::kBlockM;
+  t.rows = t.seq.seqlen_q - t.row0 < Cfg::kBlockM ? t.seq.seqlen_q - t.row0 : Cfg::kBlockM;
+  if (t.rows > 0) t.range = sched::kv_block_range(t.band, t.row0, t.row0 + t.rows, t.seq.seqlen_k, Cfg::kBlockN);
+  return t;
+}
+
+// The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t) {
+  using namespace cute;
+  using L = FwdLayouts<Cfg, T>;
+  const detail::FwdKernelParams& p = hp.p;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int hk = t.h / p.group, bt = varlen ? 0 : t.b;
+
+  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
+  Tensor mK = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_k.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
+  Tensor mV = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_v.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
+  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(t.m_block, _0{}));
+  Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(_, _0{}));  // (BN, HD, n)
+  Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(_, _0{}));
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemKV{});
+
+  auto q_part = hp.tma_q.get_slice(_0{});
+  auto k_part = hp.tma_k.get_slice(_0{});
+  auto v_part = hp.tma_v.get_slice(_0{});
+  Tensor tQg = q_part.partition_S(gQ);
+  Tensor tQs = q_part.partition_D(sQ);
+  Tensor tKg = k_part.partition_S(gK);  // (TMA, .., n)
+  Tensor tKs = k_part.partition_D(sK);  // (TMA, .., stage)
+  Tensor tVg = v_part.partition_S(gV);
+  Tensor tVs = v_part.partition_D(sV);
+
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_full, L::kQBytes);
+  copy(hp.tma_q.with(sm.q_full), tQg, tQs);
+
+  RingPos kpos, vpos;
+  auto load_k = [&](int n) {
+    uint64_t& bar = sm.k_ring.acquire(kpos, L::kKVBytes);
+    copy(hp.tma_k.with(bar), tKg(_, _, _, n), tKs(_, _, _, kpos.index));
+    kpos.template advance<Cfg::kStages>();
+  };
+  auto load_v = [&](int n) {
+    uint64_t& bar = sm.v_ring.acquire(vpos, L::kKVBytes);
+    copy(hp.tma_v.with(bar), tVg(_, _, _, n), tVs(_, _, _, vpos.index));
+    vpos.template advance<Cfg::kStages>();
+  };
+  load_k(t.range.last - 1);
+  for (int n = t.range.last - 2; n >= t.range.first; --n) {
+    load_k(n);
+    load_v(n + 1);
+  }
+  load_v(t.range.first);
+}
+
+// Soft-cap and mask one S tile of this warpgroup's 64 rows (scores stay raw when not capped).
+template <typename Cfg, typename FragS>
+__device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernelParams& p, const FwdTile& t,
+                                               int wg_row0, int n, int quad_row, int quad_col) {
+  if (p.softcap > 0.f) {
+    const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(s); ++i) s(i) = post * tanh_approx(s(i) * pre);
+  }
+  const int col0 = n * Cfg::kBlockN;
+  if (sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN, t.seq.seqlen_k) ==
+      sched::TileKind::kFull)
+    return;
+  // Accumulator element i = 4 j + 2 r + c sits at row quad_row + 8 r, column 8 j + quad_col + c;
+  // row r sees the columns [lo_r, hi_r) (the band clipped to the sequence).
+  int lo[2], hi[2];
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = wg_row0 + quad_row + 8 * r;
+    lo[r] = t.band.row_lo(row) - col0 - quad_col;
+    hi[r] = t.band.row_hi(row, t.seq.seqlen_k) - col0 - quad_col;
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(s); ++i) {
+    const int r = (i / 2) % 2, c = 8 * (i / 4) + (i % 2);
+    s(i) = (c >= lo[r] && c < hi[r]) ? s(i) : -INFINITY;
+  }
+}
+
+// One consumer warpgroup's 64 rows of the tile.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t,
+                                        int consumer_thread) {
+  using namespace cute;
+  using L = FwdLayouts<Cfg, T>;
+  const detail::FwdKernelParams& p = hp.p;
+  const int wg = consumer_thread / 128, lane = consumer_thread % 32, warp_in_wg = (consumer_thread % 128) / 32;
+  const int quad_row = 16 * warp_in_wg + lane / 4, quad_col = 2 * (lane % 4);
+  const int wg_row0 = t.row0 + 64 * wg;
+
+  typename L::MmaQK mma_qk;
+  typename L::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(consumer_thread);
+  auto thr_pv = mma_pv.get_thread_slice(consumer_thread);
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (.., stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (.., stage)
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<typename L::BM, typename L::BN>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename L::BM, typename L::HD>{});
+  Tensor tOrP = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
+  static_assert(decltype(size(tSrS))::value == decltype(size(tOrP))::value, "P mirrors S element for element");
+
+  const float score_scale = p.softcap > 0.f ? 1.f : p.scale_log2;
+  OnlineSoftmax softmax;
+  softmax.init(p.sinks ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, p.sinks != nullptr && lane % 4 == 0);
+  clear(tOrO);
+
+  auto to_p = [&] {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<typename L::Elem>(tSrS(i));
+  };
+  if (t.range.first < t.range.last) {
+    RingPos kpos, vpos;
+    cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, 0);
+    int n = t.range.last - 1;
+    sm.k_ring.wait_full(kpos);
+    wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
+    wg_wait<0>(tSrS);
+    if (lane == 0) sm.k_ring.release(kpos);
+    kpos.template advance<Cfg::kStages>();
+    prepare_scores<Cfg>(tSrS, p, t, wg_row0, n, quad_row, quad_col);
+    softmax.update_scores(tSrS, score_scale);  // O is still zero: no rescale
+    to_p();
+    for (--n; n >= t.range.first; --n) {
+      sm.k_ring.wait_full(kpos);
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
+      sm.v_ring.wait_full(vpos);
+      wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
+      wg_wait<1>(tSrS);
+      if (lane == 0) sm.k_ring.release(kpos);
+      kpos.template advance<Cfg::kStages>();
+      prepare_scores<Cfg>(tSrS, p, t, wg_row0, n, quad_row, quad_col);
+      const RowScale alpha = softmax.update_scores(tSrS, score_scale);
+      wg_wait<0>(tOrO);
+      if (lane == 0) sm.v_ring.release(vpos);
+      vpos.template advance<Cfg::kStages>();
+      softmax.rescale(tOrO, alpha);
+      to_p();
+    }
+    sm.v_ring.wait_full(vpos);
+    wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
+    wg_wait<0>(tOrO);
+    if (lane == 0) sm.v_ring.release(vpos);
+  }
+
+  // Epilogue: O / sum and the LSE, straight from the accumulator layout (element i = 4 j + 2 r + c
+  // at row quad_row + 8 r, column 8 j + quad_col + c).
+  const RowScale inv = softmax.finish();
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, varlen ? 0 : t.b, t.seq.q_start, t.h);
+  float* lse = p.lse ? p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start : nullptr;
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = wg_row0 + quad_row + 8 * r;
+    if (row >= t.seq.seqlen_q) continue;
+    T* out_row = out + row * p.out_str.row;
+    CUTE_UNROLL
+    for (int j = 0; j < size(tOrO) / 4; ++j) {
+      const int col = 8 * j + quad_col;
+      if (col < p.head_dim)
+        *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(tOrO(4 * j + 2 * r) * inv.v[r], tOrO(4 * j + 2 * r + 1) * inv.v[r]);
+    }
+    if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
+  }
+}
+
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
+  extern __shared__ unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<FwdSmem<Cfg, T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const detail::FwdKernelParams& p = hp.p;
+  const int warp = threadIdx.x / 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&sm.q_full, 1);
+    sm.k_ring.init(4 * Cfg::kConsumerWGs);
+    sm.v_ring.init(4 * Cfg::kConsumerWGs);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Causal and windowed rows further down see more keys: launch those blocks first.
+  const bool longest_first = p.causal || p.window_left >= 0;
+  const FwdTile tile = fwd_tile_of<Cfg>(p, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp == 0 && tile.rows > 0 && tile.range.first < tile.range.last && cute::elect_one_sync())
+      produce<Cfg, T>(hp, sm, tile);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
+  }
+}
+
+}  // namespace flare::hopper

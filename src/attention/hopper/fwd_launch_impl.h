@@ -1,0 +1,59 @@
+// Host side of the Hopper forward: tensor maps, shared memory, grid. Included by the generated
+// per-(head dim, dtype) translation units only.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "src/attention/hopper/fwd_kernel.h"
+#include "src/attention/hopper/fwd_launch.h"
+#include "src/common/cuda_check.h"
+
+namespace flare::hopper {
+
+// One operand's (rows, head dim, heads, batch) view. Varlen tensors have batch extent 1; the
+// unused batch stride is given a legal value.
+inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim, int heads, int batch, bool varlen,
+                        GShape* shape, GStride* stride) {
+  *shape = GShape(static_cast<int32_t>(rows), head_dim, heads, varlen ? 1 : batch);
+  *stride = GStride(st.row, cute::_1{}, st.head, varlen ? st.row * rows : st.batch);
+}
+
+template <typename Cfg, typename T>
+Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
+  using namespace cute;
+  using L = FwdLayouts<Cfg, T>;
+  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T>();
+  auto kernel = hopper_fwd_kernel<Cfg, T>;
+  static const cudaError_t attr = [&] {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e;
+  }();
+  if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper forward: shared memory attribute");
+  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
+
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  HopperFwdParams<Cfg, T> hp;
+  hp.p = p;
+  GStride q_stride, k_stride, v_stride;
+  GShape k_shape_unused;
+  global_view(p.q_str, varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, p.batch, varlen, &hp.shape_q, &q_stride);
+  global_view(p.k_str, varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, p.batch, varlen, &hp.shape_k, &k_stride);
+  global_view(p.v_str, varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, p.batch, varlen, &k_shape_unused, &v_stride);
+  hp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.q, hp.shape_q, q_stride), typename L::SmemQ{},
+                           Shape<typename L::BM, typename L::HD>{}, _1{});
+  hp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.k, hp.shape_k, k_stride),
+                           typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
+  hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.v, hp.shape_k, v_stride),
+                           typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
+  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+  return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
+}
+
+template <int kHeadDim, typename T>
+Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
+  return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream);
+}
+
+}  // namespace flare::hopper

@@ -1,0 +1,108 @@
+// Online softmax over a wgmma accumulator tile, in exp2 with the scale folded in.
+//
+// A thread of a consumer warpgroup holds two rows of the 64-row tile (quad_row and quad_row + 8);
+// accumulator element i = 4 j + 2 r + c belongs to row r. The four threads of a quad share a row:
+// the row max is reduced across the quad at every block, the row sum only at the end.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace flare::hopper {
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+struct RowScale {
+  float v[2];
+};
+
+struct OnlineSoftmax {
+  float max[2];  // running max, scaled log2 units
+  float sum[2];  // this thread's share of the denominator
+
+  // `start_max`: the sink logit in log2 units (or -inf); its exp2(0) = 1 joins the denominator once
+  // per row, through the thread `count_sink` of each quad.
+  __device__ __forceinline__ void init(float start_max, bool count_sink) {
+    max[0] = max[1] = start_max;
+    sum[0] = sum[1] = count_sink ? 1.f : 0.f;
+  }
+
+  // Scores (raw, masked with -inf) become probabilities exp2(s * scale - m) against the new
+  // running max; returns the factor exp2(m_old - m_new) that O must be rescaled by.
+  template <typename Frag>
+  __device__ __forceinline__ RowScale update_scores(Frag& s, float scale) {
+    constexpr int kN = decltype(cute::size(s))::value;
+    RowScale alpha;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;  // of the raw scores: the scale is positive
+#pragma unroll
+      for (int i = 2 * r; i < kN; i += 4) mx = fmaxf(mx, fmaxf(s(i), s(i + 1)));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(max[r], mx * scale);
+      const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
+      alpha.v[r] = exp2_approx(max[r] - base);
+      max[r] = mx;
+      float rowsum = 0.f;
+#pragma unroll
+      for (int i = 2 * r; i < kN; i += 4) {
+        s(i) = exp2_approx(fmaf(s(i), scale, -base));
+        s(i + 1) = exp2_approx(fmaf(s(i + 1), scale, -base));
+        rowsum += s(i) + s(i + 1);
+      }
+      sum[r] = sum[r] * alpha.v[r] + rowsum;
+    }
+    return alpha;
+  }
+
+  template <typename Frag>
+  __device__ __forceinline__ void rescale(Frag& o, const RowScale& alpha) const {
+    constexpr int kN = decltype(cute::size(o))::value;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) o(i) *= alpha.v[(i / 2) % 2];
+  }
+
+  // Reduces the sums across the quad; returns 1 / sum per row (0 for rows that saw nothing).
+  __device__ __forceinline__ RowScale finish() {
+    RowScale inv;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+      inv.v[r] = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+    }
+    return inv;
+  }
+
+  // Natural-log LSE of row r after finish(); +inf for rows that saw nothing.
+  __device__ __forceinline__ float lse(int r) const {
+    return sum[r] > 0.f ? (max[r] + log2f(sum[r])) * static_cast<float>(M_LN2) : INFINITY;
+  }
+};
+
+}  // namespace flare::hopper
