@@ -62,6 +62,7 @@ struct PrepSmem {
   float ref_exp[4][K];      // 2^m_I
   float cross[C::kPairs][K];  // 2^(m_I - m_J), J < I
   float beta[kKdaChunk];
+  float scalar_gate[kKdaChunk];  // GDN: the raw scalar gate of each row
 };
 
 __device__ __forceinline__ KdaChunk chunk_at(const KdaFwdArgs& a, int c) {
@@ -79,20 +80,31 @@ __device__ __forceinline__ float load_scalar(const void* p, bool fp32, int64_t a
 __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
 __device__ __forceinline__ float softplusf(float x) { return x > 0.f ? x + log1pf(__expf(-x)) : log1pf(__expf(x)); }
 
-// The activated log decay (natural log) of a raw gate value, as in flare::KdaOptions.
-__device__ __forceinline__ float activate_gate(const KdaFwdArgs& a, float g, int hv, int channel) {
-  if (!a.gate_in_kernel) return g;
-  const float z = g + (a.dt_bias ? a.dt_bias[a.scalar_gate ? hv : hv * a.key_dim + channel] : 0.f);
-  if (a.lower_bound < 0.f) return a.lower_bound * sigmoidf((a.A_log ? __expf(a.A_log[hv]) : 1.f) * z);
-  return -__expf(a.A_log[hv]) * softplusf(z);
-}
+// The gate activation of one key channel of one value head, as in flare::KdaOptions:
+// the activated log decay (natural log) of a raw gate value.
+struct GateActivation {
+  bool on;
+  float bias, a_coef, lower_bound;  // z = g + dt_bias; a_coef = exp(A_log) (1 without A_log)
+  __device__ GateActivation(const KdaFwdArgs& a, int hv, int channel) {
+    on = a.gate_in_kernel;
+    bias = on && a.dt_bias ? a.dt_bias[a.scalar_gate ? hv : hv * a.key_dim + channel] : 0.f;
+    a_coef = on && a.A_log ? __expf(a.A_log[hv]) : 1.f;
+    lower_bound = a.lower_bound;
+  }
+  __device__ float operator()(float g) const {
+    if (!on) return g;
+    const float z = g + bias;
+    if (lower_bound < 0.f) return lower_bound * sigmoidf(a_coef * z);
+    return -a_coef * softplusf(z);
+  }
+};
 
 // rows [0, 64) of a [token][dim] operand into smem with 16-byte cp.async; rows >= len are zeros.
 template <typename T, int D, int LD>
 __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t token_stride, int len) {
-  constexpr int kVecs = D / 8;
+  constexpr int kPerVec = 16 / sizeof(T), kVecs = D / kPerVec;
   for (int idx = threadIdx.x; idx < kKdaChunk * kVecs; idx += blockDim.x) {
-    const int i = idx / kVecs, c = (idx % kVecs) * 8;
+    const int i = idx / kVecs, c = (idx % kVecs) * kPerVec;
     const bool valid = i < len;
     cp_async_16(&dst[i][c], src + (valid ? i * token_stride + c : 0), valid);
   }
@@ -146,16 +158,18 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   load_rows<T, V>(s.v, v, a.v_st.token, ch.len);
   cp_async_commit();
 
+  // The raw gate, as it is stored: fp32 rows straight into gam, 16-bit rows into kb (free until
+  // the scaling pass), a scalar gate (GDN) one value per row.
   const int64_t g_base = ch.batch * a.g_st.batch + ch.t0 * a.g_st.token + hv * a.g_st.head;
-  for (int idx = tid; idx < kKdaChunk * K; idx += C::kThreads) {
-    const int i = idx / K, c = idx % K;
-    float x = 0.f;
-    if (i < ch.len) {
-      const float raw = load_scalar<T>(a.g, a.g_fp32, g_base + i * a.g_st.token + (a.scalar_gate ? 0 : c));
-      x = activate_gate(a, raw, hv, c) * kRcpLn2;
-    }
-    s.gam[i][c] = x;
+  if (a.scalar_gate) {
+    if (tid < kKdaChunk)
+      s.scalar_gate[tid] = tid < ch.len ? load_scalar<T>(a.g, a.g_fp32, g_base + tid * a.g_st.token) : 0.f;
+  } else if (a.g_fp32) {
+    load_rows<float, K>(s.gam, static_cast<const float*>(a.g) + g_base, a.g_st.token, ch.len);
+  } else {
+    load_rows<T, K>(s.kb, static_cast<const T*>(a.g) + g_base, a.g_st.token, ch.len);
   }
+  cp_async_commit();
   if (tid < kKdaChunk) {
     float b = 0.f;
     if (tid < ch.len) {
@@ -168,15 +182,20 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   cp_async_wait<0>();
   __syncthreads();
 
-  // ---- l2norm (per warp: its rows), cumulative gate and the references (per channel) ---------
+  // ---- l2norm (per warp: its rows); gate activation, cumulative gate, references (per channel)
   if (a.qk_l2norm) {
     l2norm_rows<T, K>(s.q, warp * kKdaSubChunk);
     l2norm_rows<T, K>(s.k, warp * kKdaSubChunk);
   }
   for (int c = tid; c < K; c += C::kThreads) {
+    const GateActivation activate(a, hv, c);
     float run = 0.f;
 #pragma unroll 8
-    for (int i = 0; i < kKdaChunk; ++i) s.gam[i][c] = run += s.gam[i][c];
+    for (int i = 0; i < kKdaChunk; ++i) {
+      const float raw = a.scalar_gate ? s.scalar_gate[i] : a.g_fp32 ? s.gam[i][c] : to_float(s.kb[i][c]);
+      if (i < ch.len) run += activate(raw) * kRcpLn2;
+      s.gam[i][c] = run;
+    }
     float m[4];
 #pragma unroll
     for (int I = 0; I < 4; ++I) {
