@@ -6,15 +6,21 @@
 // registers for one CTA.
 #pragma once
 
+// A build switch for measuring the ping-pong's worth (-DFLARE_HOPPER_PINGPONG=0).
+#ifndef FLARE_HOPPER_PINGPONG
+#define FLARE_HOPPER_PINGPONG 1
+#endif
+
 namespace flare::hopper {
 
-template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2>
+template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per block: a multiple of 16 (the PV GEMM's k step)
   static constexpr int kConsumerWGs = kConsumerWGs_;
   static constexpr int kBlockM = 64 * kConsumerWGs;
   static constexpr int kStages = kStages_;  // K and V stages, each
+  static constexpr bool kPingPong = kPingPong_;  // consumer warpgroups take turns issuing GEMMs
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;

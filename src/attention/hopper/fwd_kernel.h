@@ -22,6 +22,7 @@
 #include "src/attention/fwd_params.h"
 #include "src/attention/hopper/fwd_config.h"
 #include "src/attention/hopper/fwd_layouts.h"
+#include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
@@ -189,12 +190,16 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<typename L::Elem>(tSrS(i));
   };
+  using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   if (t.range.first < t.range.last) {
     RingPos kpos, vpos;
+    Turns::start(wg);
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, 0);
     int n = t.range.last - 1;
     sm.k_ring.wait_full(kpos);
+    Turns::wait(wg);
     wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
+    Turns::pass(wg);
     wg_wait<0>(tSrS);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
@@ -203,9 +208,11 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     to_p();
     for (--n; n >= t.range.first; --n) {
       sm.k_ring.wait_full(kpos);
+      Turns::wait(wg);
       wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
       sm.v_ring.wait_full(vpos);
       wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
+      Turns::pass(wg);
       wg_wait<1>(tSrS);
       if (lane == 0) sm.k_ring.release(kpos);
       kpos.template advance<Cfg::kStages>();
@@ -218,7 +225,9 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       to_p();
     }
     sm.v_ring.wait_full(vpos);
+    Turns::wait(wg);
     wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
+    Turns::pass(wg);
     wg_wait<0>(tOrO);
     if (lane == 0) sm.v_ring.release(vpos);
   }
