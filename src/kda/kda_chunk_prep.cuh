@@ -1,6 +1,7 @@
 // KDA forward, stage 1: the WY form of one 64-token chunk of one value head (KDA.md section (b)).
-// One CTA of 4 warps per (chunk, value head); every chunk is independent. Warp I owns the rows of
-// sub-chunk I, [16 I, 16 I + 16). All gates are in log2 units (exp -> exp2).
+// One CTA of 8 warps per (chunk, value head); every chunk is independent. Warps I and I + 4 own
+// the rows of sub-chunk I, [16 I, 16 I + 16): the first computes P and w, the second L and u.
+// All gates are in log2 units (exp -> exp2).
 //
 //   load      q, k, v (cp.async), the gate (activated in flight), beta
 //   cumsum    Gam = cumulative gate; per sub-chunk the reference m_I = Gam at row 16 I + 7
@@ -33,7 +34,8 @@ constexpr float kL2NormEps = 1e-6f;
 template <int K, int V>
 struct PrepConfig {
   static_assert(K % 64 == 0 && V % 16 == 0 && K <= 128 && V <= 128, "K in {64, 128}, V a multiple of 16 up to 128");
-  static constexpr int kWarps = kKdaChunk / kKdaSubChunk;  // one warp per sub-chunk
+  static constexpr int kSubChunks = kKdaChunk / kKdaSubChunk;
+  static constexpr int kWarps = 2 * kSubChunks;  // two warps per sub-chunk
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kLdK = K + 8;  // bf16 rows padded by 16 bytes: ldmatrix rows hit distinct banks
   static constexpr int kLdV = V + 8;
@@ -110,11 +112,11 @@ __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t to
   }
 }
 
-// x <- x / sqrt(sum x^2 + eps) for the rows of this warp's sub-chunk.
+// x <- x / sqrt(sum x^2 + eps) for rows [row0, row0 + rows).
 template <typename T, int K, int LD>
-__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0) {
+__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, int rows) {
   const int lane = threadIdx.x % 32;
-  for (int i = row0; i < row0 + kKdaSubChunk; ++i) {
+  for (int i = row0; i < row0 + rows; ++i) {
     float vals[K / 32], sum = 0.f;
 #pragma unroll
     for (int e = 0; e < K / 32; ++e) {
@@ -184,8 +186,9 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
 
   // ---- l2norm (per warp: its rows); gate activation, cumulative gate, references (per channel)
   if (a.qk_l2norm) {
-    l2norm_rows<T, K>(s.q, warp * kKdaSubChunk);
-    l2norm_rows<T, K>(s.k, warp * kKdaSubChunk);
+    constexpr int kRows = kKdaChunk / C::kWarps;
+    l2norm_rows<T, K>(s.q, warp * kRows, kRows);
+    l2norm_rows<T, K>(s.k, warp * kRows, kRows);
   }
   for (int c = tid; c < K; c += C::kThreads) {
     const GateActivation activate(a, hv, c);
@@ -243,40 +246,38 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   }
   __syncthreads();
 
-  // ---- L and P: warp I computes row block I against column blocks J <= I ---------------------
+  // ---- P (warps 0-3) and L (warps 4-7): row block I against column blocks J <= I ------------
+  // The L warps also zero the blocks of (I + L)^-1 above the diagonal.
   {
-    const int I = warp;
+    const int I = warp % C::kSubChunks;
+    const bool is_L = warp >= C::kSubChunks;
     T* P = static_cast<T*>(a.P) + slot * kKdaChunk * kKdaChunk;
-    uint32_t aq[K / 16][4], ak[K / 16][4];
+    uint32_t ar[K / 16][4];  // qa (P) or ka (L), rows of block I
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      load_a(aq[kk], &s.q[0][0], C::kLdK, I * 16, kk * 16);
-      load_a(ak[kk], &s.k[0][0], C::kLdK, I * 16, kk * 16);
-    }
+    for (int kk = 0; kk < K / 16; ++kk) load_a(ar[kk], is_L ? &s.k[0][0] : &s.q[0][0], C::kLdK, I * 16, kk * 16);
 #pragma unroll
-    for (int J = 0; J < 4; ++J) {
-      float p[2][4], l[2][4];
-      zero(p);
-      zero(l);
+    for (int J = 0; J < C::kSubChunks; ++J) {
+      float acc[2][4];
+      zero(acc);
       if (J <= I) {
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
-          uint32_t a_q[4], a_k[4], b[4];
+          uint32_t a_r[4], b[4];
           if (J == I) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) a_q[r] = aq[kk][r], a_k[r] = ak[kk][r];
+            for (int r = 0; r < 4; ++r) a_r[r] = ar[kk][r];
           } else {
             const float* f = s.cross[sub_pair(I, J)] + kk * 16 + 2 * t;
             const float2 lo = make_float2(f[0], f[1]), hi = make_float2(f[8], f[9]);
-            a_q[0] = scale2<T>(aq[kk][0], lo), a_q[1] = scale2<T>(aq[kk][1], lo);
-            a_q[2] = scale2<T>(aq[kk][2], hi), a_q[3] = scale2<T>(aq[kk][3], hi);
-            a_k[0] = scale2<T>(ak[kk][0], lo), a_k[1] = scale2<T>(ak[kk][1], lo);
-            a_k[2] = scale2<T>(ak[kk][2], hi), a_k[3] = scale2<T>(ak[kk][3], hi);
+            a_r[0] = scale2<T>(ar[kk][0], lo), a_r[1] = scale2<T>(ar[kk][1], lo);
+            a_r[2] = scale2<T>(ar[kk][2], hi), a_r[3] = scale2<T>(ar[kk][3], hi);
           }
           load_b_rows(b, &s.kb[0][0], C::kLdK, J * 16, kk * 16);
-          mma_pair<T>(p[0], p[1], a_q, b);
-          mma_pair<T>(l[0], l[1], a_k, b);
+          mma_pair<T>(acc[0], acc[1], a_r, b);
         }
+      } else if (is_L) {
+        for (int e = lane; e < kKdaSubChunk * kKdaSubChunk; e += 32)
+          s.wy.A[I * 16 + e / 16][J * 16 + e % 16] = 0.f;
       }
       // P keeps j <= i (scaled), L keeps j < i; blocks above the diagonal are zeros.
 #pragma unroll
@@ -284,44 +285,53 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int i = I * 16 + g + half * 8, j = J * 16 + nt * 8 + 2 * t;
-          const float p0 = j <= i ? a.scale * p[nt][2 * half] : 0.f;
-          const float p1 = j + 1 <= i ? a.scale * p[nt][2 * half + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(P + i * kKdaChunk + j) = pack2<T>(p0, p1);
-          s.wy.L[i][j] = j < i ? l[nt][2 * half] : 0.f;
-          s.wy.L[i][j + 1] = j + 1 < i ? l[nt][2 * half + 1] : 0.f;
+          if (is_L) {
+            s.wy.L[i][j] = j < i ? acc[nt][2 * half] : 0.f;
+            s.wy.L[i][j + 1] = j + 1 < i ? acc[nt][2 * half + 1] : 0.f;
+          } else {
+            const float p0 = j <= i ? a.scale * acc[nt][2 * half] : 0.f;
+            const float p1 = j + 1 <= i ? a.scale * acc[nt][2 * half + 1] : 0.f;
+            *reinterpret_cast<uint32_t*>(P + i * kKdaChunk + j) = pack2<T>(p0, p1);
+          }
         }
     }
   }
   __syncthreads();
 
-  // ---- (I + L)^-1, diagonal blocks: lane j of warp I solves column j of block (I, I) ----------
-  // Meanwhile the other threads turn ka into x = beta k 2^Gam and v into beta v, for w and u.
-  if (lane < kKdaSubChunk) {
-    const int o = warp * kKdaSubChunk, j = lane;
-    float col[kKdaSubChunk];
+  // ---- (I + L)^-1, diagonal blocks: lane j < 16 of warp I solves column j of block (I, I) -----
+  // Meanwhile warps 4-7 turn ka into x = beta k 2^Gam and v into beta v, for w and u.
+  if (warp < C::kSubChunks) {
+    if (lane < kKdaSubChunk) {
+      const int o = warp * kKdaSubChunk, j = lane;
+      float col[kKdaSubChunk];
 #pragma unroll
-    for (int r = 0; r < kKdaSubChunk; ++r) {
-      float x = r == j ? 1.f : 0.f;
+      for (int r = 0; r < kKdaSubChunk; ++r) {
+        float x = r == j ? 1.f : 0.f;
 #pragma unroll
-      for (int m = 0; m < r; ++m) x -= s.wy.L[o + r][o + m] * col[m];
-      col[r] = x;
+        for (int m = 0; m < r; ++m) x -= s.wy.L[o + r][o + m] * col[m];
+        col[r] = x;
+      }
+#pragma unroll
+      for (int r = 0; r < kKdaSubChunk; ++r) s.wy.A[o + r][o + j] = col[r];
     }
-#pragma unroll
-    for (int r = 0; r < kKdaSubChunk; ++r) s.wy.A[o + r][o + j] = col[r];
   } else {
-    const int lane16 = lane - kKdaSubChunk;  // 16 threads per warp, 64 in all
-    const int id = warp * kKdaSubChunk + lane16;
-    for (int idx = id; idx < kKdaChunk * K; idx += 64) {
-      const int i = idx / K, c = idx % K;
-      s.k[i][c] = from_float<T>(to_float(s.k[i][c]) * s.ref_exp[i / kKdaSubChunk][c]);
+    const int id = tid - C::kThreads / 2;  // 128 threads
+    for (int idx = id; idx < kKdaChunk * K / 8; idx += C::kThreads / 2) {
+      const int i = idx / (K / 8), c0 = (idx % (K / 8)) * 8;
+      alignas(16) T x[8];
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(&s.k[i][c0]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = from_float<T>(to_float(x[e]) * s.ref_exp[i / kKdaSubChunk][c0 + e]);
+      *reinterpret_cast<uint4*>(&s.k[i][c0]) = *reinterpret_cast<const uint4*>(x);
     }
-    for (int idx = id; idx < kKdaChunk * V; idx += 64) {
-      const int i = idx / V, c = idx % V;
-      s.v[i][c] = from_float<T>(to_float(s.v[i][c]) * s.beta[i]);
-    }
-    for (int idx = id; idx < kKdaChunk * kKdaChunk; idx += 64) {
-      const int i = idx / kKdaChunk, j = idx % kKdaChunk;
-      if (j / kKdaSubChunk > i / kKdaSubChunk) s.wy.A[i][j] = 0.f;
+    for (int idx = id; idx < kKdaChunk * V / 8; idx += C::kThreads / 2) {
+      const int i = idx / (V / 8), c0 = (idx % (V / 8)) * 8;
+      const float beta = s.beta[i];
+      alignas(16) T x[8];
+      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(&s.v[i][c0]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = from_float<T>(to_float(x[e]) * beta);
+      *reinterpret_cast<uint4*>(&s.v[i][c0]) = *reinterpret_cast<const uint4*>(x);
     }
   }
   __syncthreads();
@@ -353,9 +363,9 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     }
   }
 
-  // ---- w = A x, u = A (beta v): warp I writes its 16 rows -----------------------------------
+  // ---- w = A x (warps 0-3), u = A (beta v) (warps 4-7): the 16 rows of block I ---------------
   {
-    const int I = warp;
+    const int I = warp % C::kSubChunks;
     uint32_t aA[4][4];
 #pragma unroll
     for (int J = 0; J < 4; ++J) {
@@ -385,10 +395,13 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
         *reinterpret_cast<uint32_t*>(dst + (i + 8) * dst_ld + c) = pack2<T>(acc[nt][2], acc[nt][3]);
       }
     };
+    if (warp < C::kSubChunks) {
 #pragma unroll 2
-    for (int n0 = 0; n0 < K; n0 += 16) product(&s.k[0][0], C::kLdK, n0, w, K);
+      for (int n0 = 0; n0 < K; n0 += 16) product(&s.k[0][0], C::kLdK, n0, w, K);
+    } else {
 #pragma unroll 2
-    for (int n0 = 0; n0 < V; n0 += 16) product(&s.v[0][0], C::kLdV, n0, u, V);
+      for (int n0 = 0; n0 < V; n0 += 16) product(&s.v[0][0], C::kLdV, n0, u, V);
+    }
   }
 }
 

@@ -8,7 +8,7 @@
 //   vnew^T = u^T - S^T w^T                      (the delta-rule corrections, 16 x 64)
 //   O^T    = S^T qg^T + vnew^T P^T               (qg and P carry the scale)
 //   S^T    = S^T Diag(decay) + vnew^T kg
-// The chunk's w, u, qg, kg, P come from kda_chunk_prep through a 2-stage cp.async pipeline.
+// The chunk's w, u, qg, kg, P come from kda_chunk_prep through a 3-stage cp.async pipeline.
 #pragma once
 
 #include "src/kda/kda_chunk_prep.cuh"
@@ -22,7 +22,7 @@ struct StateConfig {
   static_assert(BV % 16 == 0 && BV <= 64, "BV: 16, 32 or 64 value columns");
   static constexpr int kWarps = BV / 16;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;  // two chunks in flight while one is computed
   static constexpr int kLdK = K + 8;  // 16-byte padding: conflict-free ldmatrix
   static constexpr int kLdP = kKdaChunk + 8;
   static constexpr int kLdU = BV + 8;
