@@ -74,7 +74,7 @@ def make_call(mode, q, k, v):
     if mode == "gqa":
         return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     qp = q.view(b, HEADS_KV, GROUP, HEAD_DIM)  # heads h = hk * GROUP + j are rows j of KV head hk
-    return lambda: F.scaled_dot_product_attention(qp, k, v).view(b, HEADS_Q, 1, HEAD_DIM)
+    return lambda: F.scaled_dot_product_attention(qp, k, v).reshape(b, HEADS_Q, 1, HEAD_DIM)
 
 
 def main():

@@ -27,7 +27,10 @@
 // multiple of 64, so partial_lse_offset is a multiple of 256 bytes.
 //
 // Choosing the plan. A tuning table hit wins (its split count is measured on the device, see
-// DecodeTuningTable). Otherwise the fallback heuristic, "wave efficiency":
+// DecodeTuningTable; `bench_decode --tune PATH` times every decode_candidates() plan of a grid of
+// shapes under CUDA-graph replay with L2 flushed and writes the winners; data/decode_tuning_h100.txt
+// is its H100 table for head dim 128, heads_kv 8, group 4, one query token, batches 1-64, caches
+// 256-65536, contiguous and paged). Otherwise the fallback heuristic, "wave efficiency":
 //   n = batch * heads_kv CTAs per split; a grid of n * s CTAs on num_sms SMs has wave efficiency
 //     eff(s) = n * s / (ceil(n * s / num_sms) * num_sms),
 //   the fraction of the launched waves' SM slots that do work. Decode streams K/V, so its time

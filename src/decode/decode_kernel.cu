@@ -6,6 +6,9 @@
 // lse = M + log(sum_s exp(lse_s - M)) with M = max_s lse_s, then streams the S partial outputs,
 // each weighed by exp(lse_s - lse), 32 weights at a time broadcast by shuffles; states of weight
 // 0 (LSE -inf, e.g. an empty split) are skipped, so their partial output is never read into the sum.
+// After the split-KV kernel it is a programmatic dependent launch (sm_90+): its CTAs are launched
+// once every attention CTA has started and wait (griddepcontrol.wait) for the attention grid's
+// results, so the combine's launch latency overlaps the attention kernel's tail.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -55,6 +58,7 @@ struct MergeKernelParams {
 
 constexpr int kMergeThreads = 128;  // 4 rows per CTA, one warp each
 constexpr int kMergeColumnSteps = 2;  // accumulators per lane: one pass covers 2 * 32 * kVec columns
+constexpr int kMergeStatesInFlight = 4;  // divides 32: a group never crosses the 32 weights of a lane set
 
 template <typename OutT>
 __device__ __forceinline__ OutT to_out(float x);
@@ -70,6 +74,7 @@ template <typename OutT, int kVec>
 __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const MergeKernelParams p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const int row = blockIdx.x * (kMergeThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  device::wait_for_prerequisite_grids();  // the partial states are complete and visible
   if (row >= p.rows) return;  // a whole warp; no block barriers below
   const int S = p.num_states, D = p.dim;
   const float* lse_in = p.partial_lse + int64_t{row} * S;
@@ -101,21 +106,40 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
     for (int s0 = 0; s0 < S; s0 += 32) {
       const float w_lane = s0 + lane < S ? exp2f((lse_in[s0 + lane] - lse) * kLog2e) : 0.f;
       const int count = min(32, S - s0);
-      // Unrolled for independent loads in flight (the scalar path spills when unrolled).
-#pragma unroll(kVec == 4 ? 4 : 1)
-      for (int i = 0; i < count; ++i) {
-        const float w = __shfl_sync(0xffffffffu, w_lane, i);
-        if (w == 0.f) continue;  // warp-uniform
-        const float* state = states + int64_t{s0 + i} * D;
+      if constexpr (kVec == 4) {
+        // kMergeStatesInFlight states' loads issued before any is summed: the combine is a few
+        // dependent memory round trips, not one per state.
+        for (int i0 = 0; i0 < count; i0 += kMergeStatesInFlight) {
+          float w[kMergeStatesInFlight];
+          float4 x[kMergeStatesInFlight][kMergeColumnSteps];
 #pragma unroll
-        for (int j = 0; j < kMergeColumnSteps; ++j) {
-          const int c = base + (j * 32 + lane) * kVec;
-          if (c >= D) continue;
-          if constexpr (kVec == 4) {
-            const float4 x = *reinterpret_cast<const float4*>(state + c);
-            acc[j][0] += w * x.x, acc[j][1] += w * x.y, acc[j][2] += w * x.z, acc[j][3] += w * x.w;
-          } else {
-            acc[j][0] += w * state[c];
+          for (int i = 0; i < kMergeStatesInFlight; ++i) {
+            w[i] = __shfl_sync(0xffffffffu, w_lane, i0 + i);  // 0 past the states and for -inf ones
+            const float* state = states + int64_t{s0 + i0 + i} * D;
+#pragma unroll
+            for (int j = 0; j < kMergeColumnSteps; ++j) {
+              const int c = base + (j * 32 + lane) * 4;
+              x[i][j] = w[i] != 0.f && c < D ? *reinterpret_cast<const float4*>(state + c) : make_float4(0, 0, 0, 0);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kMergeStatesInFlight; ++i)
+#pragma unroll
+            for (int j = 0; j < kMergeColumnSteps; ++j) {
+              acc[j][0] += w[i] * x[i][j].x, acc[j][1] += w[i] * x[i][j].y;
+              acc[j][2] += w[i] * x[i][j].z, acc[j][3] += w[i] * x[i][j].w;
+            }
+        }
+      } else {
+#pragma unroll 1
+        for (int i = 0; i < count; ++i) {  // scalar path: one state at a time (unrolled, it spills)
+          const float w = __shfl_sync(0xffffffffu, w_lane, i);
+          if (w == 0.f) continue;  // warp-uniform
+          const float* state = states + int64_t{s0 + i} * D;
+#pragma unroll
+          for (int j = 0; j < kMergeColumnSteps; ++j) {
+            const int c = base + (j * 32 + lane) * kVec;
+            if (c < D) acc[j][0] += w * state[c];
           }
         }
       }
@@ -130,23 +154,41 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
   }
 }
 
-template <typename OutT>
-Status launch_merge_typed(const MergeKernelParams& p, bool vec4, cudaStream_t stream) {
-  const unsigned grid = static_cast<unsigned>((int64_t{p.rows} + kMergeThreads / 32 - 1) / (kMergeThreads / 32));
-  if (vec4)
-    merge_states_kernel<OutT, 4><<<grid, kMergeThreads, 0, stream>>>(p);
-  else
-    merge_states_kernel<OutT, 1><<<grid, kMergeThreads, 0, stream>>>(p);
-  return detail::cuda_status(cudaGetLastError(), "merge states launch");
+// Whether the current device runs programmatic dependent launches (sm_90+).
+bool device_has_programmatic_launch() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major >= 9;
 }
 
-Status launch_merge(const MergeKernelParams& p, DType out_dtype, cudaStream_t stream) {
+// `programmatic`: launched as a programmatic dependent of the kernel before it on the stream.
+template <typename OutT>
+Status launch_merge_typed(const MergeKernelParams& p, bool vec4, bool programmatic, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((int64_t{p.rows} + kMergeThreads / 32 - 1) / (kMergeThreads / 32)));
+  config.blockDim = dim3(kMergeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t e = vec4 ? cudaLaunchKernelEx(&config, merge_states_kernel<OutT, 4>, p)
+                             : cudaLaunchKernelEx(&config, merge_states_kernel<OutT, 1>, p);
+  return detail::cuda_status(e != cudaSuccess ? e : cudaGetLastError(), "merge states launch");
+}
+
+Status launch_merge(const MergeKernelParams& p, DType out_dtype, bool programmatic, cudaStream_t stream) {
   if (p.rows == 0) return Status::Ok();
   const bool vec4 = p.dim % 4 == 0 && reinterpret_cast<uintptr_t>(p.partial_out) % 16 == 0;
   switch (out_dtype) {
-    case DType::kFloat32: return launch_merge_typed<float>(p, vec4, stream);
-    case DType::kBFloat16: return launch_merge_typed<__nv_bfloat16>(p, vec4, stream);
-    case DType::kFloat16: return launch_merge_typed<__half>(p, vec4, stream);
+    case DType::kFloat32: return launch_merge_typed<float>(p, vec4, programmatic, stream);
+    case DType::kBFloat16: return launch_merge_typed<__nv_bfloat16>(p, vec4, programmatic, stream);
+    case DType::kFloat16: return launch_merge_typed<__half>(p, vec4, programmatic, stream);
     default: break;
   }
   return Status::InvalidArgument("out", std::string("dtype ") + dtype_name(out_dtype) + " not supported");
@@ -353,7 +395,7 @@ Status decode_run(const DecodePlan& plan, const DecodeParams& params, void* work
   m.out_stride[2] = params.out.stride[1];  // t
   m.lse_stride[0] = int64_t{shape.heads_q} * shape.q_len, m.lse_stride[1] = shape.q_len, m.lse_stride[2] = 1;
   m.all_empty_lse = INFINITY;  // a row that sees no key: as the standard kernel and ref::decode_forward
-  return decode::launch_merge(m, params.q.dtype, stream);
+  return decode::launch_merge(m, params.q.dtype, decode::device_has_programmatic_launch(), stream);
 }
 
 Status merge_states(const MergeStatesParams& params) {
@@ -381,7 +423,7 @@ Status merge_states(const MergeStatesParams& params) {
   m.size1 = static_cast<int>(size[1]);
   m.size2 = static_cast<int>(size[2]);
   m.all_empty_lse = -INFINITY;  // ref::merge_states
-  return decode::launch_merge(m, params.out.dtype, params.stream);
+  return decode::launch_merge(m, params.out.dtype, /*programmatic=*/false, params.stream);
 }
 
 }  // namespace flare

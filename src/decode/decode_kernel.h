@@ -136,7 +136,6 @@ struct DecodeConfigFor<256> {
 
 namespace device {
 
-using portable::cp_async_16;
 using portable::cp_async_commit;
 using portable::cp_async_wait;
 using portable::ElemTraits;
@@ -144,6 +143,28 @@ using portable::fast_exp2;
 using portable::ldmatrix_x4;
 using portable::ldmatrix_x4_trans;
 using portable::mma_16x8x16;
+
+// 16-byte cp.async (zero-filled when !valid) with the L2 told to fetch the whole 256-byte
+// neighbourhood: a K/V row of head dim 128 is 256 bytes, so its other half and, in a paged or
+// contiguous cache, the next head's row are fetched with it instead of by separate DRAM requests.
+__device__ __forceinline__ void cp_async_16_l2_256(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+
+// Programmatic dependent launch (sm_90+): the combine kernel is launched while the attention
+// kernel still runs and waits here for its results, so its launch latency hides behind the
+// attention kernel's tail. No-ops below sm_90 (the launch attribute is not set there either).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ int warp_min(int x) {
 #pragma unroll
@@ -217,6 +238,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_attention_kernel(const D
   __shared__ float warp_row_max[kWarps][16], warp_row_sum[kWarps][16];
   __shared__ float cta_row_max[Cfg::kRowsPerCta], cta_row_sum[Cfg::kRowsPerCta];
 
+  if constexpr (kSplit) allow_dependent_launch();  // the combine may start launching now
+
   // ---- which work: blockIdx.x = ((b * heads_kv + hk) * row_blocks + rb) * num_splits + split
   int x = blockIdx.x;
   const int split = kSplit ? x % p.num_splits : 0;
@@ -273,26 +296,42 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_attention_kernel(const D
   const T* v_base = static_cast<const T*>(p.v) + hk * p.v_stride_h;
   const int load_col = (threadIdx.x % Cfg::kLoadChunksPerRow) * 8;
   const int load_row = threadIdx.x / Cfg::kLoadChunksPerRow;
+  constexpr int kLoadPasses = kBlockN / Cfg::kLoadRowsPerPass;
+  // Paged caches: the page of each row this thread copies in the next tile, read from the page
+  // table one tile ahead, so the table's latency hides behind a tile of work instead of stalling
+  // every tile's copies.
+  int32_t next_pages[kLoadPasses];
+  auto fetch_pages = [&](int tile) {
+    if (page_row == nullptr) return;
+    const int key0 = keys.tile_begin + tile * kBlockN;
+#pragma unroll
+    for (int pass = 0; pass < kLoadPasses; ++pass) {
+      const int key = key0 + load_row + pass * Cfg::kLoadRowsPerPass;
+      next_pages[pass] = key < keys.kv_end ? page_row[key >> p.page_shift] : 0;
+    }
+  };
   auto load_tile = [&](int tile, int stage) {
     T* k_dst = kv_smem + stage * Cfg::kStageElems;
     T* v_dst = k_dst + kBlockN * kStride;
     const int key0 = keys.tile_begin + tile * kBlockN;
 #pragma unroll
-    for (int pass = 0; pass < kBlockN / Cfg::kLoadRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kLoadPasses; ++pass) {
       const int r = load_row + pass * Cfg::kLoadRowsPerPass, key = key0 + r;
       const bool valid = key < keys.kv_end;
       int64_t k_off = 0, v_off = 0;
       if (valid) {
         // Contiguous: (sequence, token). Paged: (page, token within the page).
-        const int64_t slot = page_row != nullptr ? page_row[key >> p.page_shift] : b;
+        const int64_t slot = page_row != nullptr ? next_pages[pass] : b;
         const int64_t tok = page_row != nullptr ? (key & ((1 << p.page_shift) - 1)) : key;
         k_off = slot * p.k_stride_0 + tok * p.k_stride_tok + load_col;
         v_off = slot * p.v_stride_0 + tok * p.v_stride_tok + load_col;
       }
-      cp_async_16(k_dst + r * kStride + load_col, k_base + k_off, valid);
-      cp_async_16(v_dst + r * kStride + load_col, v_base + v_off, valid);
+      cp_async_16_l2_256(k_dst + r * kStride + load_col, k_base + k_off, valid);
+      cp_async_16_l2_256(v_dst + r * kStride + load_col, v_base + v_off, valid);
     }
+    fetch_pages(tile + 1);
   };
+  fetch_pages(0);
 
   // Prologue: kStages - 1 tiles in flight (one commit group each, empty past the end).
 #pragma unroll
