@@ -13,7 +13,8 @@
 
 namespace flare::hopper {
 
-template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0>
+template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0,
+          int kExp2PolyEvery_ = 0>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per block: a multiple of 16 (the PV GEMM's k step)
@@ -21,6 +22,8 @@ struct HopperFwdConfig {
   static constexpr int kBlockM = 64 * kConsumerWGs;
   static constexpr int kStages = kStages_;  // K and V stages, each
   static constexpr bool kPingPong = kPingPong_;  // consumer warpgroups take turns issuing GEMMs
+  // Every kExp2PolyEvery-th group of 8 score columns is exponentiated on the FMA pipe (0: none).
+  static constexpr int kExp2PolyEvery = kExp2PolyEvery_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
@@ -31,13 +34,16 @@ struct HopperFwdConfig {
 };
 
 // Per head dim: the S accumulator (kBlockN / 2 floats a thread) and O (kHeadDim / 2) share the
-// consumers' registers; K, V stages and Q share 227 KB of shared memory.
+// consumers' registers; K, V stages and Q share 227 KB of shared memory. Measured on the H100
+// (bench/tuning/tune_hopper_fwd, bench/RESULTS.md): key blocks of 160 or 176 lost 10-27 % to 128
+// at d128, 80 lost 30 % to 64 at d256 (and 48 lost 33 %), 96 beat 64 by 14 % at d192; three
+// consumer warpgroups beat two at d64. The exp2 polynomial lost at every head dim (kept off).
 template <int kHeadDim>
 struct HopperFwdConfigFor;
 template <> struct HopperFwdConfigFor<64> { using type = HopperFwdConfig<64, 128, 3>; };
 template <> struct HopperFwdConfigFor<96> { using type = HopperFwdConfig<96, 128, 2>; };
 template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 128, 2>; };
 template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
-template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 80, 2>; };
+template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
 
 }  // namespace flare::hopper

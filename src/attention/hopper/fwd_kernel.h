@@ -44,7 +44,7 @@ struct FwdSmem {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> k;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> v;
-  uint64_t q_full;
+  uint64_t q_full, q_empty;  // Q is reloaded per tile once every consumer warp is done with it
   StageBarriers<Cfg::kStages> k_ring, v_ring;
 };
 
@@ -52,6 +52,12 @@ template <typename Cfg, typename T>
 constexpr int hopper_fwd_smem_bytes() {
   return static_cast<int>(sizeof(FwdSmem<Cfg, T>)) + 1024;  // + the alignment slack of the base
 }
+
+// Where a role stands in the pipelines; carried from tile to tile by persistent CTAs.
+struct PipePos {
+  RingPos k, v;
+  uint32_t q_phase = 0;
+};
 
 // The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, key blocks [first, last).
 struct FwdTile {
@@ -77,7 +83,8 @@ __device__ __forceinline__ FwdTile fwd_tile_of(const detail::FwdKernelParams& p,
 
 // The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them.
 template <typename Cfg, typename T>
-__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t) {
+__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t,
+                                        PipePos& pos) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -104,10 +111,13 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor tVg = v_part.partition_S(gV);
   Tensor tVs = v_part.partition_D(sV);
 
+  cutlass::arch::ClusterBarrier::wait(&sm.q_empty, pos.q_phase ^ 1u);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_full, L::kQBytes);
   copy(hp.tma_q.with(sm.q_full), tQg, tQs);
+  pos.q_phase ^= 1u;
 
-  RingPos kpos, vpos;
+  RingPos& kpos = pos.k;
+  RingPos& vpos = pos.v;
   auto load_k = [&](int n) {
     uint64_t& bar = sm.k_ring.acquire(kpos, L::kKVBytes);
     copy(hp.tma_k.with(bar), tKg(_, _, _, n), tKs(_, _, _, kpos.index));
@@ -158,7 +168,7 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
 // One consumer warpgroup's 64 rows of the tile.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t,
-                                        int consumer_thread) {
+                                        int consumer_thread, PipePos& pos) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -192,9 +202,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   if (t.range.first < t.range.last) {
-    RingPos kpos, vpos;
-    Turns::start(wg);
-    cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, 0);
+    RingPos& kpos = pos.k;
+    RingPos& vpos = pos.v;
+    cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
+    pos.q_phase ^= 1u;
     int n = t.range.last - 1;
     sm.k_ring.wait_full(kpos);
     Turns::wait(wg);
@@ -204,12 +215,13 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
     prepare_scores<Cfg>(tSrS, p, t, wg_row0, n, quad_row, quad_col);
-    softmax.update_scores(tSrS, score_scale);  // O is still zero: no rescale
+    RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery>(tSrS, score_scale);
     to_p();
     for (--n; n >= t.range.first; --n) {
       sm.k_ring.wait_full(kpos);
       Turns::wait(wg);
       wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
+      softmax.rescale(tOrO, alpha);  // while S_n is on the tensor cores
       sm.v_ring.wait_full(vpos);
       wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
       Turns::pass(wg);
@@ -217,19 +229,21 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       if (lane == 0) sm.k_ring.release(kpos);
       kpos.template advance<Cfg::kStages>();
       prepare_scores<Cfg>(tSrS, p, t, wg_row0, n, quad_row, quad_col);
-      const RowScale alpha = softmax.update_scores(tSrS, score_scale);
+      alpha = softmax.template update_scores<Cfg::kExp2PolyEvery>(tSrS, score_scale);
       wg_wait<0>(tOrO);
       if (lane == 0) sm.v_ring.release(vpos);
       vpos.template advance<Cfg::kStages>();
-      softmax.rescale(tOrO, alpha);
       to_p();
     }
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.q_empty);  // every S GEMM has completed
+    softmax.rescale(tOrO, alpha);
     sm.v_ring.wait_full(vpos);
     Turns::wait(wg);
     wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
     Turns::pass(wg);
     wg_wait<0>(tOrO);
     if (lane == 0) sm.v_ring.release(vpos);
+    vpos.template advance<Cfg::kStages>();
   }
 
   // Epilogue: O / sum and the LSE, straight from the accumulator layout (element i = 4 j + 2 r + c
@@ -253,7 +267,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   }
 }
 
-template <typename Cfg, typename T>
+// kPersistent: CTA c works on tiles c, c + gridDim.x, ... of the L2-grouped order, its producer
+// loading the next tile's Q and K/V while the consumers finish the current one. Otherwise one CTA
+// per tile, launched longest first when rows see different numbers of keys.
+template <typename Cfg, typename T, bool kPersistent>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<FwdSmem<Cfg, T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -261,22 +278,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   const int warp = threadIdx.x / 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&sm.q_empty, 4 * Cfg::kConsumerWGs);
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
-  // Causal and windowed rows further down see more keys: launch those blocks first.
   const bool longest_first = p.causal || p.window_left >= 0;
-  const FwdTile tile = fwd_tile_of<Cfg>(p, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+  auto for_each_tile = [&](auto&& work) {
+    if constexpr (kPersistent) {
+      for (int i = blockIdx.x; i < p.order.num_tiles; i += gridDim.x) {
+        const sched::TileCoord c = sched::tile_at(p.order, i);
+        work(fwd_tile_of<Cfg>(p, c.block, c.head, c.batch));
+      }
+    } else {
+      work(fwd_tile_of<Cfg>(p, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z));
+    }
+  };
+  PipePos pos;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (warp == 0 && tile.rows > 0 && tile.range.first < tile.range.last && cute::elect_one_sync())
-      produce<Cfg, T>(hp, sm, tile);
+    if (warp == 0 && cute::elect_one_sync())
+      for_each_tile([&](const FwdTile& tile) {
+        if (tile.rows > 0 && tile.range.first < tile.range.last) produce<Cfg, T>(hp, sm, tile, pos);
+      });
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
+    GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
+    for_each_tile([&](const FwdTile& tile) {
+      if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
+    });
   }
 }
 

@@ -7,6 +7,7 @@
 #include "src/attention/hopper/fwd_kernel.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/common/cuda_check.h"
+#include "src/common/device_facts.h"
 
 namespace flare::hopper {
 
@@ -18,14 +19,20 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
   *stride = GStride(st.row, cute::_1{}, st.head, varlen ? st.row * rows : st.batch);
 }
 
+// persistent: 1 always, 0 never (the default), -1 for uniform work only (no causal or window
+// mask). Measured on the H100 at seqlen 4096 (bench/RESULTS.md): the static round-robin over the
+// L2-grouped order lost 2-4 % to one CTA per tile on uniform work at d128 and d256 and 8-14 % on
+// causal work; it stays selectable for the tuning sweep.
 template <typename Cfg, typename T>
-Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
+Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream, int persistent = 0) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T>();
-  auto kernel = hopper_fwd_kernel<Cfg, T>;
+  auto tiled = hopper_fwd_kernel<Cfg, T, false>;
+  auto persistent_kernel = hopper_fwd_kernel<Cfg, T, true>;
   static const cudaError_t attr = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    cudaError_t e = cudaFuncSetAttribute(tiled, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e == cudaSuccess) e = cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e;
   }();
@@ -46,9 +53,30 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
   hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.v, hp.shape_k, v_stride),
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
-  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
-  return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
+  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
+  if (persistent == 0 || (persistent < 0 && !uniform)) {
+    const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+    tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+    return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
+  }
+  const detail::DeviceFacts dev = detail::current_device_facts();
+  sched::TileShape shape;
+  shape.batch = p.batch;
+  shape.heads = p.heads;
+  shape.heads_kv = p.heads_kv;
+  shape.seqlen_q = p.seqlen_q;
+  shape.seqlen_k = p.seqlen_k;
+  shape.q_block = Cfg::kBlockM;
+  shape.kv_block = Cfg::kBlockN;
+  shape.head_dim = p.head_dim;
+  shape.elem_bytes = sizeof(T);
+  shape.causal = p.causal;
+  shape.window_left = p.window_left;
+  shape.window_right = p.window_right;
+  hp.p.order = sched::make_forward_order(shape, dev.l2_bytes / 2);
+  const dim3 grid(std::min(hp.p.order.num_tiles, dev.num_sms));  // one CTA fits an SM
+  persistent_kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+  return detail::cuda_status(cudaGetLastError(), "hopper forward launch (persistent)");
 }
 
 template <int kHeadDim, typename T>

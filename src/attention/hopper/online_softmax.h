@@ -19,6 +19,20 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// 2^x on the FMA pipe, for the share of the softmax that would otherwise queue on the exp2 unit
+// (16 results per clock and SM against 128 FMAs). x = n + f with n = round(x) and f in
+// [-0.5, 0.5]: 2^f from a degree-3 polynomial (relative error 1.0e-4, under bf16's rounding of P),
+// 2^n added to the exponent bits. x below -125 gives 0 (masked scores are -inf).
+__device__ __forceinline__ float exp2_poly(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound holds round(x) in its low bits
+  const float xc = fmaxf(x, -125.f);
+  const float t = __fadd_rn(xc, kRound);
+  const float f = __fsub_rn(xc, __fsub_rn(t, kRound));
+  const float p = fmaf(fmaf(fmaf(0.0550088343f, f, 0.242210999f), f, 0.693282946f), f, 1.f);
+  const int bits = __float_as_int(p) + (__float_as_int(t) << 23);
+  return x < -125.f ? 0.f : __int_as_float(bits);
+}
+
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -52,8 +66,9 @@ struct OnlineSoftmax {
   }
 
   // Scores (raw, masked with -inf) become probabilities exp2(s * scale - m) against the new
-  // running max; returns the factor exp2(m_old - m_new) that O must be rescaled by.
-  template <typename Frag>
+  // running max; returns the factor exp2(m_old - m_new) that O must be rescaled by. Every
+  // kPolyEvery-th group of 8 columns takes exp2_poly instead of the exp2 unit (0: none).
+  template <int kPolyEvery = 0, typename Frag>
   __device__ __forceinline__ RowScale update_scores(Frag& s, float scale) {
     constexpr int kN = decltype(cute::size(s))::value;
     RowScale alpha;
@@ -71,8 +86,14 @@ struct OnlineSoftmax {
       float rowsum = 0.f;
 #pragma unroll
       for (int i = 2 * r; i < kN; i += 4) {
-        s(i) = exp2_approx(fmaf(s(i), scale, -base));
-        s(i + 1) = exp2_approx(fmaf(s(i + 1), scale, -base));
+        const float x0 = fmaf(s(i), scale, -base), x1 = fmaf(s(i + 1), scale, -base);
+        if (kPolyEvery > 0 && (i / 4) % (kPolyEvery > 0 ? kPolyEvery : 1) == 0) {
+          s(i) = exp2_poly(x0);
+          s(i + 1) = exp2_poly(x1);
+        } else {
+          s(i) = exp2_approx(x0);
+          s(i + 1) = exp2_approx(x1);
+        }
         rowsum += s(i) + s(i + 1);
       }
       sum[r] = sum[r] * alpha.v[r] + rowsum;

@@ -1,0 +1,102 @@
+// Tile-shape sweep of the Hopper forward: times alternative HopperFwdConfigs on the benchmark's
+// configuration (bf16, 16k tokens, hidden 2048, seqlen 4096), each checked against the simple
+// fp32 kernel. Used to choose HopperFwdConfigFor<head_dim>.
+#include <cuda_bf16.h>
+
+#include <cstdio>
+#include <string>
+
+#include "bench/common/bench_common.h"
+#include "src/attention/attention_args.h"
+#include "src/attention/hopper/fwd_launch_impl.h"
+
+namespace flare::bench {
+namespace {
+
+using hopper::HopperFwdConfig;
+
+struct Env {
+  __nv_bfloat16 *q, *k, *v, *out, *ref;
+  cudaStream_t stream;
+  Args args;
+  Table table;
+};
+
+flare::detail::FwdKernelParams params_for(int d, int s, bool causal, void* q, void* k, void* v, void* out) {
+  AttentionForwardParams p;
+  const int b = 16384 / s, h = 2048 / d;
+  auto view = [&](void* ptr) { return TensorView::contiguous(ptr, DType::kBFloat16, {b, s, h, d}); };
+  p.q = view(q);
+  p.k = view(k);
+  p.v = view(v);
+  p.out = view(out);
+  p.mask.causal = causal;
+  flare::detail::AttentionShape shape;
+  if (!flare::detail::validate_attention_forward(p, DeviceKind::kCUDA, &shape).ok()) std::abort();
+  return flare::detail::make_fwd_kernel_params(p, shape);
+}
+
+template <typename Cfg>
+void measure(Env& e, const char* label, bool causal, int persistent = -1) {
+  constexpr int d = Cfg::kHeadDim, s = 4096;
+  std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
+  if (!e.args.selected(name)) return;
+  const int64_t n = int64_t{16384} * (2048 / d) * d;
+  auto ref = params_for(d, s, causal, e.q, e.k, e.v, e.ref);
+  if (!flare::detail::naive_attention_forward(ref, DType::kBFloat16, e.stream).ok()) std::abort();
+  auto p = params_for(d, s, causal, e.q, e.k, e.v, e.out);
+  FLARE_BENCH_CHECK(cudaMemsetAsync(e.out, 0xFF, n * 2, e.stream));
+  Status st = hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16>(p, e.stream, persistent);
+  if (!st.ok()) {
+    e.table.add_row({{"config", name}, {"check", st.message()}});
+    return;
+  }
+  const double rel = compare_bf16(e.out, e.ref, n, e.stream).rel_l2;
+  Timing t = time_kernel([&](cudaStream_t st2) {
+    if (!hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16>(p, st2, persistent).ok()) std::abort();
+  }, e.args.timing({.warmup = 3, .repeats = 15}), e.stream);
+  const double tf = tflops(attention_fwd_flops(16384 / s, 2048 / d, s, s, d, causal), t.median_ms);
+  cudaFuncAttributes attr;
+  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, hopper::hopper_fwd_kernel<Cfg, __nv_bfloat16, true>));
+  e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
+                   {"spill B", static_cast<int>(attr.localSizeBytes)}, {"rel err", Table::Cell(rel, 4)},
+                   {"check", rel < 2e-2 ? "ok" : "FAIL"}});
+}
+
+// HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong>
+void sweep(Env& e, bool causal) {
+  measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128", causal, 0);
+  measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128 persistent", causal, 1);
+  measure<HopperFwdConfig<64, 128, 3, 3>>(e, "3wg n128 3 stages", causal, 0);
+  measure<HopperFwdConfig<64, 128, 3, 2, false>>(e, "3wg n128 no ping-pong", causal, 0);
+  measure<HopperFwdConfig<96, 128, 2>>(e, "2wg n128", causal, 0);
+  measure<HopperFwdConfig<128, 128, 2>>(e, "2wg n128", causal, 0);
+  measure<HopperFwdConfig<128, 128, 2, 3>>(e, "2wg n128 3 stages", causal, 0);
+  measure<HopperFwdConfig<128, 128, 2, 2, false>>(e, "2wg n128 no ping-pong", causal, 0);
+  measure<HopperFwdConfig<128, 128, 2, 2, true, 8>>(e, "2wg n128 exp2 poly 1/8", causal, 0);
+  measure<HopperFwdConfig<192, 96, 2>>(e, "2wg n96", causal, 0);
+  measure<HopperFwdConfig<256, 64, 2>>(e, "2wg n64", causal, 0);
+  measure<HopperFwdConfig<256, 80, 2>>(e, "2wg n80", causal, 0);
+  measure<HopperFwdConfig<256, 64, 2, 2, false>>(e, "2wg n64 no ping-pong", causal, 0);
+  measure<HopperFwdConfig<256, 64, 2, 2, true, 4>>(e, "2wg n64 exp2 poly 1/4", causal, 0);
+}
+
+int run(int argc, char** argv) {
+  Env e{};
+  e.args = parse_args_or_exit(argc, argv);
+  require_cuda_device_or_exit();
+  FLARE_BENCH_CHECK(cudaStreamCreate(&e.stream));
+  const int64_t n = int64_t{16384} * 2048;
+  for (__nv_bfloat16** p : {&e.q, &e.k, &e.v, &e.out, &e.ref}) FLARE_BENCH_CHECK(cudaMalloc(p, n * 2));
+  fill_normal_bf16(e.q, n, 1, e.stream);
+  fill_normal_bf16(e.k, n, 2, e.stream);
+  fill_normal_bf16(e.v, n, 3, e.stream);
+  for (bool causal : {false, true}) sweep(e, causal);
+  e.table.print();
+  return 0;
+}
+
+}  // namespace
+}  // namespace flare::bench
+
+int main(int argc, char** argv) { return flare::bench::run(argc, argv); }
