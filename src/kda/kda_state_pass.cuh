@@ -115,12 +115,10 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
     cp_async_wait<C::kStages - 1>();
     __syncthreads();
 
-    uint32_t aS[K / 16][4];  // S^T as the A operand (the state at the chunk start)
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) to_a<T>(aS[kk], S, kk);
-
-    // vnew^T = u^T - S^T w^T
-    float vnew[kKdaChunk / 8][4];
+    // vnew^T = u^T - S^T w^T  and  O^T = S^T qg^T, k-step by k-step: S^T (the state at the chunk
+    // start) becomes an A operand one k-step at a time, which keeps registers free for the
+    // loads in flight.
+    float vnew[kKdaChunk / 8][4], o[kKdaChunk / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
       const int j = nt * 8 + 2 * t;
@@ -129,35 +127,30 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
       vnew[nt][2] = to_float(st.u[j][vw + g + 8]);
       vnew[nt][3] = to_float(st.u[j + 1][vw + g + 8]);
     }
+    zero(o);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-      const uint32_t neg_s[4] = {neg2(aS[kk][0]), neg2(aS[kk][1]), neg2(aS[kk][2]), neg2(aS[kk][3])};
+      uint32_t s_a[4];
+      to_a<T>(s_a, S, kk);
+      const uint32_t neg_s[4] = {neg2(s_a[0]), neg2(s_a[1]), neg2(s_a[2]), neg2(s_a[3])};
 #pragma unroll
       for (int np = 0; np < kKdaChunk / 16; ++np) {
-        uint32_t b[4];
-        load_b_rows(b, &st.w[0][0], C::kLdK, np * 16, kk * 16);
-        mma_pair<T>(vnew[2 * np], vnew[2 * np + 1], neg_s, b);
+        uint32_t bw[4], bq[4];
+        load_b_rows(bw, &st.w[0][0], C::kLdK, np * 16, kk * 16);
+        load_b_rows(bq, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
+        mma_pair<T>(vnew[2 * np], vnew[2 * np + 1], neg_s, bw);
+        mma_pair<T>(o[2 * np], o[2 * np + 1], s_a, bq);
       }
     }
     uint32_t aV[kKdaChunk / 16][4];
 #pragma unroll
     for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
 
-    // O^T = S^T qg^T + vnew^T P^T   (P is lower triangular: token block i sees blocks j <= i)
-    float o[kKdaChunk / 8][4];
-    zero(o);
+    // O^T += vnew^T P^T   (P is lower triangular: token block i sees blocks j <= i)
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk)
+    for (int jj = 0; jj < kKdaChunk / 16; ++jj)
 #pragma unroll
-      for (int np = 0; np < kKdaChunk / 16; ++np) {
-        uint32_t b[4];
-        load_b_rows(b, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
-        mma_pair<T>(o[2 * np], o[2 * np + 1], aS[kk], b);
-      }
-#pragma unroll
-    for (int np = 0; np < kKdaChunk / 16; ++np)
-#pragma unroll
-      for (int jj = 0; jj <= np; ++jj) {
+      for (int np = jj; np < kKdaChunk / 16; ++np) {
         uint32_t b[4];
         load_b_rows(b, &st.P[0][0], C::kLdP, np * 16, jj * 16);
         mma_pair<T>(o[2 * np], o[2 * np + 1], aV[jj], b);
