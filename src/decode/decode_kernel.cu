@@ -2,10 +2,12 @@
 // or the split-KV kernel and then the combine) and merge_states (the combine, exposed). Both
 // allocate nothing, so a decode step can be captured in a CUDA graph.
 //
-// The combine ("merge states"): one warp per row n. It reads the row's S partial LSEs, forms
-// lse = M + log(sum_s exp(lse_s - M)) with M = max_s lse_s, then streams the S partial outputs,
-// each weighed by exp(lse_s - lse), 32 weights at a time broadcast by shuffles; states of weight
-// 0 (LSE -inf, e.g. an empty split) are skipped, so their partial output is never read into the sum.
+// The combine ("merge states"): one CTA of 4 warps per row n. Each warp reads the row's S partial
+// LSEs and forms lse = M + log(sum_s exp(lse_s - M)) with M = max_s lse_s; then the warps share
+// the S partial outputs (of each 32 states, 8 per warp with their loads in flight together), each
+// weighed by exp(lse_s - lse) broadcast by shuffles, and add their sums through shared memory;
+// states of weight 0 (LSE -inf, e.g. an empty split) are skipped, so their partial output is
+// never read into the sum.
 // After the split-KV kernel it is a programmatic dependent launch (sm_90+): its CTAs are launched
 // once every attention CTA has started and wait (griddepcontrol.wait) for the attention grid's
 // results, so the combine's launch latency overlaps the attention kernel's tail.
@@ -24,7 +26,7 @@
 #include "src/common/cuda_check.h"
 #include "src/common/tensor_checks.h"
 #include "src/decode/decode_args.h"
-#include "src/decode/decode_kernel.h"
+#include "src/decode/decode_bulk_kernel.h"
 
 namespace flare::decode {
 
@@ -56,9 +58,16 @@ struct MergeKernelParams {
   float all_empty_lse = -INFINITY;  // LSE of a row whose states all have LSE -inf
 };
 
-constexpr int kMergeThreads = 128;  // 4 rows per CTA, one warp each
-constexpr int kMergeColumnSteps = 2;  // accumulators per lane: one pass covers 2 * 32 * kVec columns
-constexpr int kMergeStatesInFlight = 4;  // divides 32: a group never crosses the 32 weights of a lane set
+constexpr int kMergeThreads = 128;  // one row per CTA: its 4 warps share the row's states
+constexpr int kMergeWarps = kMergeThreads / 32;
+// Accumulators per lane: one pass covers kMergeColumnSteps * 32 * kVec columns (128 with float4
+// loads: head dim 128 in one pass, 8 states' loads in flight without spilling).
+template <int kVec>
+constexpr int kMergeColumnSteps = kVec == 4 ? 1 : 2;
+// Of each 32 states, warp w sums states [8 w, 8 w + 8), their loads in flight together: a row of
+// up to 32 states costs one memory round trip, not one per state (or per 4), which is what the
+// combine of a small batch split many ways waits on.
+constexpr int kMergeStatesPerWarp = 32 / kMergeWarps;
 
 template <typename OutT>
 __device__ __forceinline__ OutT to_out(float x);
@@ -73,9 +82,11 @@ __device__ __forceinline__ __half to_out<__half>(float x) { return __float2half_
 template <typename OutT, int kVec>
 __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const MergeKernelParams p) {
   constexpr float kLog2e = 1.4426950408889634f;
-  const int row = blockIdx.x * (kMergeThreads / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  constexpr int kSteps = kMergeColumnSteps<kVec>;
+  constexpr int kPassColumns = 32 * kVec * kSteps;
+  __shared__ float warp_sums[kMergeWarps][kPassColumns];
+  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   device::wait_for_prerequisite_grids();  // the partial states are complete and visible
-  if (row >= p.rows) return;  // a whole warp; no block barriers below
   const int S = p.num_states, D = p.dim;
   const float* lse_in = p.partial_lse + int64_t{row} * S;
   const float* states = p.partial_out + int64_t{row} * S * D;
@@ -84,72 +95,74 @@ __global__ void __launch_bounds__(kMergeThreads) merge_states_kernel(const Merge
   float* lse_out = p.lse != nullptr ? p.lse + i0 * p.lse_stride[0] + i1 * p.lse_stride[1] + i2 * p.lse_stride[2]
                                     : nullptr;
 
+  // Every warp forms the row's LSE (S loads, shared through L1): no barrier before the sums.
   float m = -INFINITY;
   for (int s = lane; s < S; s += 32) m = fmaxf(m, lse_in[s]);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (m == -INFINITY || m == INFINITY) {  // no state weighs anything (+inf: ref::merge_states' convention)
-    for (int c = lane; c < D; c += 32) out[c] = to_out<OutT>(0.f);
-    if (lse_out != nullptr && lane == 0) *lse_out = m == INFINITY ? INFINITY : p.all_empty_lse;
-    return;
+    for (int c = threadIdx.x; c < D; c += kMergeThreads) out[c] = to_out<OutT>(0.f);
+    if (lse_out != nullptr && threadIdx.x == 0) *lse_out = m == INFINITY ? INFINITY : p.all_empty_lse;
+    return;  // the same m in every warp: the whole CTA returns
   }
   float sum = 0.f;
   for (int s = lane; s < S; s += 32) sum += exp2f((lse_in[s] - m) * kLog2e);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float lse = m + logf(sum);
-  if (lse_out != nullptr && lane == 0) *lse_out = lse;
+  if (lse_out != nullptr && threadIdx.x == 0) *lse_out = lse;
 
-  constexpr int kPassColumns = 32 * kVec * kMergeColumnSteps;
   for (int base = 0; base < D; base += kPassColumns) {
-    float acc[kMergeColumnSteps][kVec] = {};
+    float acc[kSteps][kVec] = {};
     for (int s0 = 0; s0 < S; s0 += 32) {
       const float w_lane = s0 + lane < S ? exp2f((lse_in[s0 + lane] - lse) * kLog2e) : 0.f;
-      const int count = min(32, S - s0);
+      const int first = warp * kMergeStatesPerWarp;  // this warp's states s0 + first + i
       if constexpr (kVec == 4) {
-        // kMergeStatesInFlight states' loads issued before any is summed: the combine is a few
-        // dependent memory round trips, not one per state.
-        for (int i0 = 0; i0 < count; i0 += kMergeStatesInFlight) {
-          float w[kMergeStatesInFlight];
-          float4 x[kMergeStatesInFlight][kMergeColumnSteps];
+        float w[kMergeStatesPerWarp];
+        float4 x[kMergeStatesPerWarp][kSteps];
 #pragma unroll
-          for (int i = 0; i < kMergeStatesInFlight; ++i) {
-            w[i] = __shfl_sync(0xffffffffu, w_lane, i0 + i);  // 0 past the states and for -inf ones
-            const float* state = states + int64_t{s0 + i0 + i} * D;
+        for (int i = 0; i < kMergeStatesPerWarp; ++i) {
+          w[i] = __shfl_sync(0xffffffffu, w_lane, first + i);  // 0 past the states and for -inf ones
+          const float* state = states + int64_t{s0 + first + i} * D;
 #pragma unroll
-            for (int j = 0; j < kMergeColumnSteps; ++j) {
-              const int c = base + (j * 32 + lane) * 4;
-              x[i][j] = w[i] != 0.f && c < D ? *reinterpret_cast<const float4*>(state + c) : make_float4(0, 0, 0, 0);
-            }
+          for (int j = 0; j < kSteps; ++j) {
+            const int c = base + (j * 32 + lane) * 4;
+            x[i][j] = w[i] != 0.f && c < D ? *reinterpret_cast<const float4*>(state + c) : make_float4(0, 0, 0, 0);
           }
-#pragma unroll
-          for (int i = 0; i < kMergeStatesInFlight; ++i)
-#pragma unroll
-            for (int j = 0; j < kMergeColumnSteps; ++j) {
-              acc[j][0] += w[i] * x[i][j].x, acc[j][1] += w[i] * x[i][j].y;
-              acc[j][2] += w[i] * x[i][j].z, acc[j][3] += w[i] * x[i][j].w;
-            }
         }
+#pragma unroll
+        for (int i = 0; i < kMergeStatesPerWarp; ++i)
+#pragma unroll
+          for (int j = 0; j < kSteps; ++j) {
+            acc[j][0] += w[i] * x[i][j].x, acc[j][1] += w[i] * x[i][j].y;
+            acc[j][2] += w[i] * x[i][j].z, acc[j][3] += w[i] * x[i][j].w;
+          }
       } else {
 #pragma unroll 1
-        for (int i = 0; i < count; ++i) {  // scalar path: one state at a time (unrolled, it spills)
+        for (int i = first; i < first + kMergeStatesPerWarp; ++i) {  // scalar path: one state at a time
           const float w = __shfl_sync(0xffffffffu, w_lane, i);
           if (w == 0.f) continue;  // warp-uniform
           const float* state = states + int64_t{s0 + i} * D;
 #pragma unroll
-          for (int j = 0; j < kMergeColumnSteps; ++j) {
+          for (int j = 0; j < kSteps; ++j) {
             const int c = base + (j * 32 + lane) * kVec;
             if (c < D) acc[j][0] += w * state[c];
           }
         }
       }
     }
+    // The warps' sums meet in shared memory; all threads write the pass's columns.
+    __syncthreads();  // the previous pass's reads of warp_sums are done
 #pragma unroll
-    for (int j = 0; j < kMergeColumnSteps; ++j) {
-      const int c = base + (j * 32 + lane) * kVec;
-      if (c >= D) continue;
+    for (int j = 0; j < kSteps; ++j)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) out[c + e] = to_out<OutT>(acc[j][e]);
+      for (int e = 0; e < kVec; ++e) warp_sums[warp][(j * 32 + lane) * kVec + e] = acc[j][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kPassColumns && base + idx < D; idx += kMergeThreads) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kMergeWarps; ++w) total += warp_sums[w][idx];
+      out[base + idx] = to_out<OutT>(total);
     }
   }
 }
@@ -169,7 +182,7 @@ bool device_has_programmatic_launch() {
 template <typename OutT>
 Status launch_merge_typed(const MergeKernelParams& p, bool vec4, bool programmatic, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((int64_t{p.rows} + kMergeThreads / 32 - 1) / (kMergeThreads / 32)));
+  config.gridDim = dim3(static_cast<unsigned>(p.rows));  // one row per CTA
   config.blockDim = dim3(kMergeThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute = {};

@@ -509,11 +509,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_attention_kernel(const D
   }
 }
 
-// Launches the standard (num_splits == 1) or the split-KV kernel; the combine is the caller's.
-// Instantiated once per (head dim, dtype) in its own translation unit
-// (instantiations/decode_kernel.cu.in); decode_kernel.cu sees only extern declarations.
+// Launches the portable standard (num_splits == 1) or split-KV kernel; the combine is the
+// caller's. launch_decode_attention (decode_bulk_kernel.h) calls it where the sm_90 kernel does not apply.
 template <int kHeadDim, typename T>
-Status launch_decode_attention(const DecodeKernelParams& p, cudaStream_t stream) {
+Status launch_decode_portable(const DecodeKernelParams& p, cudaStream_t stream) {
   using Cfg = typename DecodeConfigFor<kHeadDim>::type;
   constexpr int kSmem = Cfg::template smem_bytes<T>();
   auto standard = decode_attention_kernel<Cfg, T, false>;

@@ -1,0 +1,441 @@
+// Decode attention on sm_90+: bulk copies (cp.async.bulk, mbarrier completion) of whole cache
+// rows, one CTA for several KV heads of a sequence. Serves the same two plans as
+// decode_kernel.h (standard and split-KV, same key ranges, same workspace layout, same combine);
+// launch_decode_attention (at the end) runs it where it applies (bulk_kernel_applies) and the
+// device runs sm_90 code, else the portable kernel.
+//
+// Why. The portable kernel gives each (sequence, KV head) its own CTA: it copies 256-byte rows
+// 16 bytes per thread-instruction through cp.async, at a 2 KB stride, and its 4 warps spend most
+// of their issue slots on copy addresses. Here a CTA takes heads_per_cta KV heads whose slices of
+// a key row are adjacent in memory ([.., token, heads_kv, head_dim] caches), so one key's K (or V)
+// for all of them is one contiguous copy of heads_per_cta x head_dim x 2 bytes: a 16-key tile of
+// K and V is 32 bulk copies, one per lane of the producer warp, whatever the head dim. The CTA
+// streams contiguous memory, and up to kStages tiles (about 190 KB) are in flight per SM.
+//
+// Warps. Warp w < heads_per_cta computes KV head hk0 + w: its group x q_len packed query rows
+// (at most 16: one m-tile, rows past them are zero padding) against every key of the CTA's range,
+// 16 keys per step, with its own online softmax, then writes its rows. The last warp produces:
+// for tile i, stage i % stages, it waits until every consumer warp released the stage (empty
+// barrier), announces the tile's bytes (full barrier) and issues the copies.
+//
+// Latency. For contiguous caches without a window a split's first keys do not depend on the
+// cache length (split s starts at s x kv_chunk), so the first `stages` tiles are issued before
+// cache_seqlens is read: the length's memory round trip overlaps the first K/V round trip.
+// Their keys are bounded by the split and the cache's capacity, so they stay inside the cache;
+// keys at or past the sequence's end are zeroed in V (a masked key has P = 0, and 0 x garbage
+// may be NaN) and masked in S.
+//
+// Shared rows are padded by 16 bytes, so the 8 rows of an ldmatrix fall in distinct bank groups.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "src/common/device_facts.h"
+#include "src/decode/decode_kernel.h"
+
+namespace flare::decode {
+
+inline constexpr int kBulkBlockN = 16;        // keys per tile: one P V k-step, one copy per producer lane
+inline constexpr int kBulkMaxHeadsPerCta = 8; // consumer warps
+inline constexpr int kBulkMaxStages = 8;
+inline constexpr int kBulkSmemBudget = 200 * 1024;  // K/V stages: one CTA per SM, ~190 KB in flight
+
+// How a launch lays out its CTA (host and device agree through these).
+struct BulkLayout {
+  int heads_per_cta = 0;  // KV heads per CTA (consumer warps), divides heads_kv
+  int row_elems = 0;      // shared row stride: heads_per_cta * head_dim + 8 (16 bytes of padding)
+  int stages = 0;
+};
+
+// The most KV heads per CTA: a power of two dividing heads_kv, at most kBulkMaxHeadsPerCta, and
+// small enough that 3 stages (K and V of 16 keys each) fit in the shared-memory budget.
+template <int kHeadDim, typename T>
+inline int bulk_max_heads_per_cta(int heads_kv) {
+  int h = kBulkMaxHeadsPerCta;
+  while (h > 1 && (heads_kv % h != 0 || 3 * 2 * kBulkBlockN * (h * kHeadDim + 8) * int(sizeof(T)) > kBulkSmemBudget))
+    h /= 2;
+  return h;
+}
+
+template <int kHeadDim, typename T>
+inline BulkLayout bulk_layout(int heads_per_cta) {
+  BulkLayout l;
+  l.heads_per_cta = heads_per_cta;
+  l.row_elems = heads_per_cta * kHeadDim + 8;
+  const int stage_bytes = 2 * kBulkBlockN * l.row_elems * int(sizeof(T));
+  l.stages = kBulkSmemBudget / stage_bytes < kBulkMaxStages ? kBulkSmemBudget / stage_bytes : kBulkMaxStages;
+  return l;
+}
+
+namespace device {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_init_fence() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+// Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
+// completing as transaction bytes on `bar`.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+// Generic-proxy writes to shared memory become visible to later bulk copies into it.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+}  // namespace device
+
+template <int kHeadDim, typename T, bool kSplit>
+__global__ void __launch_bounds__(32 * (kBulkMaxHeadsPerCta + 1)) decode_bulk_kernel(const DecodeKernelParams p,
+                                                                                    const BulkLayout lay) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace device;
+  constexpr int kN = kBulkBlockN, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const kv_smem = reinterpret_cast<T*>(smem_raw);  // [stages][K | V][kN][row_elems]
+  __shared__ __align__(8) uint64_t full_bar[kBulkMaxStages], empty_bar[kBulkMaxStages];
+
+  if constexpr (kSplit) allow_dependent_launch();  // the combine may start launching now
+
+  const int hpc = lay.heads_per_cta, R = lay.row_elems, stages = lay.stages;
+  const int stage_elems = 2 * kN * R;
+  // blockIdx.x = (b * head_blocks + hb) * num_splits + split
+  const int head_blocks = p.heads_kv / hpc;
+  int x = blockIdx.x;
+  const int split = kSplit ? x % p.num_splits : 0;
+  if constexpr (kSplit) x /= p.num_splits;
+  const int hb = x % head_blocks, b = x / head_blocks;
+  const int hk0 = hb * hpc;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], hpc);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // Speculative tiles: contiguous, no window: the split's keys start at split * kv_chunk whatever
+  // the length, and they are inside the cache up to `spec_cap`.
+  const bool speculate = p.page_table == nullptr && p.window_left < 0;
+  const int split_begin = kSplit ? split * p.kv_chunk : 0;  // < max_cache_len when the plan fits
+  int spec_cap = 0, spec_tiles = 0;
+  if (speculate && split_begin < p.max_cache_len) {
+    const int64_t end = kSplit ? int64_t{split_begin} + p.kv_chunk : int64_t{p.max_cache_len};
+    spec_cap = static_cast<int>(end < p.max_cache_len ? end : p.max_cache_len);
+    spec_tiles = min(stages, (spec_cap - split_begin + kN - 1) / kN);
+  }
+  const int row_bytes = hpc * kHeadDim * int(sizeof(T));
+
+  if (warp == hpc) {
+    // ================= producer warp: lane l copies key l % 16, K (l < 16) or V
+    const int key_in_tile = lane % kN;
+    const bool is_v = lane >= kN;
+    const T* base = static_cast<const T*>(is_v ? p.v : p.k) + int64_t{hk0} * kHeadDim;
+    const int64_t stride_0 = is_v ? p.v_stride_0 : p.k_stride_0, stride_tok = is_v ? p.v_stride_tok : p.k_stride_tok;
+    const int dst_off = (is_v ? kN * R : 0) + key_in_tile * R;
+    // Issues tile i (keys tile_begin + 16 i ...) for the keys below `end`, at row `slot, tok`.
+    auto issue = [&](int i, int tile_begin, int end, int64_t slot, int64_t tok) {
+      const int s = i % stages;
+      if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
+      const int key0 = tile_begin + i * kN;
+      const int valid = min(kN, end - key0);
+      if (lane == 0) mbar_arrive_expect_tx(&full_bar[s], 2u * valid * row_bytes);
+      __syncwarp();
+      if (key_in_tile < valid)
+        bulk_copy_g2s(kv_smem + s * stage_elems + dst_off, base + slot * stride_0 + tok * stride_tok, row_bytes,
+                      &full_bar[s]);
+    };
+    for (int i = 0; i < spec_tiles; ++i) {
+      const int key = split_begin + i * kN + key_in_tile;
+      issue(i, split_begin, spec_cap, b, key);
+    }
+    const KeyRange keys = key_range<kN, kSplit>(p, b, split);
+    const int32_t* page_row = p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr;
+    const int page_mask = (1 << p.page_shift) - 1;
+    auto page_of = [&](int i) {
+      const int key = keys.tile_begin + i * kN + key_in_tile;
+      return page_row != nullptr && i < keys.num_tiles && key < keys.kv_end ? page_row[key >> p.page_shift] : 0;
+    };
+    int page = page_of(spec_tiles);
+    for (int i = spec_tiles; i < keys.num_tiles; ++i) {
+      const int key = keys.tile_begin + i * kN + key_in_tile;
+      const int64_t slot = page_row != nullptr ? page : b;
+      const int64_t tok = page_row != nullptr ? (key & page_mask) : key;
+      const int next_page = page_of(i + 1);  // one tile ahead: its latency hides behind the wait
+      issue(i, keys.tile_begin, keys.kv_end, slot, tok);
+      page = next_page;
+    }
+    return;
+  }
+
+  // ================= consumer warps: warp w computes KV head hk0 + w
+  const KeyRange keys = key_range<kN, kSplit>(p, b, split);
+  const int L = keys.seqlen;
+  const int hk = hk0 + warp;
+  const int g = lane / 4, t = lane % 4;
+  RowBounds rows;
+  const T* q_row[2];
+  {
+    int lo_min = INT_MAX, lo_max = INT_MIN, last_min = INT_MAX, last_max = -1;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = g + 8 * i;
+      if (r < p.rows) {
+        const int tq = r / p.group, h = hk * p.group + r % p.group;
+        rows.last[i] = p.causal ? L - p.q_len + tq : L - 1;
+        rows.lo[i] = p.window_left >= 0 ? rows.last[i] - p.window_left : 0;
+        q_row[i] = static_cast<const T*>(p.q) + b * p.q_stride_b + tq * p.q_stride_t + h * p.q_stride_h;
+        lo_min = min(lo_min, rows.lo[i]);
+        lo_max = max(lo_max, rows.lo[i]);
+        last_min = min(last_min, rows.last[i]);
+        last_max = max(last_max, rows.last[i]);
+      } else {
+        rows.last[i] = -1;
+        rows.lo[i] = 0;
+        q_row[i] = nullptr;
+      }
+    }
+    rows.lo_min = warp_min(lo_min);
+    rows.lo_max = warp_max(lo_max);
+    rows.last_min = warp_min(last_min);
+    rows.last_max = warp_max(last_max);
+  }
+  uint32_t qa[kKSteps][4];
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = 16 * ks + 8 * half + 2 * t;
+      qa[ks][2 * half] = q_row[0] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[0] + col) : 0u;
+      qa[ks][2 * half + 1] = q_row[1] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[1] + col) : 0u;
+    }
+  }
+
+  float o[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  // Every issued tile is waited for (speculative ones past a short sequence too: no copy may
+  // still be writing shared memory when the CTA exits).
+  const int total_tiles = max(keys.num_tiles, spec_tiles);
+  for (int it = 0; it < total_tiles; ++it) {
+    const int s = it % stages;
+    mbar_wait(&full_bar[s], (it / stages) & 1);
+    T* const k_chunk = kv_smem + s * stage_elems + warp * kHeadDim;
+    T* const v_chunk = k_chunk + kN * R;
+    const int key0 = keys.tile_begin + it * kN;
+    const bool visible = it < keys.num_tiles && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
+    if (visible) {
+      if (key0 + kN > keys.kv_end) {
+        // Keys past the end: never copied (or copied speculatively from past the sequence): zero
+        // this head's V rows so that P = 0 multiplies zeros.
+        const int first_bad = keys.kv_end - key0;
+        for (int idx = lane; idx < (kN - first_bad) * (kHeadDim / 8); idx += 32) {
+          const int r = first_bad + idx / (kHeadDim / 8), c = (idx % (kHeadDim / 8)) * 8;
+          *reinterpret_cast<uint4*>(v_chunk + r * R + c) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async_shared();  // before a later bulk copy refills the stage
+        __syncwarp();
+      }
+      const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, k_chunk + (lane % 8 + (lane / 16) * 8) * R + 16 * ks + ((lane / 8) % 2) * 8);
+        mma_16x8x16<T>(sc[0], qa[ks], bk[0], bk[1]);
+        mma_16x8x16<T>(sc[1], qa[ks], bk[2], bk[3]);
+      }
+      if (!full) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + 8 * j + 2 * t + (e % 2), i = e / 2;
+            sc[j][e] = (key >= rows.lo[i] && key <= rows.last[i]) ? sc[j][e] : -INFINITY;
+          }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = fmaxf(fmaxf(sc[0][2 * i], sc[0][2 * i + 1]), fmaxf(sc[1][2 * i], sc[1][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_max = fmaxf(row_max[i], mx * p.scale_log2);
+        const float base = new_max == -INFINITY ? 0.f : new_max;
+        const float alpha = fast_exp2(row_max[i] - base);
+        row_max[i] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          sc[j][2 * i] = fast_exp2(fmaf(sc[j][2 * i], p.scale_log2, -base));
+          sc[j][2 * i + 1] = fast_exp2(fmaf(sc[j][2 * i + 1], p.scale_log2, -base));
+          sum += sc[j][2 * i] + sc[j][2 * i + 1];
+        }
+        row_sum[i] = row_sum[i] * alpha + sum;
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // the max moved for some row: rescale O
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[dt][2 * i] *= alpha;
+            o[dt][2 * i + 1] *= alpha;
+          }
+        }
+      }
+      uint32_t pa[4];
+      pa[0] = ElemTraits<T>::pack(sc[0][0], sc[0][1]);
+      pa[1] = ElemTraits<T>::pack(sc[0][2], sc[0][3]);
+      pa[2] = ElemTraits<T>::pack(sc[1][0], sc[1][1]);
+      pa[3] = ElemTraits<T>::pack(sc[1][2], sc[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, v_chunk + (lane % 8 + ((lane / 8) % 2) * 8) * R + 16 * dp + (lane / 16) * 8);
+        mma_16x8x16<T>(o[2 * dp], pa, bv[0], bv[1]);
+        mma_16x8x16<T>(o[2 * dp + 1], pa, bv[2], bv[3]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty_bar[s]);  // this warp is done with the stage
+  }
+
+  // ---- epilogue: the warp's rows g and g + 8; no visible key: O = 0 and LSE +inf (standard, as
+  // the oracle) or -inf (a partial state that weighs nothing)
+  constexpr float kLn2 = 0.69314718055994530942f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+    const int r = g + 8 * i;
+    if (r >= p.rows) continue;
+    const float sum = row_sum[i];
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int tq = r / p.group, h = hk * p.group + r % p.group;
+    const int64_t qrow = (int64_t{b} * p.heads_q + h) * p.q_len + tq;
+    if constexpr (kSplit) {
+      const int64_t part = qrow * p.num_splits + split;
+      float* dst = p.partial_out + part * kHeadDim + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
+      if (t == 0) p.partial_lse[part] = sum > 0.f ? (row_max[i] + log2f(sum)) * kLn2 : -INFINITY;
+    } else {
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + tq * p.out_stride_t + h * p.out_stride_h + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<uint32_t*>(dst + 8 * dt) = ElemTraits<T>::pack(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
+      if (t == 0 && p.lse != nullptr) p.lse[qrow] = sum > 0.f ? (row_max[i] + log2f(sum)) * kLn2 : INFINITY;
+    }
+  }
+#endif
+}
+
+}  // namespace flare::decode
+
+namespace flare::decode {
+
+// Whether the bulk kernel runs these params: packed rows fit one m-tile, each KV head's slice of
+// a key row is head_dim contiguous elements next to the next head's, and every copy's address and
+// size are 16-byte multiples. (The device must also run sm_90 code: see launch_decode_attention.)
+template <int kHeadDim, typename T>
+inline bool bulk_kernel_applies(const DecodeKernelParams& p) {
+  constexpr int64_t kElemsPer16B = 16 / sizeof(T);
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return p.rows <= 16 && p.row_blocks == 1 && p.k_stride_h == kHeadDim && p.v_stride_h == kHeadDim && aligned(p.k) &&
+         aligned(p.v) && p.k_stride_0 % kElemsPer16B == 0 && p.k_stride_tok % kElemsPer16B == 0 &&
+         p.v_stride_0 % kElemsPer16B == 0 && p.v_stride_tok % kElemsPer16B == 0;
+}
+
+// Launches the standard (num_splits == 1) or the split-KV attention kernel, the bulk one where it
+// applies and the device runs sm_90 code, else the portable one; the combine is the caller's.
+// FLARE_DECODE_PORTABLE=1 in the environment forces the portable kernel (for comparisons).
+// Instantiated once per (head dim, dtype) in its own translation unit
+// (instantiations/decode_kernel.cu.in); decode_kernel.cu sees only extern declarations.
+template <int kHeadDim, typename T>
+Status launch_decode_attention(const DecodeKernelParams& p, cudaStream_t stream) {
+  auto standard = decode_bulk_kernel<kHeadDim, T, false>;
+  auto split_kv = decode_bulk_kernel<kHeadDim, T, true>;
+  // Once per kernel (not a stream operation, so also fine while a graph is being captured).
+  static const bool bulk_ready = [&] {
+    const char* env = std::getenv("FLARE_DECODE_PORTABLE");
+    if (env != nullptr && env[0] == '1') return false;
+    cudaFuncAttributes attributes = {};
+    bool ok = cudaFuncGetAttributes(&attributes, standard) == cudaSuccess && attributes.binaryVersion >= 90 &&
+              cudaFuncSetAttribute(standard, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBudget) ==
+                  cudaSuccess &&
+              cudaFuncSetAttribute(split_kv, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBudget) ==
+                  cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // e.g. no sm_90 binary for this device: the portable kernel runs
+    return ok;
+  }();
+  if (!bulk_ready || !bulk_kernel_applies<kHeadDim, T>(p)) return launch_decode_portable<kHeadDim, T>(p, stream);
+
+  // Heads per CTA: as many as fit (longest contiguous rows), but fewer while that would leave
+  // the grid under half the SMs (small batches with few splits: more, narrower CTAs keep more
+  // SMs streaming; the tuner picks the split count knowing this rule).
+  int heads_per_cta = bulk_max_heads_per_cta<kHeadDim, T>(p.heads_kv);
+  const int num_sms = detail::current_device_facts().num_sms;
+  while (heads_per_cta > 1 &&
+         int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits < num_sms / 2)
+    heads_per_cta /= 2;
+  const BulkLayout lay = bulk_layout<kHeadDim, T>(heads_per_cta);
+  const int smem = lay.stages * 2 * kBulkBlockN * lay.row_elems * static_cast<int>(sizeof(T));
+  const int64_t ctas = int64_t{p.batch} * (p.heads_kv / lay.heads_per_cta) * p.num_splits;
+  if (ctas > INT_MAX) return Status::NotSupported("decode: " + std::to_string(ctas) + " CTAs exceed the grid limit");
+  const dim3 grid(static_cast<unsigned>(ctas)), block(32 * (lay.heads_per_cta + 1));
+  if (p.num_splits > 1)
+    split_kv<<<grid, block, smem, stream>>>(p, lay);
+  else
+    standard<<<grid, block, smem, stream>>>(p, lay);
+  return detail::cuda_status(cudaGetLastError(), "decode attention launch");
+}
+
+}  // namespace flare::decode
