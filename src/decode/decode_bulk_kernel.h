@@ -25,6 +25,14 @@
 // keys at or past the sequence's end are zeroed in V (a masked key has P = 0, and 0 x garbage
 // may be NaN) and masked in S.
 //
+// Heads per CTA (launch_decode_attention): the most that fit (8 at head dim 128), halved while
+// the grid would fill under half the SMs, so small batches with few splits still stream on most
+// SMs; narrow CTAs (1 or 2 heads) with long splits run the portable kernel instead, since one
+// warp per head is slow to walk many keys (see the launcher). Known limit (the next step): that
+// per-warp walk also caps batch 1 on long caches; key groups (8 consumer warps whatever the heads
+// per CTA, each taking every (8 / heads)-th tile of its head, merged at the end as the portable
+// kernel does) would lift it.
+//
 // Shared rows are padded by 16 bytes, so the 8 rows of an ldmatrix fall in distinct bank groups.
 #pragma once
 
@@ -45,6 +53,9 @@ inline constexpr int kBulkBlockN = 16;        // keys per tile: one P V k-step, 
 inline constexpr int kBulkMaxHeadsPerCta = 8; // consumer warps
 inline constexpr int kBulkMaxStages = 8;
 inline constexpr int kBulkSmemBudget = 200 * 1024;  // K/V stages: one CTA per SM, ~190 KB in flight
+// Longest split (keys) that CTAs of 1 or 2 KV heads take; longer ones run the portable kernel.
+inline constexpr int kBulkNarrowMaxKeys1 = 64;
+inline constexpr int kBulkNarrowMaxKeys2 = 512;
 
 // How a launch lays out its CTA (host and device agree through these).
 struct BulkLayout {
@@ -426,6 +437,14 @@ Status launch_decode_attention(const DecodeKernelParams& p, cudaStream_t stream)
   while (heads_per_cta > 1 &&
          int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits < num_sms / 2)
     heads_per_cta /= 2;
+  // One warp walks a head's keys alone (about 14 keys per microsecond on the H100: a tile's S
+  // chain, softmax and P V are serial in the warp), so narrow CTAs only win on short splits,
+  // where one round trip for all their keys beats the portable kernel's 4 warps per head:
+  // measured 305 vs 114 us at batch 1, 65536 keys, 16 splits of one head per CTA. Every plan of
+  // the shipped H100 table stays on the bulk kernel under this rule (it was tuned with it).
+  const int64_t keys_per_cta = p.num_splits > 1 ? p.kv_chunk : p.max_cache_len;
+  if (heads_per_cta < 4 && keys_per_cta > (heads_per_cta == 1 ? kBulkNarrowMaxKeys1 : kBulkNarrowMaxKeys2))
+    return launch_decode_portable<kHeadDim, T>(p, stream);
   const BulkLayout lay = bulk_layout<kHeadDim, T>(heads_per_cta);
   const int smem = lay.stages * 2 * kBulkBlockN * lay.row_elems * static_cast<int>(sizeof(T));
   const int64_t ctas = int64_t{p.batch} * (p.heads_kv / lay.heads_per_cta) * p.num_splits;
