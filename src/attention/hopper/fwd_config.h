@@ -14,7 +14,7 @@
 namespace flare::hopper {
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0,
-          int kExp2PolyEvery_ = 0>
+          int kExp2PolyEvery_ = 0, bool kLazyRescale_ = (kHeadDim_ > 64)>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per block: a multiple of 16 (the PV GEMM's k step)
@@ -24,6 +24,8 @@ struct HopperFwdConfig {
   static constexpr bool kPingPong = kPingPong_;  // consumer warpgroups take turns issuing GEMMs
   // Every kExp2PolyEvery-th group of 8 score columns is exponentiated on the FMA pipe (0: none).
   static constexpr int kExp2PolyEvery = kExp2PolyEvery_;
+  // Keep a stale running max until a row outgrows it by 2^8 (the rescale of O is skipped meanwhile).
+  static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
@@ -37,7 +39,8 @@ struct HopperFwdConfig {
 // consumers' registers; K, V stages and Q share 227 KB of shared memory. Measured on the H100
 // (bench/tuning/tune_hopper_fwd, bench/RESULTS.md): key blocks of 160 or 176 lost 10-27 % to 128
 // at d128, 80 lost 30 % to 64 at d256 (and 48 lost 33 %), 96 beat 64 by 14 % at d192; three
-// consumer warpgroups beat two at d64. The exp2 polynomial lost at every head dim (kept off).
+// consumer warpgroups beat two at d64. The exp2 polynomial lost at every head dim (kept off). Lazy
+// rescaling won 4-5 % at d256, 0.5 % at d128 and lost 2-4 % at d64 (off there).
 template <int kHeadDim>
 struct HopperFwdConfigFor;
 template <> struct HopperFwdConfigFor<64> { using type = HopperFwdConfig<64, 128, 3>; };

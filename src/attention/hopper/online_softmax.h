@@ -52,7 +52,12 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 struct RowScale {
   float v[2];
+  bool changed = true;  // false: both factors are 1 (the running max was kept), O needs no rescale
 };
+
+// Lazy rescaling: the running max moves only when a block's max exceeds it by more than this (in
+// log2 units), so P stays below 2^kLazyRescaleLog2 and most blocks skip the rescale of O.
+inline constexpr float kLazyRescaleLog2 = 8.f;
 
 struct OnlineSoftmax {
   float max[2];  // running max, scaled log2 units
@@ -67,43 +72,63 @@ struct OnlineSoftmax {
 
   // Scores (raw, masked with -inf) become probabilities exp2(s * scale - m) against the new
   // running max; returns the factor exp2(m_old - m_new) that O must be rescaled by. Every
-  // kPolyEvery-th group of 8 columns takes exp2_poly instead of the exp2 unit (0: none).
-  template <int kPolyEvery = 0, typename Frag>
+  // kPolyEvery-th group of 8 columns takes exp2_poly instead of the exp2 unit (0: none). kLazy:
+  // the running max is kept while no row of the warp outgrows it by kLazyRescaleLog2.
+  template <int kPolyEvery = 0, bool kLazy = false, typename Frag>
   __device__ __forceinline__ RowScale update_scores(Frag& s, float scale) {
     constexpr int kN = decltype(cute::size(s))::value;
     RowScale alpha;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;  // of the raw scores: the scale is positive
+      // Max and sum as pairwise trees: a serial chain of 32 dependent FMNMX or FADD would sit on
+      // the warpgroup's critical path between its S GEMM and its PV GEMM.
+      float m[kN / 4];
 #pragma unroll
-      for (int i = 2 * r; i < kN; i += 4) mx = fmaxf(mx, fmaxf(s(i), s(i + 1)));
+      for (int j = 0; j < kN / 4; ++j) m[j] = fmaxf(s(4 * j + 2 * r), s(4 * j + 2 * r + 1));
+#pragma unroll
+      for (int w = 1; w < kN / 4; w *= 2)
+#pragma unroll
+        for (int j = 0; j + w < kN / 4; j += 2 * w) m[j] = fmaxf(m[j], m[j + w]);
+      float mx = m[0];  // of the raw scores: the scale is positive
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       mx = fmaxf(max[r], mx * scale);
+      if constexpr (kLazy) {
+        // Warp-uniform: keep every row's max unless one of the warp's rows outgrew its own.
+        const bool grew = mx > max[r] + kLazyRescaleLog2 || (max[r] == -INFINITY && mx != -INFINITY);
+        if (!__any_sync(0xffffffffu, grew)) mx = max[r];
+      }
       const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
       alpha.v[r] = exp2_approx(max[r] - base);
       max[r] = mx;
-      float rowsum = 0.f;
+      float part[kN / 4];
 #pragma unroll
-      for (int i = 2 * r; i < kN; i += 4) {
+      for (int j = 0; j < kN / 4; ++j) {
+        const int i = 4 * j + 2 * r;
         const float x0 = fmaf(s(i), scale, -base), x1 = fmaf(s(i + 1), scale, -base);
-        if (kPolyEvery > 0 && (i / 4) % (kPolyEvery > 0 ? kPolyEvery : 1) == 0) {
+        if (kPolyEvery > 0 && j % (kPolyEvery > 0 ? kPolyEvery : 1) == 0) {
           s(i) = exp2_poly(x0);
           s(i + 1) = exp2_poly(x1);
         } else {
           s(i) = exp2_approx(x0);
           s(i + 1) = exp2_approx(x1);
         }
-        rowsum += s(i) + s(i + 1);
+        part[j] = s(i) + s(i + 1);
       }
-      sum[r] = sum[r] * alpha.v[r] + rowsum;
+#pragma unroll
+      for (int w = 1; w < kN / 4; w *= 2)
+#pragma unroll
+        for (int j = 0; j + w < kN / 4; j += 2 * w) part[j] += part[j + w];
+      sum[r] = sum[r] * alpha.v[r] + part[0];
     }
+    alpha.changed = !kLazy || __any_sync(0xffffffffu, alpha.v[0] != 1.f || alpha.v[1] != 1.f);
     return alpha;
   }
 
   template <typename Frag>
   __device__ __forceinline__ void rescale(Frag& o, const RowScale& alpha) const {
     constexpr int kN = decltype(cute::size(o))::value;
+    if (!alpha.changed) return;  // warp-uniform
 #pragma unroll
     for (int i = 0; i < kN; ++i) o(i) *= alpha.v[(i / 2) % 2];
   }
