@@ -1,0 +1,24 @@
+"""flare from PyTorch: FlashAttention's Python API (flash_attn_func, flash_attn_varlen_func,
+flash_attn_with_kvcache), merge_states, and flash-linear-attention's chunk_kda /
+chunk_gated_delta_rule, on flare's CUDA kernels. Every op is a torch.library custom op
+(torch.ops.flare.*) with a fake implementation, so torch.compile traces through it, and the
+attention forward has an autograd formula (flare's backward, optionally deterministic).
+
+Build: tools/python-check (README.md, section "Python").
+"""
+
+from .flash_attn import flash_attn_func, flash_attn_varlen_func
+from .kda import chunk_gated_delta_rule, chunk_kda
+from .kvcache import KVCachePlan, flash_attn_with_kvcache, load_decode_tuning_table, merge_states, plan_kvcache
+
+__all__ = [
+    "KVCachePlan",
+    "chunk_gated_delta_rule",
+    "chunk_kda",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "load_decode_tuning_table",
+    "merge_states",
+    "plan_kvcache",
+]

@@ -1,0 +1,558 @@
+// PyTorch bindings of flare's C++ API: torch.library ops in the namespace `flare`, each running on
+// the current CUDA stream of its tensors' device. This file (with python/flare/) is the only place
+// torch appears; it turns tensors into TensorViews, allocates outputs and workspaces with torch's
+// caching allocator (so every op is capturable in a CUDA graph) and turns a flare::Status into the
+// Python exception a PyTorch user expects:
+//   InvalidArgument -> ValueError (TypeError when the dtype is wrong), NotSupported ->
+//   NotImplementedError, anything else -> RuntimeError.
+// The fake (meta) implementations and the autograd formulas live in python/flare/ops.py.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <array>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "flare/attention.h"
+#include "flare/decode.h"
+#include "flare/decode_plan.h"
+#include "flare/kda.h"
+
+namespace flare_torch {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// ---- errors -----------------------------------------------------------------------------------
+
+// flare names arguments as its C++ structs do; a Python caller knows them by FlashAttention's
+// names. Each op passes the renames that apply to it.
+using Renames = std::vector<std::pair<std::string, std::string>>;
+
+std::string python_names(std::string message, const Renames& renames) {
+  for (const auto& [from, to] : renames) {
+    const std::string quoted = "'" + from + "'";
+    for (std::size_t at = message.find(quoted); at != std::string::npos; at = message.find(quoted, at + to.size()))
+      message.replace(at, quoted.size(), "'" + to + "'");
+  }
+  return message;
+}
+
+void throw_if_error(const flare::Status& s, const Renames& renames = {}) {
+  if (s.ok()) return;
+  const std::string message = python_names(s.message(), renames);
+  switch (s.code()) {
+    case flare::StatusCode::kInvalidArgument:
+      TORCH_CHECK_TYPE(message.find(": dtype ") == std::string::npos, message);
+      TORCH_CHECK_VALUE(false, message);
+      return;
+    case flare::StatusCode::kNotSupported:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, message);
+      return;
+    default:
+      TORCH_CHECK(false, "flare: ", flare::status_code_name(s.code()), ": ", message);
+  }
+}
+
+// ---- tensors ----------------------------------------------------------------------------------
+
+flare::DType flare_dtype(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kHalf: return flare::DType::kFloat16;
+    case at::kBFloat16: return flare::DType::kBFloat16;
+    case at::kFloat: return flare::DType::kFloat32;
+    case at::kDouble: return flare::DType::kFloat64;
+    case at::kInt: return flare::DType::kInt32;
+    case at::kLong: return flare::DType::kInt64;
+    case at::kByte: return flare::DType::kUInt8;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, "argument '", name, "': dtype ", t, " is not supported by flare");
+  return flare::DType::kFloat32;  // not reached
+}
+
+flare::TensorView view(const at::Tensor& t, const char* name) {
+  flare::TensorView v;
+  if (!t.defined()) return v;
+  TORCH_CHECK_VALUE(t.dim() <= flare::kMaxRank, "argument '", name, "': rank ", t.dim(), " is above ",
+                    flare::kMaxRank);
+  v.data = t.data_ptr();
+  v.dtype = flare_dtype(t.scalar_type(), name);
+  v.rank = static_cast<int>(t.dim());
+  for (int i = 0; i < v.rank; ++i) {
+    v.shape[i] = t.size(i);
+    v.stride[i] = t.stride(i);
+  }
+  v.device = t.is_cuda() ? flare::Device{flare::DeviceKind::kCUDA, t.get_device()}
+                         : flare::Device{flare::DeviceKind::kCPU, 0};
+  return v;
+}
+
+flare::TensorView view(const OptTensor& t, const char* name) {
+  return t.has_value() ? view(*t, name) : flare::TensorView{};
+}
+
+// The kernels read rows with 16-byte vector loads: the last dimension contiguous, the base and
+// every other stride 16-byte aligned. A view that breaks this (a stride-0 expanded gradient, an
+// odd slice) is copied, as FlashAttention does, instead of being rejected.
+at::Tensor loadable(const at::Tensor& t) {
+  if (!t.defined() || t.dim() == 0) return t;
+  const int64_t elem = static_cast<int64_t>(t.element_size());
+  bool ok = t.stride(-1) == 1 || t.size(-1) == 1;
+  ok = ok && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t i = 0; ok && i + 1 < t.dim(); ++i) ok = t.size(i) <= 1 || (t.stride(i) * elem) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+
+void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.is_cuda(), "argument '", name, "': must be a CUDA tensor, is on ", t.device());
+  TORCH_CHECK_VALUE(t.device() == device, "argument '", name, "': is on ", t.device(), ", expected ", device,
+                    " (where q is)");
+}
+
+void check_cuda(const OptTensor& t, const char* name, const at::Device& device) {
+  if (t.has_value()) check_cuda(*t, name, device);
+}
+
+void check_half(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, "argument '", name,
+                   "': expected dtype torch.float16 or torch.bfloat16, got ", t.scalar_type());
+}
+
+void check_int32(const OptTensor& t, const char* name) {
+  if (t.has_value())
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "argument '", name, "': expected dtype torch.int32, got ",
+                     t->scalar_type());
+}
+
+flare::Stream current_stream(const at::Device& device) {
+  return reinterpret_cast<flare::Stream>(at::cuda::getCurrentCUDAStream(device.index()).stream());
+}
+
+at::Tensor workspace_tensor(std::size_t bytes, const at::Device& device) {
+  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+// ---- attention --------------------------------------------------------------------------------
+
+const Renames kAttentionNames = {{"mask.window_left", "window_size"}, {"mask.window_right", "window_size"},
+                                 {"mask.causal", "causal"}};
+
+// The log-sum-exp's shape: [batch, heads, seqlen_q], or [heads, total_q] with cu_seqlens.
+std::vector<int64_t> lse_shape(const at::Tensor& q, bool varlen) {
+  if (varlen && q.dim() == 3) return {q.size(1), q.size(0)};
+  if (!varlen && q.dim() == 4) return {q.size(0), q.size(2), q.size(1)};
+  TORCH_CHECK_VALUE(false, "argument 'q': expected rank ", varlen ? 3 : 4,
+                    varlen ? " [total_q, heads, head_dim] with cu_seqlens" : " [batch, seqlen, heads, head_dim]",
+                    ", got rank ", q.dim());
+  return {};  // not reached
+}
+
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& cu_q,
+                            const OptTensor& cu_k, const OptTensor& sinks) {
+  const at::Device device = q.device();
+  check_cuda(q, "q", device);
+  check_cuda(k, "k", device);
+  check_cuda(v, "v", device);
+  check_cuda(cu_q, "cu_seqlens_q", device);
+  check_cuda(cu_k, "cu_seqlens_k", device);
+  check_cuda(sinks, "sinks", device);
+  check_half(q, "q");
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "argument 'k': dtype ", k.scalar_type(),
+                   " differs from q's ", q.scalar_type());
+  TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "argument 'v': dtype ", v.scalar_type(),
+                   " differs from q's ", q.scalar_type());
+  check_int32(cu_q, "cu_seqlens_q");
+  check_int32(cu_k, "cu_seqlens_k");
+  if (sinks.has_value())
+    TORCH_CHECK_TYPE(sinks->scalar_type() == at::kFloat, "argument 'sinks': expected dtype torch.float32, got ",
+                     sinks->scalar_type());
+}
+
+flare::MaskParams mask_params(bool causal, int64_t window_left, int64_t window_right) {
+  flare::MaskParams m;
+  m.causal = causal;
+  m.window_left = static_cast<int>(window_left);
+  m.window_right = causal ? 0 : static_cast<int>(window_right);
+  return m;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                 const at::Tensor& v_in, const OptTensor& cu_seqlens_q,
+                                                 const OptTensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                 int64_t max_seqlen_k, const OptTensor& sinks, double softmax_scale,
+                                                 bool causal, int64_t window_left, int64_t window_right,
+                                                 double softcap, bool /*deterministic: the backward's*/) {
+  check_attention_inputs(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, sinks);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
+  const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty(lse_shape(q, varlen), q.options().dtype(at::kFloat));
+
+  flare::AttentionForwardParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.out = view(out, "out");
+  p.lse = view(lse, "lse");
+  p.cu_seqlens_q = view(cu_seqlens_q, "cu_seqlens_q");
+  p.cu_seqlens_k = view(cu_seqlens_k, "cu_seqlens_k");
+  p.max_seqlen_q = static_cast<int>(max_seqlen_q);
+  p.max_seqlen_k = static_cast<int>(max_seqlen_k);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.sinks = view(sinks, "sinks");
+  p.mask = mask_params(causal, window_left, window_right);
+  p.stream = current_stream(q.device());
+  throw_if_error(flare::attention_forward(p), kAttentionNames);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, const OptTensor& sinks, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+  check_attention_inputs(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, sinks);
+  check_cuda(dout_in, "dout", q_in.device());
+  check_cuda(out_in, "out", q_in.device());
+  check_cuda(lse, "lse", q_in.device());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
+  const at::Tensor out = loadable(out_in), dout = loadable(dout_in.to(q.scalar_type()));
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dsinks = sinks.has_value() ? at::empty(sinks->sizes(), sinks->options())
+                                        : at::empty({0}, q.options().dtype(at::kFloat));
+
+  flare::AttentionBackwardParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.out = view(out, "out");
+  p.dout = view(dout, "dout");
+  const at::Tensor lse_c = lse.contiguous();
+  p.lse = view(lse_c, "lse");
+  p.dq = view(dq, "dq");
+  p.dk = view(dk, "dk");
+  p.dv = view(dv, "dv");
+  if (sinks.has_value()) {
+    p.sinks = view(*sinks, "sinks");
+    p.dsinks = view(dsinks, "dsinks");
+  }
+  p.cu_seqlens_q = view(cu_seqlens_q, "cu_seqlens_q");
+  p.cu_seqlens_k = view(cu_seqlens_k, "cu_seqlens_k");
+  p.max_seqlen_q = static_cast<int>(max_seqlen_q);
+  p.max_seqlen_k = static_cast<int>(max_seqlen_k);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.mask = mask_params(causal, window_left, window_right);
+  p.deterministic = deterministic;
+  p.stream = current_stream(q.device());
+  std::size_t bytes = 0;
+  throw_if_error(flare::attention_backward_workspace_size(p, &bytes), kAttentionNames);
+  const at::Tensor workspace = workspace_tensor(bytes, q.device());
+  p.workspace = workspace.data_ptr();
+  p.workspace_bytes = bytes;
+  throw_if_error(flare::attention_backward(p), kAttentionNames);
+  return {dq, dk, dv, dsinks};
+}
+
+// ---- merge_states -----------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& partial_out_in, const at::Tensor& partial_lse_in,
+                                                std::optional<at::ScalarType> out_dtype) {
+  check_cuda(partial_out_in, "partial_out", partial_out_in.device());
+  check_cuda(partial_lse_in, "partial_lse", partial_out_in.device());
+  TORCH_CHECK_VALUE(partial_out_in.dim() >= 2, "argument 'partial_out': expected [rows..., num_states, dim], got rank ",
+                    partial_out_in.dim());
+  const c10::cuda::CUDAGuard guard(partial_out_in.device());
+  const at::Tensor partial_out = partial_out_in.contiguous(), partial_lse = partial_lse_in.contiguous();
+  std::vector<int64_t> out_shape(partial_out.sizes().begin(), partial_out.sizes().end());
+  out_shape.erase(out_shape.end() - 2);
+  std::vector<int64_t> lse_shape(out_shape.begin(), out_shape.end() - 1);
+  at::Tensor out = at::empty(out_shape, partial_out.options().dtype(out_dtype.value_or(partial_out.scalar_type())));
+  at::Tensor lse = at::empty(lse_shape, partial_out.options().dtype(at::kFloat));
+
+  flare::MergeStatesParams p;
+  p.partial_out = view(partial_out, "partial_out");
+  p.partial_lse = view(partial_lse, "partial_lse");
+  p.out = view(out, "out");
+  p.lse = view(lse, "lse");
+  p.stream = current_stream(partial_out.device());
+  throw_if_error(flare::merge_states(p), {{"out", "out_dtype"}});
+  return {out, lse};
+}
+
+// ---- decode -----------------------------------------------------------------------------------
+
+const Renames kDecodeNames = {{"page_table", "block_table"}, {"window_left", "window_size"}};
+
+// A measured table of decode split counts (bench_decode --tune), loaded from Python.
+std::mutex g_table_mutex;
+std::shared_ptr<const flare::DecodeTuningTable> g_tuning_table;
+
+std::shared_ptr<const flare::DecodeTuningTable> tuning_table() {
+  const std::lock_guard<std::mutex> lock(g_table_mutex);
+  return g_tuning_table;
+}
+
+void load_decode_tuning_table(const std::string& path) {
+  auto table = std::make_shared<flare::DecodeTuningTable>();
+  if (!path.empty()) throw_if_error(table->load(path));
+  const std::lock_guard<std::mutex> lock(g_table_mutex);
+  g_tuning_table = path.empty() ? nullptr : std::move(table);
+}
+
+int num_sms(int device) {
+  static std::array<int, 64> cached{};
+  TORCH_CHECK(device >= 0 && device < static_cast<int>(cached.size()), "flare: device index ", device);
+  if (cached[device] == 0) cached[device] = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  return cached[device];
+}
+
+// num_splits > 0 forces that split count (1: the standard kernel); 0 asks the planner.
+flare::DecodePlan plan_for(const flare::DecodeShapeKey& key, int64_t num_splits, int device) {
+  flare::DecodePlan plan;
+  if (num_splits > 0) {
+    throw_if_error(flare::decode_plan_for_splits(key, static_cast<int>(num_splits), &plan), {});
+  } else {
+    const auto table = tuning_table();
+    throw_if_error(flare::decode_plan(key, table.get(), num_sms(device), &plan), {});
+  }
+  return plan;
+}
+
+flare::DecodeShapeKey decode_key(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t q_len,
+                                 int64_t max_cache_len, int64_t page_size, int64_t window_left, bool bf16) {
+  flare::DecodeShapeKey key;
+  key.batch = static_cast<int>(batch);
+  key.heads_q = static_cast<int>(heads_q);
+  key.heads_kv = static_cast<int>(heads_kv);
+  key.head_dim = static_cast<int>(head_dim);
+  key.q_len = static_cast<int>(q_len);
+  key.max_cache_len = max_cache_len;
+  key.page_size = static_cast<int>(page_size);
+  key.window_left = static_cast<int>(window_left);
+  key.dtype = bf16 ? flare::DType::kBFloat16 : flare::DType::kFloat16;
+  return key;
+}
+
+// The plan of a decode shape, for Python to size a workspace once (CUDA graphs): a dict with
+// kernel, num_splits, kv_chunk, workspace_bytes and source.
+py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t q_len,
+                          int64_t max_cache_len, int64_t page_size, int64_t window_left, bool bf16,
+                          int64_t num_splits, int64_t device) {
+  const flare::DecodeShapeKey key =
+      decode_key(batch, heads_q, heads_kv, head_dim, q_len, max_cache_len, page_size, window_left, bf16);
+  const flare::DecodePlan plan = plan_for(key, num_splits, static_cast<int>(device));
+  py::dict d;
+  d["kernel"] = flare::decode_kernel_name(plan.kernel);
+  d["num_splits"] = plan.num_splits;
+  d["kv_chunk"] = plan.kv_chunk;
+  d["workspace_bytes"] = plan.workspace_bytes;
+  d["source"] = plan.source == flare::DecodePlanSource::kTuningTable ? "tuning_table"
+                : plan.source == flare::DecodePlanSource::kForced    ? "forced"
+                                                                     : "heuristic";
+  return d;
+}
+
+std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                          const OptTensor& page_table, const OptTensor& workspace,
+                                          double softmax_scale, bool causal, int64_t window_left,
+                                          int64_t num_splits, bool return_lse) {
+  const at::Device device = q_in.device();
+  check_cuda(q_in, "q", device);
+  check_cuda(k_cache, "k_cache", device);
+  check_cuda(v_cache, "v_cache", device);
+  check_cuda(cache_seqlens, "cache_seqlens", device);
+  check_cuda(page_table, "block_table", device);
+  check_cuda(workspace, "workspace", device);
+  check_half(q_in, "q");
+  TORCH_CHECK_TYPE(k_cache.scalar_type() == q_in.scalar_type(), "argument 'k_cache': dtype ",
+                   k_cache.scalar_type(), " differs from q's ", q_in.scalar_type());
+  TORCH_CHECK_TYPE(v_cache.scalar_type() == q_in.scalar_type(), "argument 'v_cache': dtype ",
+                   v_cache.scalar_type(), " differs from q's ", q_in.scalar_type());
+  check_int32(cache_seqlens, "cache_seqlens");
+  check_int32(page_table, "block_table");
+  TORCH_CHECK_VALUE(q_in.dim() == 4, "argument 'q': expected rank 4 [batch, q_len, heads, head_dim], got rank ",
+                    q_in.dim());
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor q = loadable(q_in);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = return_lse ? at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+
+  flare::DecodeParams p;
+  p.q = view(q, "q");
+  p.k_cache = view(k_cache, "k_cache");
+  p.v_cache = view(v_cache, "v_cache");
+  p.page_table = view(page_table, "page_table");
+  p.cache_seqlens = view(cache_seqlens, "cache_seqlens");
+  p.out = view(out, "out");
+  if (return_lse) p.lse = view(lse, "lse");
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+  p.window_left = static_cast<int>(window_left);
+  p.stream = current_stream(device);
+
+  flare::DecodeShapeKey key;
+  throw_if_error(flare::decode_shape_key(p, &key), kDecodeNames);
+  const flare::DecodePlan plan = plan_for(key, num_splits, device.index());
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
+  at::Tensor owned;
+  if (plan.workspace_bytes > 0) {
+    if (workspace.has_value()) {
+      ws_bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
+      TORCH_CHECK_VALUE(workspace->is_contiguous() && ws_bytes >= plan.workspace_bytes,
+                        "argument 'workspace': the plan (", plan.num_splits, " splits) needs a contiguous buffer of ",
+                        plan.workspace_bytes, " bytes, got ", ws_bytes, " bytes");
+      ws = workspace->data_ptr();
+    } else {
+      owned = workspace_tensor(plan.workspace_bytes, device);
+      ws = owned.data_ptr();
+      ws_bytes = plan.workspace_bytes;
+    }
+  }
+  throw_if_error(flare::decode_run(plan, p, ws, ws_bytes), kDecodeNames);
+  return {out, lse};
+}
+
+// The C++ side of the Python-overhead benchmark (python/bench_overhead.py): `iters` decode launches
+// of one plan straight through flare::decode_run, no torch in the loop; the host seconds per call.
+double bench_decode_run_loop(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& cache_seqlens, const at::Tensor& workspace, int64_t num_splits,
+                             int64_t iters) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  flare::DecodeParams p;
+  p.q = view(q, "q");
+  p.k_cache = view(k_cache, "k_cache");
+  p.v_cache = view(v_cache, "v_cache");
+  p.cache_seqlens = view(cache_seqlens, "cache_seqlens");
+  p.out = view(out, "out");
+  p.stream = current_stream(q.device());
+  flare::DecodeShapeKey key;
+  throw_if_error(flare::decode_shape_key(p, &key));
+  const flare::DecodePlan plan = plan_for(key, num_splits, q.device().index());
+  const std::size_t bytes = static_cast<std::size_t>(workspace.numel());
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) throw_if_error(flare::decode_run(plan, p, workspace.data_ptr(), bytes));
+  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+  return elapsed.count() / static_cast<double>(iters);
+}
+
+// ---- KDA --------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                           const at::Tensor& g_in, const at::Tensor& beta_in, const OptTensor& A_log,
+                                           const OptTensor& dt_bias, const OptTensor& initial_state,
+                                           const OptTensor& cu_seqlens, double scale, bool qk_l2norm,
+                                           bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel,
+                                           double lower_bound, bool output_final_state) {
+  const at::Device device = q_in.device();
+  for (auto [t, name] : {std::pair{&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}, {&g_in, "g"}, {&beta_in, "beta"}})
+    check_cuda(*t, name, device);
+  check_cuda(A_log, "A_log", device);
+  check_cuda(dt_bias, "dt_bias", device);
+  check_cuda(initial_state, "initial_state", device);
+  check_cuda(cu_seqlens, "cu_seqlens", device);
+  check_half(q_in, "q");
+  TORCH_CHECK_VALUE(q_in.dim() == 4 && v_in.dim() == 4,
+                    "arguments 'q' and 'v': expected rank 4 [B, T, H, K] and [B, T, HV, V]");
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const OptTensor h0 = initial_state.has_value() ? OptTensor(initial_state->contiguous()) : std::nullopt;
+  const int64_t num_seqs = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : q.size(0);
+  at::Tensor out = at::empty(v.sizes(), v.options().dtype(q.scalar_type()));
+  at::Tensor final_state =
+      output_final_state ? at::empty({num_seqs, v.size(2), q.size(3), v.size(3)}, q.options().dtype(at::kFloat))
+                         : at::empty({0}, q.options().dtype(at::kFloat));
+
+  flare::KdaForwardParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.g = view(g, "g");
+  p.beta = view(beta, "beta");
+  p.A_log = view(A_log, "A_log");
+  p.dt_bias = view(dt_bias, "dt_bias");
+  p.initial_state = view(h0, "initial_state");
+  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
+  p.out = view(out, "out");
+  if (output_final_state) p.final_state = view(final_state, "final_state");
+  p.options.scale = static_cast<float>(scale);
+  p.options.qk_l2norm = qk_l2norm;
+  p.options.beta_sigmoid = beta_sigmoid;
+  p.options.allow_neg_eigval = allow_neg_eigval;
+  p.options.gate_in_kernel = gate_in_kernel;
+  p.options.lower_bound = static_cast<float>(lower_bound);
+  p.stream = current_stream(device);
+  const Renames names = {{"options.scale", "scale"}, {"options.lower_bound", "lower_bound"}};
+  std::size_t bytes = 0;
+  throw_if_error(flare::kda_forward_workspace_size(p, &bytes), names);
+  const at::Tensor workspace = workspace_tensor(bytes, device);
+  p.workspace = workspace.data_ptr();
+  p.workspace_bytes = bytes;
+  throw_if_error(flare::kda_forward(p), names);
+  return {out, final_state};
+}
+
+}  // namespace
+}  // namespace flare_torch
+
+TORCH_LIBRARY(flare, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, Tensor? sinks, float softmax_scale, bool causal, int window_left, int window_right, "
+      "float softcap, bool deterministic) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
+      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, Tensor? sinks, float softmax_scale, bool causal, "
+      "int window_left, int window_right, float softcap, bool deterministic) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+  m.def("merge_states(Tensor partial_out, Tensor partial_lse, ScalarType? out_dtype) -> (Tensor out, Tensor lse)");
+  m.def(
+      "decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? page_table, "
+      "Tensor? workspace, float softmax_scale, bool causal, int window_left, int num_splits, bool return_lse) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "kda_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool qk_l2norm, bool beta_sigmoid, "
+      "bool allow_neg_eigval, bool gate_in_kernel, float lower_bound, bool output_final_state) "
+      "-> (Tensor out, Tensor final_state)");
+}
+
+// CPU tensors reach the same functions, which reject them with a ValueError naming the argument
+// (rather than the dispatcher's "could not run with arguments from the 'CPU' backend").
+#define FLARE_TORCH_IMPLS(m)                               \
+  m.impl("fwd", &flare_torch::attention_fwd);             \
+  m.impl("bwd", &flare_torch::attention_bwd);             \
+  m.impl("merge_states", &flare_torch::merge_states);     \
+  m.impl("decode", &flare_torch::decode);                 \
+  m.impl("kda_fwd", &flare_torch::kda_fwd)
+
+TORCH_LIBRARY_IMPL(flare, CUDA, m) { FLARE_TORCH_IMPLS(m); }
+TORCH_LIBRARY_IMPL(flare, CPU, m) { FLARE_TORCH_IMPLS(m); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flare's torch.library ops (torch.ops.flare.*) and host-side planning helpers";
+  m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
+  m.def("load_decode_tuning_table", &flare_torch::load_decode_tuning_table,
+        "Use a measured decode tuning table (bench_decode --tune); an empty path clears it");
+  m.def("bench_decode_run_loop", &flare_torch::bench_decode_run_loop,
+        "Host seconds per flare::decode_run call, `iters` calls of one plan (overhead benchmark)");
+}

@@ -1,0 +1,91 @@
+"""The torch.library side of flare's ops: fake (meta) implementations, so torch.compile traces
+through them without running a kernel, and the autograd formula of the attention forward.
+
+The ops themselves (torch.ops.flare.fwd, bwd, merge_states, decode, kda_fwd) are defined and
+implemented in C++ (csrc/flare_ops.cpp); the schemas there are the reference for the arguments.
+"""
+
+import torch
+
+from . import _C  # noqa: F401  (loading it registers torch.ops.flare.*)
+
+_f32 = torch.float32
+
+
+# ---- fake implementations: shapes and dtypes only, mirroring csrc/flare_ops.cpp -----------------
+
+
+@torch.library.register_fake("flare::fwd")
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+              window_left, window_right, softcap, deterministic):
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    out = q.new_empty(q.shape)
+    if varlen:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_f32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_f32)
+    return out, lse
+
+
+@torch.library.register_fake("flare::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+              softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,), dtype=_f32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+@torch.library.register_fake("flare::merge_states")
+def _merge_states_fake(partial_out, partial_lse, out_dtype):
+    shape = partial_out.shape[:-2] + partial_out.shape[-1:]
+    out = partial_out.new_empty(shape, dtype=out_dtype if out_dtype is not None else partial_out.dtype)
+    return out, partial_out.new_empty(partial_out.shape[:-2], dtype=_f32)
+
+
+@torch.library.register_fake("flare::decode")
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, page_table, workspace, softmax_scale, causal, window_left,
+                 num_splits, return_lse):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=_f32)
+
+
+@torch.library.register_fake("flare::kda_fwd")
+def _kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, qk_l2norm, beta_sigmoid,
+                  allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state):
+    num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+    out = v.new_empty(v.shape, dtype=q.dtype)
+    if output_final_state:
+        state = q.new_empty((num_seqs, v.shape[2], q.shape[3], v.shape[3]), dtype=_f32)
+    else:
+        state = q.new_empty((0,), dtype=_f32)
+    return out, state
+
+
+# ---- autograd: the attention forward's backward is flare::bwd ------------------------------------
+
+_FWD_TENSOR_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal, window_left,
+     window_right, softcap, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.params = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                  deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+     deterministic) = ctx.params
+    if dout is None:  # only the LSE was used, which is not differentiable
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsinks = torch.ops.flare.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, sinks, softmax_scale, causal, window_left, window_right,
+                                             softcap, deterministic)
+    return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None, None, None, None, None, None,
+            None)
+
+
+torch.library.register_autograd("flare::fwd", _fwd_backward, setup_context=_fwd_setup_context)
