@@ -5,9 +5,11 @@ time of a loop of launches is then the host's cost per call, whatever the kernel
 Variants, each `--iters` calls, median of `--repeats` loops:
   cpp            flare::decode_run in a C++ loop (plan made once): the C++ launch
   op             torch.ops.flare.decode (dispatcher + binding, plan re-derived per call)
+  direct         flare._C.decode: the binding without the dispatcher (the API's eager path)
   api            flare.flash_attn_with_kvcache with num_splits and workspace from plan_kvcache
   api_autoplan   flare.flash_attn_with_kvcache with no plan given (plans, allocates its workspace)
-  fwd_api        flare.flash_attn_func on a tiny prefill (no grad), for comparison
+  api_wrapper_only  the API's Python code alone (flare._C.decode stubbed out)
+  fwd_api        flare.flash_attn_func on a tiny prefill (no grad), for comparison; fwd_op the op
 Usage: python3 python/bench_overhead.py [--json PATH]
 """
 
@@ -16,13 +18,14 @@ import json
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flare  # noqa: E402
-from flare import _C  # noqa: E402
+from flare import _C, kvcache  # noqa: E402
 
 
 def host_us_per_call(fn, iters, repeats):
@@ -57,6 +60,8 @@ def main():
     variants = {
         "cpp": None,
         "op": lambda: decode(q, k_cache, v_cache, seqlens, None, ws, 0.0, True, -1, plan.num_splits, False),
+        "direct": lambda: _C.decode(q, k_cache, v_cache, seqlens, None, ws, 0.0, True, -1, plan.num_splits,
+                                    False),
         "api": lambda: flare.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
                                                      num_splits=plan.num_splits, workspace=ws),
         "api_autoplan": lambda: flare.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
@@ -84,10 +89,17 @@ def main():
                     fn()
                 us = host_us_per_call(fn, args.iters, args.repeats)
             results[name] = us
+        # The Python wrapper alone: the API with flare._C.decode replaced by a stub that does nothing.
+        real_c = kvcache._C
+        kvcache._C = types.SimpleNamespace(decode=lambda q, *rest: (q, q))
+        try:
+            results["api_wrapper_only"] = host_us_per_call(variants["api"], args.iters, args.repeats)
+        finally:
+            kvcache._C = real_c
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; decode bf16 batch {batch}, heads "
           f"{heads}/{heads_kv}, d {d}, cache {cache_len}, plan {plan.kernel} x{plan.num_splits} ({plan.source})")
     for name, us in results.items():
-        extra = f"  (+{us - results['cpp']:.2f} us over cpp)" if name != "cpp" and not name.startswith("fwd") else ""
+        extra = f"  (+{us - results['cpp']:.2f} us over cpp)" if name in ("op", "direct", "api", "api_autoplan") else ""
         print(f"  {name:14s} {us:7.2f} us/call host{extra}")
     if args.json:
         with open(args.json, "w") as f:

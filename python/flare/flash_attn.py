@@ -9,10 +9,21 @@ fp32 [batch, heads, seqlen_q] (varlen: [heads, total_q]), natural log. Different
 
 import torch
 
-from . import _checks
-from . import ops  # noqa: F401  (fake implementations and autograd)
+from . import _C, _checks
+from .ops import eager
 
-_fwd = torch.ops.flare.fwd
+_fwd_op = torch.ops.flare.fwd
+
+
+def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+         window_left, window_right, softcap, deterministic):
+    """The op, or its C++ implementation directly where neither autograd nor tracing needs to see it."""
+    run = _fwd_op
+    if eager(q) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                                      (sinks is not None and sinks.requires_grad))):
+        run = _C.fwd
+    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+               window_left, window_right, softcap, deterministic)
 
 
 def _unsupported(dropout_p, alibi_slopes):

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from . import _C, _checks
-from . import ops  # noqa: F401  (fake implementations)
+from .ops import eager
 
-_decode = torch.ops.flare.decode
-_merge_states = torch.ops.flare.merge_states
+_decode_op = torch.ops.flare.decode
+_merge_states_op = torch.ops.flare.merge_states
 
 # The measured split counts shipped with flare (bench_decode --tune on an H100), used on H100s.
 _H100_TABLE = Path(__file__).resolve().parents[2] / "data" / "decode_tuning_h100.txt"
@@ -147,9 +147,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = cache_seqlens + k.shape[1]
     if not _table_checked and num_splits == 0:
         _default_table(q.device)
-    out, lse = _decode(q, k_cache, v_cache, cache_seqlens, block_table, workspace,
-                       _checks.softmax_scale(softmax_scale), causal, window_left,
-                       _checks.integer("num_splits", num_splits), bool(return_softmax_lse))
+    run = _C.decode if eager(q) else _decode_op
+    out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, workspace, _checks.softmax_scale(softmax_scale),
+                   causal, window_left, _checks.integer("num_splits", num_splits), bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -164,4 +164,5 @@ def merge_states(partial_out, partial_lse, out_dtype=None):
     _checks.tensor("partial_lse", partial_lse)
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"argument 'out_dtype': expected a torch.dtype, got {type(out_dtype).__name__}")
-    return _merge_states(partial_out, partial_lse, out_dtype)
+    run = _C.merge_states if eager(partial_out) else _merge_states_op
+    return run(partial_out, partial_lse, out_dtype)

@@ -6,10 +6,22 @@ implemented in C++ (csrc/flare_ops.cpp); the schemas there are the reference for
 """
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C  # noqa: F401  (loading it registers torch.ops.flare.*)
 
 _f32 = torch.float32
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+
+
+def eager(x):
+    """Whether a call on x (and tensors like it) may skip the dispatcher and call the op's C++
+    implementation directly (flare._C.fwd, decode, merge_states), which saves the dispatcher's
+    per-call cost: x is a plain tensor (not a FakeTensor or another subclass), no dispatch mode
+    (FakeTensorMode, a profiler's mode) is active and torch.compile is not tracing. Callers also
+    take the op when autograd has to see the call."""
+    return type(x) is _Tensor and not _is_compiling() and _get_current_dispatch_mode() is None
 
 
 # ---- fake implementations: shapes and dtypes only, mirroring csrc/flare_ops.cpp -----------------

@@ -56,3 +56,25 @@ def test_opcheck_fake_implementations():
     pl = torch.randn(3, 4, device="cuda")
     torch.library.opcheck(torch.ops.flare.merge_states.default, (po, pl, torch.bfloat16),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fake_tensor_mode_takes_the_op():
+    """Under a dispatch mode (here FakeTensorMode) the API calls the op, never the C++ directly."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q = torch.randn(2, 32, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        out, lse = flare.flash_attn_func(fq, fq, fq, causal=True, return_lse=True)
+        assert out.shape == q.shape and lse.shape == (2, 4, 32)
+        kc = torch.empty(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
+        seqlens = torch.empty(2, device="cuda", dtype=torch.int32)
+        assert flare.flash_attn_with_kvcache(fq[:, :1], kc, kc, cache_seqlens=seqlens, num_splits=1).shape == (
+            2, 1, 4, 64)
+
+
+def test_eager_fast_path_matches_the_op():
+    q = torch.randn(2, 100, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        fast = flare.flash_attn_func(q, q, q, causal=True)
+    op, _ = torch.ops.flare.fwd(q, q, q, None, None, 0, 0, None, 0.0, True, -1, -1, 0.0, False)
+    assert torch.equal(fast, op)

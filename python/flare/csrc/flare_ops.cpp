@@ -550,6 +550,11 @@ TORCH_LIBRARY_IMPL(flare, CPU, m) { FLARE_TORCH_IMPLS(m); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flare's torch.library ops (torch.ops.flare.*) and host-side planning helpers";
+  // The same functions without the dispatcher: the eager fast path of the Python API (plain CUDA
+  // tensors, no autograd, no tracing, no dispatch mode), which saves the dispatcher's per-call cost.
+  m.def("fwd", &flare_torch::attention_fwd);
+  m.def("decode", &flare_torch::decode);
+  m.def("merge_states", &flare_torch::merge_states);
   m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
   m.def("load_decode_tuning_table", &flare_torch::load_decode_tuning_table,
         "Use a measured decode tuning table (bench_decode --tune); an empty path clears it");
