@@ -6,6 +6,7 @@
 #include "src/attention/portable/bwd_launch.h"
 #include "src/attention/portable/fwd_launch.h"
 #ifdef FLARE_WITH_HOPPER
+#include "src/attention/hopper/bwd_launch.h"
 #include "src/attention/hopper/fwd_launch.h"
 #endif
 #include "src/common/cuda_check.h"
@@ -44,17 +45,33 @@ struct BackwardPlan {
   detail::AttentionShape shape;
   portable::BwdBlocks blocks;
   detail::BwdWorkspaceLayout layout;
+  bool hopper = false;  // the Hopper kernel, else the portable one
 };
 
 Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
   FLARE_RETURN_IF_ERROR(detail::validate_attention_backward(p, DeviceKind::kCUDA, &plan->shape));
   if (p.block_mask != nullptr) return Status::NotSupported("block-sparse attention backward is not built yet");
-  if (p.backend == Backend::kHopper || p.backend == Backend::kReference)
-    return Status::NotSupported("attention backward: only the portable backend is built");
+  if (p.backend == Backend::kReference)
+    return Status::NotSupported("backend: the attention backward has no reference kernel (the CPU oracle is flare::ref)");
   plan->blocks = portable::portable_bwd_blocks(plan->shape.head_dim);
   if (plan->blocks.head_dim == 0)
     return Status::NotSupported("head dim " + std::to_string(plan->shape.head_dim) +
                                 ": no backward kernel instantiated for it in this build (see FLARE_HEAD_DIMS)");
+#ifdef FLARE_WITH_HOPPER
+  if (p.backend == Backend::kAuto || p.backend == Backend::kHopper) {
+    const Status hop = hopper::hopper_backward_check(p, plan->blocks.head_dim);
+    if (hop.ok()) {
+      plan->hopper = true;
+      plan->blocks.block_m = hopper::kHopperBwdBlockM;
+      plan->blocks.block_n = hopper::kHopperBwdBlockN;
+    } else if (p.backend == Backend::kHopper) {
+      return hop;
+    }
+  }
+#else
+  if (p.backend == Backend::kHopper)
+    return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
+#endif
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic);
   return Status::Ok();
 }
@@ -88,7 +105,11 @@ Status attention_backward(const AttentionBackwardParams& params) {
     const detail::BwdKernelParams k = detail::make_bwd_kernel_params(
         params, detail::make_fwd_kernel_params(detail::forward_view(params), plan.shape), plan.shape, l, ws,
         plan.blocks.block_m, plan.blocks.block_n);
-    st = portable::portable_attention_backward(k, params.q.dtype, params.stream);
+#ifdef FLARE_WITH_HOPPER
+    if (plan.hopper) st = hopper::hopper_attention_backward(k, params.q.dtype, params.stream);
+    else
+#endif
+      st = portable::portable_attention_backward(k, params.q.dtype, params.stream);
   }
   if (owned) {
     Status freed = detail::cuda_status(cudaFreeAsync(ws, params.stream), "backward workspace free");

@@ -1,0 +1,26 @@
+// Tile configuration of the Hopper backward.
+//
+// A CTA owns kBlockN = 128 keys of one (sequence, q head): a producer warpgroup (TMA) and two
+// consumer warpgroups of 64 keys each, which hold their keys' dK and dV in registers while the
+// query blocks (kBlockM = 64 rows of Q and dO, kStages deep) stream past. dK and dV take
+// 2 x head_dim / 2 registers a thread, so this tiling serves head dims up to 128; larger ones run
+// the portable backward.
+#pragma once
+
+namespace flare::hopper {
+
+template <int kHeadDim_, int kStages_ = 2>
+struct HopperBwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;   // query rows per step
+  static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (kConsumerWGs + 1);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+};
+
+inline constexpr int kHopperBwdMaxHeadDim = 128;
+
+}  // namespace flare::hopper

@@ -1,0 +1,44 @@
+// Picks the Hopper backward's instantiation, after checking that the problem suits it.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "src/attention/hopper/bwd_config.h"
+#include "src/attention/hopper/bwd_launch.h"
+#include "src/attention/hopper/operand_checks.h"
+#include "src/attention/portable/head_dims.h"
+
+namespace flare::hopper {
+
+Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim) {
+  FLARE_RETURN_IF_ERROR(check_sm90());
+  if (head_dim == 0 || head_dim > kHopperBwdMaxHeadDim)
+    return Status::NotSupported("head dim: the Hopper backward serves head dims up to " +
+                                std::to_string(kHopperBwdMaxHeadDim));
+  if (p.deterministic) return Status::NotSupported("deterministic: the Hopper backward has no deterministic mode yet");
+  if (p.softcap > 0.f) return Status::NotSupported("softcap: the Hopper backward does not soft-cap yet");
+  const bool varlen = p.cu_seqlens_q.data != nullptr;
+  FLARE_RETURN_IF_ERROR(check_tma_operand("q", p.q.data, detail::row_strides(p.q, varlen), varlen));
+  FLARE_RETURN_IF_ERROR(check_tma_operand("k", p.k.data, detail::row_strides(p.k, varlen), varlen));
+  FLARE_RETURN_IF_ERROR(check_tma_operand("v", p.v.data, detail::row_strides(p.v, varlen), varlen));
+  FLARE_RETURN_IF_ERROR(check_tma_operand("dout", p.dout.data, detail::row_strides(p.dout, varlen), varlen));
+  FLARE_RETURN_IF_ERROR(check_pair_output("dk", p.dk.data, detail::row_strides(p.dk, varlen)));
+  FLARE_RETURN_IF_ERROR(check_pair_output("dv", p.dv.data, detail::row_strides(p.dv, varlen)));
+  return Status::Ok();
+}
+
+Status hopper_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream) {
+  if (dtype == DType::kBFloat16) {
+#ifdef FLARE_HAS_DTYPE_bf16
+    return portable::visit_head_dim(p.fwd.head_dim, [&](auto hd) { return launch_hopper_bwd<decltype(hd)::value, __nv_bfloat16>(p, stream); });
+#endif
+  } else {
+#ifdef FLARE_HAS_DTYPE_fp16
+    return portable::visit_head_dim(p.fwd.head_dim, [&](auto hd) { return launch_hopper_bwd<decltype(hd)::value, __half>(p, stream); });
+#endif
+  }
+  return Status::NotSupported(std::string("dtype ") + dtype_name(dtype) + ": no kernel instantiated for it in this build");
+}
+
+}  // namespace flare::hopper

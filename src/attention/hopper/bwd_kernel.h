@@ -1,0 +1,284 @@
+// Hopper attention backward (sm_90a): warp-specialized, TMA-fed, wgmma-computed.
+//
+// A CTA owns kBlockN keys of one (sequence, q head). The producer warpgroup loads K and V once,
+// then Q and dO of every query block that sees these keys into a ring of stages. Each consumer
+// warpgroup owns 64 keys and, per query block of 64 rows,
+//
+//     S^T = K Q^T,  dP^T = V dO^T                     (wgmma, shared x shared)
+//     P^T = exp2(S^T scale log2e - LSE log2e),  dS^T = P^T (dP^T - rowsum(dO o O))
+//     dV += P^T dO,  dK += dS^T Q                      (wgmma, P^T and dS^T from registers)
+//     dQ[:, half w] = dS K[:, half w]                  (wgmma on dS through shared memory,
+//                                                       both warpgroups' keys; added to dq_accum)
+//
+// dK (scaled) and dV leave registers at the end: stored, or added into fp32 accumulators under
+// GQA. The pre-pass (rowsum(dO o O)), dsinks and the dQ conversion are the portable backward's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "src/attention/bwd_params.h"
+#include "src/attention/hopper/bwd_config.h"
+#include "src/attention/hopper/bwd_layouts.h"
+#include "src/attention/hopper/online_softmax.h"
+#include "src/attention/hopper/stage_ring.h"
+#include "src/attention/hopper/wg_gemm.h"
+#include "src/attention/portable/warp_mma.h"
+
+namespace flare::hopper {
+
+template <typename Cfg, typename T>
+struct HopperBwdParams {
+  using L = BwdLayouts<Cfg, T>;
+  detail::BwdKernelParams p;
+  typename L::TmaQ tma_q, tma_do;
+  typename L::TmaK tma_k, tma_v;
+  GShape shape_q, shape_k;
+};
+
+template <typename Cfg, typename T>
+struct BwdSmem {
+  using L = BwdLayouts<Cfg, T>;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemK>, 1024> k;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemK>, 1024> v;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> dout;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds[2];
+  float rowstats[2][Cfg::kConsumerWGs][2][Cfg::kBlockM];  // [step parity][warpgroup][LSE log2, dpsum][row]
+  uint64_t kv_full;
+  StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q and dO of one query block
+};
+
+template <typename Cfg, typename T>
+constexpr int hopper_bwd_smem_bytes() {
+  return static_cast<int>(sizeof(BwdSmem<Cfg, T>)) + 1024;
+}
+
+struct BwdTile {
+  detail::SeqInfo seq;
+  sched::Band band;
+  int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
+  sched::BlockRange mrange;  // query blocks that see any of the keys
+};
+
+template <typename Cfg>
+__device__ __forceinline__ BwdTile bwd_tile_of(const detail::FwdKernelParams& p, int n, int h, int b) {
+  BwdTile t;
+  t.seq = detail::seq_info(p, b);
+  t.band = detail::band_of(p, t.seq);
+  t.n = n;
+  t.h = h;
+  t.b = b;
+  t.col0 = n * Cfg::kBlockN;
+  t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
+  if (t.keys > 0) t.mrange = sched::q_block_range(t.band, t.col0, t.col0 + t.keys, t.seq.seqlen_q, Cfg::kBlockM);
+  return t;
+}
+
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
+  using namespace cute;
+  using L = BwdLayouts<Cfg, T>;
+  const detail::FwdKernelParams& p = hp.p.fwd;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int hk = t.h / p.group, bt = varlen ? 0 : t.b;
+  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
+  Tensor mDO = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_do.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
+  Tensor mK = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_k.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
+  Tensor mV = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_v.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
+  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));  // (BM, HD, m)
+  Tensor gDO = local_tile(mDO, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));
+  Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
+  Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
+  auto q_part = hp.tma_q.get_slice(_0{});
+  auto do_part = hp.tma_do.get_slice(_0{});
+  auto k_part = hp.tma_k.get_slice(_0{});
+  auto v_part = hp.tma_v.get_slice(_0{});
+  Tensor tQg = q_part.partition_S(gQ);
+  Tensor tQs = q_part.partition_D(sQ);
+  Tensor tDOg = do_part.partition_S(gDO);
+  Tensor tDOs = do_part.partition_D(sDO);
+
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
+  copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
+  copy(hp.tma_v.with(sm.kv_full), v_part.partition_S(gV), v_part.partition_D(sV));
+  RingPos pos;
+  for (int m = t.mrange.first; m < t.mrange.last; ++m) {
+    uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes);
+    copy(hp.tma_q.with(bar), tQg(_, _, _, m), tQs(_, _, _, pos.index));
+    copy(hp.tma_do.with(bar), tDOg(_, _, _, m), tDOs(_, _, _, pos.index));
+    pos.template advance<Cfg::kStages>();
+  }
+}
+
+// Both consumer warpgroups (256 threads) at named barrier 1.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
+                                            int ct) {
+  using namespace cute;
+  using L = BwdLayouts<Cfg, T>;
+  using Elem = typename L::Elem;
+  const detail::BwdKernelParams& P = hp.p;
+  const detail::FwdKernelParams& p = P.fwd;
+  const int lane = ct % 32, wg = ct / 128;
+  constexpr float kLog2e = static_cast<float>(M_LOG2E);
+
+  typename L::MmaSdP mma_sdp;
+  typename L::MmaDKV mma_dkv;
+  typename L::MmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ct);
+  auto thr_dkv = mma_dkv.get_thread_slice(ct);
+  auto thr_dq = mma_dq.get_thread_slice(ct);
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQt{});
+  Tensor sDOt = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemQt{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
+  Tensor sKt = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKt{});
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (.., stage)
+  Tensor tSrDO = thr_sdp.partition_fragment_B(sDO);  // (.., stage)
+  Tensor tKVrDOt = thr_dkv.partition_fragment_B(sDOt);
+  Tensor tKVrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
+  Tensor tSrDP = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<typename L::BM, typename L::HD>{});
+  Tensor tPrP = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
+  Tensor tPrDS = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
+  static_assert(decltype(size(tSrS))::value == decltype(size(tPrP))::value, "P^T mirrors S^T element for element");
+  // Coordinates (key, q) of each S^T element and (q, column) of each dQ element, (key, column) of dK/dV.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
+  Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
+  Tensor cDKV = thr_dkv.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::HD>{}));
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  const float* lse_g = p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start;
+  const float* dpsum_g = P.dpsum + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start;
+  constexpr int kN = decltype(size(tSrS))::value;  // S^T elements a thread holds
+
+  if (t.mrange.first < t.mrange.last) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
+    RingPos pos;
+    for (int m = t.mrange.first, it = 0; m < t.mrange.last; ++m, ++it) {
+      const int q0 = m * Cfg::kBlockM;
+      // LSE (log2 units) and rowsum(dO o O) of the block's rows into this warpgroup's copy in shared
+      // memory (a row past the sequence gets LSE = +inf: its P is 0); read after the S GEMM.
+      float* stats = &sm.rowstats[it % 2][wg][0][0];
+      {
+        const int r = ct % 128, q = q0 + r % Cfg::kBlockM;
+        const bool valid = q < t.seq.seqlen_q;
+        stats[r] = r < Cfg::kBlockM ? (valid ? lse_g[q] * kLog2e : INFINITY) : (valid ? dpsum_g[q] : 0.f);
+      }
+      sm.qdo_ring.wait_full(pos);
+      wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, pos.index), tSrS);
+      wg_gemm<true>(mma_sdp, tSrV, tSrDO(_, _, _, pos.index), tSrDP);
+      wg_wait<0>(tSrS);
+      cute::warpgroup_fence_operand(tSrDP);
+      asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's row stats are in
+
+      // P^T and dS^T, masked on the partial tiles.
+      const bool partial =
+          q0 + Cfg::kBlockM > t.seq.seqlen_q ||
+          sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN, t.seq.seqlen_k) !=
+              sched::TileKind::kFull;
+      CUTE_UNROLL
+      for (int i = 0; i < kN; ++i) {
+        const int q_local = get<1>(cS(i));
+        float pv = exp2_approx(fmaf(tSrS(i), p.scale_log2, -stats[q_local]));
+        if (partial) {
+          const int key = t.col0 + get<0>(cS(i)), q = q0 + get<1>(cS(i));
+          pv = (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key)) ? pv : 0.f;
+        }
+        tPrP(i) = static_cast<Elem>(pv);
+        tPrDS(i) = static_cast<Elem>(pv * (tSrDP(i) - stats[Cfg::kBlockM + q_local]));
+      }
+      wg_gemm<false>(mma_dkv, tPrP, tKVrDOt(_, _, _, pos.index), tdVrdV);
+      wg_gemm<false>(mma_dkv, tPrDS, tKVrQt(_, _, _, pos.index), tdKrdK);
+
+      // dS to shared memory (this step's buffer), then dQ = dS K over both warpgroups' keys.
+      Tensor tSsDS = thr_sdp.partition_C(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
+      CUTE_UNROLL
+      for (int i = 0; i < kN; ++i) tSsDS(i) = tPrDS(i);
+      cutlass::arch::fence_view_async_shared();
+      consumers_sync();
+      Tensor tQrDS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
+      wg_gemm<true>(mma_dq, tQrDS, tQrKt, tdQrdQ);
+      wg_wait<0>(tdQrdQ);
+      cute::warpgroup_fence_operand(tdVrdV);
+      cute::warpgroup_fence_operand(tdKrdK);
+      if (lane == 0) sm.qdo_ring.release(pos);
+      pos.template advance<Cfg::kStages>();
+
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdQrdQ); i += 2) {
+        const int q = q0 + get<0>(cDQ(i)), col = get<1>(cDQ(i));
+        if (q >= t.seq.seqlen_q || col >= p.head_dim) continue;
+        float* dst = P.dq_accum + (detail::accum_row(p, t.b, t.seq.q_start, q, p.seqlen_q) * p.heads + t.h) * p.head_dim + col;
+        portable::red_add_f32x2(dst, tdQrdQ(i) * p.scale, tdQrdQ(i + 1) * p.scale);
+      }
+    }
+  }
+
+  // dK (scaled) and dV: stored, or added into the fp32 accumulators under GQA.
+  const bool gqa = p.group > 1;
+  const int hk = t.h / p.group;
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdKrdK); i += 2) {
+    const int key = get<0>(cDKV(i)), col = get<1>(cDKV(i));
+    if (key >= t.keys || col >= p.head_dim) continue;
+    const float k0 = tdKrdK(i) * p.scale, k1 = tdKrdK(i + 1) * p.scale;
+    const float v0 = tdVrdV(i), v1 = tdVrdV(i + 1);
+    if (!gqa) {
+      T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
+      T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
+      *reinterpret_cast<uint32_t*>(dkp) = pack2<T>(k0, k1);
+      *reinterpret_cast<uint32_t*>(dvp) = pack2<T>(v0, v1);
+    } else {
+      const int64_t off = (detail::accum_row(p, t.b, t.seq.k_start, t.col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
+      portable::red_add_f32x2(P.dk_accum + off, k0, k1);
+      portable::red_add_f32x2(P.dv_accum + off, v0, v1);
+    }
+  }
+}
+
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
+  extern __shared__ unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<BwdSmem<Cfg, T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int warp = threadIdx.x / 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
+    sm.qdo_ring.init(4 * Cfg::kConsumerWGs);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const BwdTile tile = bwd_tile_of<Cfg>(hp.p.fwd, blockIdx.x, blockIdx.y, blockIdx.z);
+  if (tile.keys <= 0) return;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp == 0 && tile.mrange.first < tile.mrange.last && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
+  }
+}
+
+}  // namespace flare::hopper

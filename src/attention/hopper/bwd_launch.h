@@ -1,0 +1,20 @@
+// The Hopper backward's launchers (definitions in the generated per-(head dim, dtype) units).
+#pragma once
+
+#include "src/attention/bwd_params.h"
+
+namespace flare::hopper {
+
+template <int kHeadDim, typename T>
+Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream);
+
+// Ok when the Hopper backward can run this problem (sm_90, head dim <= 128, not deterministic, no
+// soft-capping, TMA-addressable operands), else why not. `head_dim` is the instantiated one.
+Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim);
+
+// Query rows per step and keys per CTA (they size the workspace).
+inline constexpr int kHopperBwdBlockM = 64, kHopperBwdBlockN = 128;
+
+Status hopper_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream);
+
+}  // namespace flare::hopper

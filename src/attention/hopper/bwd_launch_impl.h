@@ -1,0 +1,76 @@
+// Host side of the Hopper backward: the portable pre-pass, tensor maps, the main kernel, dsinks and
+// the conversions. Included by the generated per-(head dim, dtype) translation units only.
+#pragma once
+
+#include "src/attention/hopper/bwd_kernel.h"
+#include "src/attention/hopper/bwd_launch.h"
+#include "src/attention/hopper/fwd_launch_impl.h"
+#include "src/attention/portable/bwd_kernel.h"
+
+namespace flare::hopper {
+
+template <typename Cfg, typename T>
+Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
+  using namespace cute;
+  using L = BwdLayouts<Cfg, T>;
+  const detail::FwdKernelParams& p = P.fwd;
+  if (p.batch == 0 || p.heads == 0) return Status::Ok();
+  constexpr int kSmem = hopper_bwd_smem_bytes<Cfg, T>();
+  auto kernel = hopper_bwd_kernel<Cfg, T>;
+  static const cudaError_t attr = [&] {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e;
+  }();
+  if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");
+  if (p.seqlen_q > 0) {
+    dim3 grid((p.seqlen_q + 7) / 8, p.heads, p.batch);
+    portable::bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
+  }
+  if (p.seqlen_k > 0 && p.seqlen_q > 0 && P.num_n_blocks > 0) {
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    HopperBwdParams<Cfg, T> hp;
+    hp.p = P;
+    GStride q_stride, do_stride, k_stride, v_stride;
+    GShape unused;
+    global_view(p.q_str, varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, p.batch, varlen, &hp.shape_q, &q_stride);
+    global_view(P.dout_str, varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, p.batch, varlen, &unused, &do_stride);
+    global_view(p.k_str, varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, p.batch, varlen, &hp.shape_k, &k_stride);
+    global_view(p.v_str, varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, p.batch, varlen, &unused, &v_stride);
+    using E = typename L::Elem;
+    hp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.q, hp.shape_q, q_stride), typename L::SmemQStage{},
+                             Shape<typename L::BM, typename L::HD>{}, _1{});
+    hp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(P.dout, hp.shape_q, do_stride), typename L::SmemQStage{},
+                              Shape<typename L::BM, typename L::HD>{}, _1{});
+    hp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.k, hp.shape_k, k_stride), typename L::SmemK{},
+                             Shape<typename L::BN, typename L::HD>{}, _1{});
+    hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.v, hp.shape_k, v_stride), typename L::SmemK{},
+                             Shape<typename L::BN, typename L::HD>{}, _1{});
+    const dim3 grid(P.num_n_blocks, p.heads, p.batch);
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+  }
+  if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
+  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
+  portable::bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
+  if (p.group > 1) {
+    const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
+    dim3 grid(rows_k, p.heads_kv, p.batch);
+    portable::bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
+    portable::bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
+  }
+  return detail::cuda_status(cudaGetLastError(), "hopper backward launch");
+}
+
+template <int kHeadDim, typename T>
+Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream) {
+  if constexpr (kHeadDim > kHopperBwdMaxHeadDim) {
+    (void)p;
+    (void)stream;
+    return Status::NotSupported("head dim " + std::to_string(kHeadDim) + ": the Hopper backward serves head dims up to " +
+                                std::to_string(kHopperBwdMaxHeadDim));
+  } else {
+    return launch_hopper_bwd_cfg<HopperBwdConfig<kHeadDim>, T>(p, stream);
+  }
+}
+
+}  // namespace flare::hopper

@@ -1,0 +1,62 @@
+// Shared-memory layouts and wgmma tilings of the Hopper backward (see bwd_kernel.h for the GEMMs).
+#pragma once
+
+#include "src/attention/hopper/fwd_layouts.h"
+
+namespace flare::hopper {
+
+template <typename Cfg, typename T>
+struct BwdLayouts {
+  using Elem = typename CuteElem<T>::type;
+  static constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  static constexpr int kStages = Cfg::kStages;
+  using BM = cute::Int<kBlockM>;
+  using BN = cute::Int<kBlockN>;
+  using HD = cute::Int<kHeadDim>;
+  using HalfHD = cute::Int<kHeadDim / 2>;
+  using St = cute::Int<kStages>;
+
+  using SmemAtom = cute::conditional_t<
+      kHeadDim % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Elem>,
+      cute::conditional_t<kHeadDim % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Elem>, cute::GMMA::Layout_K_SW32_Atom<Elem>>>;
+  // Q and dO: (q rows, head dim, stage); their transposes (head dim, q rows, stage) feed dK and dV.
+  using SmemQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BM, HD, St>{}));
+  using SmemQStage = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BM, HD>{}));
+  using SmemQt = decltype(cute::composition(
+      SmemQ{}, cute::make_ordered_layout(cute::Shape<HD, BM, St>{}, cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  // K and V: (keys, head dim), loaded once; K^T (head dim, keys) feeds dQ.
+  using SmemK = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BN, HD>{}));
+  using SmemKt = decltype(cute::composition(
+      SmemK{}, cute::make_ordered_layout(cute::Shape<HD, BN>{}, cute::Step<cute::_2, cute::_1>{})));
+  // dS (q rows, keys), q contiguous: the A operand of dQ = dS K; written through its (keys, q) view
+  // from the dS^T accumulators. Two buffers, alternating by step.
+  using SmemDS = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Elem>{}, cute::Shape<BM, BN>{}));
+  using SmemDSt = decltype(cute::composition(
+      SmemDS{}, cute::make_ordered_layout(cute::Shape<BN, BM>{}, cute::Step<cute::_2, cute::_1>{})));
+
+  using KeysSplit = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;  // warpgroup w: keys 64w..
+  using ColsSplit = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;  // warpgroup w: dQ's column half w
+  // S^T = K Q^T and dP^T = V dO^T: (keys, q), k = head dim.
+  using MmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, BM, HD>>(), KeysSplit{}));
+  // dV += P^T dO and dK += dS^T Q: (keys, head dim), k = q rows; P^T, dS^T from registers.
+  using MmaDKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HD, BM>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      KeysSplit{}));
+  // dQ = dS K: (q rows, head dim), k = keys; each warpgroup one half of the head dim.
+  using MmaDQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HalfHD, BN>, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::MN>(),
+      ColsSplit{}));
+
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
+                                            SmemQStage{}, cute::Shape<BM, HD>{}, cute::_1{}));
+  using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
+                                            SmemK{}, cute::Shape<BN, HD>{}, cute::_1{}));
+
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Elem);
+  static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Elem);
+};
+
+}  // namespace flare::hopper

@@ -1,0 +1,117 @@
+// The Hopper attention backward against the CPU oracle: head dims up to 128, every mask, GQA/MQA,
+// seqlen_q != seqlen_k, varlen with empty and one-token sequences, attention sinks. (Deterministic
+// mode, soft-capping and head dims above 128 run the portable backward: test_attention_backward.)
+// FLARE_TEST_REDUCED=1 runs a small subset.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "flare_instantiated.h"
+#include "tests/gpu/attention_case.h"
+
+namespace flare::test {
+namespace {
+
+bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
+
+#define REQUIRE_HOPPER_GPU()                                                                   \
+  do {                                                                                         \
+    FLARE_REQUIRE_GPU();                                                                       \
+    int dev = 0, major = 0, minor = 0;                                                         \
+    FLARE_CUDA_OK(cudaGetDevice(&dev));                                                        \
+    FLARE_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));     \
+    FLARE_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));     \
+    if (major != 9 || minor != 0) GTEST_SKIP() << "the Hopper kernels need an sm_90 device";  \
+  } while (0)
+
+void run_backward(const AttnCase& c) {
+  SCOPED_TRACE(c.name());
+  AttnProblem prob(c);
+  AttentionForwardParams f = prob.forward_params(Backend::kAuto);
+  Status s = attention_forward(f);
+  ASSERT_TRUE(s.ok()) << s.message();
+  AttentionBackwardParams b = prob.backward_params(Backend::kHopper, false);  // draws dout
+  prob.run_backward_oracle();
+  Status sb = attention_backward(b);
+  ASSERT_TRUE(sb.ok()) << sb.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  prob.check_backward();
+}
+
+const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
+                             MaskParams{true, 64, -1}};
+
+#ifdef FLARE_HAS_HOPPER
+TEST(HopperBackward, Sweep) {
+  REQUIRE_HOPPER_GPU();
+  const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {300, 1000}, {1000, 300}};
+  const int ratios[] = {1, 4, 8};
+  uint64_t seed = 6000;
+  for (int d : {64, 80, 96, 128})
+    for (int li = 0; li < 6; ++li) {
+      if (reduced() && li != 2) continue;
+      AttnCase c;
+      c.head_dim = d;
+      c.seqlen_q = lens[li].first;
+      c.seqlen_k = lens[li].second;
+      c.heads = ratios[(li + d / 16) % 3];
+      c.heads_kv = 1;
+      c.batch = 2;
+      c.mask = kMasks[(li + d / 32) % 4];
+      c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
+      c.seed = seed++;
+      run_backward(c);
+    }
+}
+
+TEST(HopperBackward, MasksAndRatios) {
+  REQUIRE_HOPPER_GPU();
+  uint64_t seed = 6500;
+  for (const MaskParams& m : kMasks)
+    for (int ratio : {1, 4}) {
+      AttnCase c;
+      c.head_dim = 128;
+      c.seqlen_q = 200;
+      c.seqlen_k = 333;
+      c.heads = 4;
+      c.heads_kv = 4 / ratio;
+      c.mask = m;
+      c.seed = seed++;
+      run_backward(c);
+      if (reduced()) return;
+    }
+}
+
+TEST(HopperBackward, SinksVarlen) {
+  REQUIRE_HOPPER_GPU();
+  for (int d : {64, 128}) {
+    AttnCase c;
+    c.head_dim = d;
+    c.heads = 4;
+    c.heads_kv = 2;
+    c.sinks = true;
+    c.mask = MaskParams{true, -1, -1};
+    c.varlen_q = {0, 1, 17, 130, 1, 257};
+    c.varlen_k = {5, 1, 40, 129, 0, 300};
+    c.batch = 6;
+    c.seed = 7000 + d;
+    run_backward(c);
+  }
+}
+
+TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {
+  REQUIRE_HOPPER_GPU();
+  AttnCase c;
+  c.head_dim = 256;
+  c.seqlen_q = c.seqlen_k = 64;
+  AttnProblem prob(c);
+  ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kAuto)).ok());
+  AttentionBackwardParams forced = prob.backward_params(Backend::kHopper, false);
+  EXPECT_FALSE(attention_backward(forced).ok()) << "head dim 256 is not the Hopper backward's";
+  AttentionBackwardParams automatic = prob.backward_params(Backend::kAuto, true);
+  EXPECT_TRUE(attention_backward(automatic).ok()) << "kAuto runs the portable backward for it";
+}
+#endif
+
+}  // namespace
+}  // namespace flare::test
