@@ -103,6 +103,16 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
         v_cache[page, pos % page_size] = v
 
 
+def _reject_unsupported(rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes, softcap):
+    _checks.unsupported("rotary_cos", rotary_cos, None, "rotary embedding in the decode op is not implemented")
+    _checks.unsupported("rotary_sin", rotary_sin, None, "rotary embedding in the decode op is not implemented")
+    _checks.unsupported("cache_batch_idx", cache_batch_idx, None, "cache_batch_idx is not implemented")
+    _checks.unsupported("cache_leftpad", cache_leftpad, None, "cache_leftpad is not implemented")
+    _checks.unsupported("alibi_slopes", alibi_slopes, None, "ALiBi is not implemented in flare")
+    if _checks.number("softcap", softcap) != 0.0:
+        raise NotImplementedError("argument 'softcap': soft-capping in the decode op is not implemented; pass 0.0")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -121,15 +131,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _checks.tensor("q", q)
     _checks.tensor("k_cache", k_cache)
     _checks.tensor("v_cache", v_cache)
-    _checks.optional_tensor("block_table", block_table)
-    _checks.optional_tensor("workspace", workspace)
-    _checks.unsupported("rotary_cos", rotary_cos, None, "rotary embedding in the decode op is not implemented")
-    _checks.unsupported("rotary_sin", rotary_sin, None, "rotary embedding in the decode op is not implemented")
-    _checks.unsupported("cache_batch_idx", cache_batch_idx, None, "cache_batch_idx is not implemented")
-    _checks.unsupported("cache_leftpad", cache_leftpad, None, "cache_leftpad is not implemented")
-    _checks.unsupported("alibi_slopes", alibi_slopes, None, "ALiBi is not implemented in flare")
-    if _checks.number("softcap", softcap) != 0.0:
-        raise NotImplementedError("argument 'softcap': soft-capping in the decode op is not implemented; pass 0.0")
+    if block_table is not None:
+        _checks.tensor("block_table", block_table)
+    if workspace is not None:
+        _checks.tensor("workspace", workspace)
+    if (rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None
+            or alibi_slopes is not None or softcap != 0.0):
+        _reject_unsupported(rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes, softcap)
     causal, window_left = _decode_window(causal, window_size)
     if cache_seqlens is None:
         if block_table is not None:

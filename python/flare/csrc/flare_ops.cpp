@@ -7,6 +7,7 @@
 //   NotImplementedError, anything else -> RuntimeError.
 // The fake (meta) implementations and the autograd formulas live in python/flare/ops.py.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -137,8 +138,17 @@ flare::Stream current_stream(const at::Device& device) {
   return reinterpret_cast<flare::Stream>(at::cuda::getCurrentCUDAStream(device.index()).stream());
 }
 
+// Outputs and workspaces come straight from the CUDA caching allocator, without a round trip through
+// the dispatcher (a decode step is short enough for that to show): every caller has checked that its
+// tensors are CUDA tensors first.
+at::Tensor empty_cuda(at::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device) {
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
+}
+
+at::Tensor empty_like_cuda(const at::Tensor& t) { return empty_cuda(t.sizes(), t.scalar_type(), t.device()); }
+
 at::Tensor workspace_tensor(std::size_t bytes, const at::Device& device) {
-  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device));
+  return empty_cuda({static_cast<int64_t>(bytes)}, at::kByte, device);
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -195,8 +205,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
   const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty(lse_shape(q, varlen), q.options().dtype(at::kFloat));
+  at::Tensor out = empty_like_cuda(q);
+  at::Tensor lse = empty_cuda(lse_shape(q, varlen), at::kFloat, q.device());
 
   flare::AttentionForwardParams p;
   p.q = view(q, "q");
@@ -229,11 +239,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
   const at::Tensor out = loadable(out_in), dout = loadable(dout_in.to(q.scalar_type()));
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
-  at::Tensor dsinks = sinks.has_value() ? at::empty(sinks->sizes(), sinks->options())
-                                        : at::empty({0}, q.options().dtype(at::kFloat));
+  at::Tensor dq = empty_like_cuda(q);
+  at::Tensor dk = empty_like_cuda(k);
+  at::Tensor dv = empty_like_cuda(v);
+  at::Tensor dsinks = sinks.has_value() ? empty_like_cuda(*sinks) : empty_cuda({0}, at::kFloat, q.device());
 
   flare::AttentionBackwardParams p;
   p.q = view(q, "q");
@@ -281,8 +290,8 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& partial_out_in
   std::vector<int64_t> out_shape(partial_out.sizes().begin(), partial_out.sizes().end());
   out_shape.erase(out_shape.end() - 2);
   std::vector<int64_t> lse_shape(out_shape.begin(), out_shape.end() - 1);
-  at::Tensor out = at::empty(out_shape, partial_out.options().dtype(out_dtype.value_or(partial_out.scalar_type())));
-  at::Tensor lse = at::empty(lse_shape, partial_out.options().dtype(at::kFloat));
+  at::Tensor out = empty_cuda(out_shape, out_dtype.value_or(partial_out.scalar_type()), partial_out.device());
+  at::Tensor lse = empty_cuda(lse_shape, at::kFloat, partial_out.device());
 
   flare::MergeStatesParams p;
   p.partial_out = view(partial_out, "partial_out");
@@ -390,9 +399,9 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tens
                     q_in.dim());
   const c10::cuda::CUDAGuard guard(device);
   const at::Tensor q = loadable(q_in);
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = return_lse ? at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
+  at::Tensor out = empty_like_cuda(q);
+  // Not asked for: undefined here (None from the direct call), an empty tensor from the op.
+  at::Tensor lse = return_lse ? empty_cuda({q.size(0), q.size(2), q.size(1)}, at::kFloat, device) : at::Tensor();
 
   flare::DecodeParams p;
   p.q = view(q, "q");
@@ -436,7 +445,7 @@ double bench_decode_run_loop(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& cache_seqlens, const at::Tensor& workspace, int64_t num_splits,
                              int64_t iters) {
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor out = empty_like_cuda(q);
   flare::DecodeParams p;
   p.q = view(q, "q");
   p.k_cache = view(k_cache, "k_cache");
@@ -452,6 +461,17 @@ double bench_decode_run_loop(const at::Tensor& q, const at::Tensor& k_cache, con
   for (int64_t i = 0; i < iters; ++i) throw_if_error(flare::decode_run(plan, p, workspace.data_ptr(), bytes));
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
   return elapsed.count() / static_cast<double>(iters);
+}
+
+// The op's form: a Tensor for every output (an empty one for the LSE not asked for).
+std::tuple<at::Tensor, at::Tensor> decode_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& cache_seqlens, const OptTensor& page_table,
+                                             const OptTensor& workspace, double softmax_scale, bool causal,
+                                             int64_t window_left, int64_t num_splits, bool return_lse) {
+  auto [out, lse] = decode(q, k_cache, v_cache, cache_seqlens, page_table, workspace, softmax_scale, causal,
+                           window_left, num_splits, return_lse);
+  if (!lse.defined()) lse = empty_cuda({0}, at::kFloat, q.device());
+  return {out, lse};
 }
 
 // ---- KDA --------------------------------------------------------------------------------------
@@ -477,10 +497,10 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const OptTensor h0 = initial_state.has_value() ? OptTensor(initial_state->contiguous()) : std::nullopt;
   const int64_t num_seqs = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : q.size(0);
-  at::Tensor out = at::empty(v.sizes(), v.options().dtype(q.scalar_type()));
+  at::Tensor out = empty_cuda(v.sizes(), q.scalar_type(), device);
   at::Tensor final_state =
-      output_final_state ? at::empty({num_seqs, v.size(2), q.size(3), v.size(3)}, q.options().dtype(at::kFloat))
-                         : at::empty({0}, q.options().dtype(at::kFloat));
+      output_final_state ? empty_cuda({num_seqs, v.size(2), q.size(3), v.size(3)}, at::kFloat, device)
+                         : empty_cuda({0}, at::kFloat, device);
 
   flare::KdaForwardParams p;
   p.q = view(q, "q");
@@ -542,7 +562,7 @@ TORCH_LIBRARY(flare, m) {
   m.impl("fwd", &flare_torch::attention_fwd);             \
   m.impl("bwd", &flare_torch::attention_bwd);             \
   m.impl("merge_states", &flare_torch::merge_states);     \
-  m.impl("decode", &flare_torch::decode);                 \
+  m.impl("decode", &flare_torch::decode_op);              \
   m.impl("kda_fwd", &flare_torch::kda_fwd)
 
 TORCH_LIBRARY_IMPL(flare, CUDA, m) { FLARE_TORCH_IMPLS(m); }
