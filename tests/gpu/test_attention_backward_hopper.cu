@@ -24,10 +24,10 @@ bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
     if (major != 9 || minor != 0) GTEST_SKIP() << "the Hopper kernels need an sm_90 device";  \
   } while (0)
 
-void run_backward(const AttnCase& c) {
+void run_backward(const AttnCase& c, Backend forward = Backend::kAuto) {
   SCOPED_TRACE(c.name());
   AttnProblem prob(c);
-  AttentionForwardParams f = prob.forward_params(Backend::kAuto);
+  AttentionForwardParams f = prob.forward_params(forward);
   Status s = attention_forward(f);
   ASSERT_TRUE(s.ok()) << s.message();
   AttentionBackwardParams b = prob.backward_params(Backend::kHopper, false);  // draws dout
@@ -95,7 +95,8 @@ TEST(HopperBackward, SinksVarlen) {
     c.varlen_k = {5, 1, 40, 129, 0, 300};
     c.batch = 6;
     c.seed = 7000 + d;
-    run_backward(c);
+    run_backward(c, Backend::kPortable);
+    run_backward(c, Backend::kAuto);
   }
 }
 
