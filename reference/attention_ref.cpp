@@ -278,13 +278,23 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
           double lse = row_softmax(s, sink, prob);
           if (lse == kInf) continue;
           const double* g = dout.row(i);
-          // D_i = sum_j P_ij dP_ij = dO_i . O_i (the sink carries no value).
+          // D_i = sum_j P_ij dP_ij = dO_i . O_i (the sink carries no value). Emulating the input
+          // dtype, D_i is dO_i . O_i with O as the forward stores it (rounded to the dtype), as
+          // the kernels compute it.
           std::vector<double> dp(static_cast<size_t>(sk), 0.0);
           double d_i = 0;
           for (int64_t j = 0; j < sk; ++j) {
             if (prob[j] == 0) continue;
             dp[j] = rule.r(dot(g, v.row(j), pr.dim_v));
-            d_i += rule.r(prob[j]) * dp[j];
+            if (!rule.emulate) d_i += prob[j] * dp[j];
+          }
+          if (rule.emulate) {
+            for (int64_t c = 0; c < pr.dim_v; ++c) {
+              double o_c = 0;
+              for (int64_t j = 0; j < sk; ++j)
+                if (prob[j] != 0) o_c += rule.r(prob[j]) * v.row(j)[c];
+              d_i += g[c] * rule.r(o_c);
+            }
           }
           dsinks[h] -= std::exp(sink - lse) * d_i;
           for (int64_t j = 0; j < sk; ++j) {
