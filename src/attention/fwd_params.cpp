@@ -17,6 +17,23 @@ RowStrides row_strides(const TensorView& t, bool varlen) {
   return r;
 }
 
+sched::TileShape forward_tile_shape(const FwdKernelParams& p, int q_block, int kv_block, int elem_bytes) {
+  sched::TileShape shape;
+  shape.batch = p.batch;
+  shape.heads = p.heads;
+  shape.heads_kv = p.heads_kv;
+  shape.seqlen_q = p.seqlen_q;
+  shape.seqlen_k = p.seqlen_k;
+  shape.q_block = q_block;
+  shape.kv_block = kv_block;
+  shape.head_dim = p.head_dim;
+  shape.elem_bytes = elem_bytes;
+  shape.causal = p.causal;
+  shape.window_left = p.window_left;
+  shape.window_right = p.window_right;
+  return shape;
+}
+
 FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const AttentionShape& s) {
   FwdKernelParams k;
   k.q = p.q.data;

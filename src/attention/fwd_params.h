@@ -71,6 +71,8 @@ FLARE_HD sched::Band band_of(const FwdKernelParams& p, const SeqInfo& s) {
 }
 
 RowStrides row_strides(const TensorView& t, bool varlen);
+// The scheduling view of a forward launch with q_block x kv_block tiles of elem_bytes elements.
+sched::TileShape forward_tile_shape(const FwdKernelParams& p, int q_block, int kv_block, int elem_bytes);
 FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const AttentionShape& s);
 
 // The simple fp32-arithmetic kernel (Backend::kReference).

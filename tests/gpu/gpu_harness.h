@@ -31,6 +31,20 @@ inline bool gpu_present() {
     if (!::flare::test::gpu_present()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
+// An sm_90 device: the Hopper kernels' tests skip elsewhere.
+inline bool hopper_device() {
+  int dev = 0, major = 0, minor = 0;
+  return gpu_present() && cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+         minor == 0;
+}
+
+#define FLARE_REQUIRE_HOPPER()                                                        \
+  do {                                                                                \
+    if (!::flare::test::hopper_device()) GTEST_SKIP() << "needs an sm_90 device";    \
+  } while (0)
+
 // A device copy of a host tensor's shape and dtype.
 class DeviceTensor {
  public:

@@ -14,15 +14,6 @@ namespace {
 
 bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
-#define REQUIRE_HOPPER_GPU()                                                                   \
-  do {                                                                                         \
-    FLARE_REQUIRE_GPU();                                                                       \
-    int dev = 0, major = 0, minor = 0;                                                         \
-    FLARE_CUDA_OK(cudaGetDevice(&dev));                                                        \
-    FLARE_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));     \
-    FLARE_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));     \
-    if (major != 9 || minor != 0) GTEST_SKIP() << "the Hopper kernels need an sm_90 device";  \
-  } while (0)
 
 void run_backward(const AttnCase& c, Backend forward = Backend::kAuto) {
   SCOPED_TRACE(c.name());
@@ -43,7 +34,7 @@ const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{
 
 #ifdef FLARE_HAS_HOPPER
 TEST(HopperBackward, Sweep) {
-  REQUIRE_HOPPER_GPU();
+  FLARE_REQUIRE_HOPPER();
   const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {300, 1000}, {1000, 300}};
   const int ratios[] = {1, 4, 8};
   uint64_t seed = 6000;
@@ -65,7 +56,7 @@ TEST(HopperBackward, Sweep) {
 }
 
 TEST(HopperBackward, MasksAndRatios) {
-  REQUIRE_HOPPER_GPU();
+  FLARE_REQUIRE_HOPPER();
   uint64_t seed = 6500;
   for (const MaskParams& m : kMasks)
     for (int ratio : {1, 4}) {
@@ -83,7 +74,7 @@ TEST(HopperBackward, MasksAndRatios) {
 }
 
 TEST(HopperBackward, SinksVarlen) {
-  REQUIRE_HOPPER_GPU();
+  FLARE_REQUIRE_HOPPER();
   for (int d : {64, 128}) {
     AttnCase c;
     c.head_dim = d;
@@ -101,7 +92,7 @@ TEST(HopperBackward, SinksVarlen) {
 }
 
 TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {
-  REQUIRE_HOPPER_GPU();
+  FLARE_REQUIRE_HOPPER();
   AttnCase c;
   c.head_dim = 256;
   c.seqlen_q = c.seqlen_k = 64;

@@ -32,11 +32,7 @@ class Forward : public ::testing::TestWithParam<Backend> {
 #ifndef FLARE_HAS_HOPPER
     GTEST_SKIP() << "built without the Hopper kernels";
 #endif
-    int dev = 0, major = 0, minor = 0;
-    FLARE_CUDA_OK(cudaGetDevice(&dev));
-    FLARE_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    FLARE_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    if (major != 9 || minor != 0) GTEST_SKIP() << "the Hopper kernels need an sm_90 device";
+    FLARE_REQUIRE_HOPPER();
   }
 };
 

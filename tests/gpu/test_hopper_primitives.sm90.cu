@@ -27,17 +27,6 @@ using SmemTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape
 // The second operand as V is stored (rows = the GEMM's k, columns = its n), read transposed.
 using SmemTileT = decltype(composition(SmemTile{}, make_ordered_layout(Shape<_64, _64>{}, Step<_2, _1>{})));
 
-bool hopper_device() {
-  if (!gpu_present()) return false;
-  int dev = 0, major = 0, minor = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  return major == 9 && minor == 0;
-}
-#define REQUIRE_HOPPER() \
-  if (!hopper_device()) GTEST_SKIP() << "needs an sm_90 device"
-
 // C (64 x 64) = A (64 x 64, row-major) times B: B given as (n, k) rows (K-major, like K) or as
 // (k, n) rows (MN-major, like V). A from shared memory or, with kARegs, from registers.
 template <bool kARegs, bool kBTransposed>
@@ -117,9 +106,9 @@ void check_wg_gemm() {
   cudaFree(dc);
 }
 
-TEST(HopperPrimitives, WarpgroupGemmSharedA) { REQUIRE_HOPPER(); check_wg_gemm<false, false>(); }
-TEST(HopperPrimitives, WarpgroupGemmSharedATransposedB) { REQUIRE_HOPPER(); check_wg_gemm<false, true>(); }
-TEST(HopperPrimitives, WarpgroupGemmRegisterATransposedB) { REQUIRE_HOPPER(); check_wg_gemm<true, true>(); }
+TEST(HopperPrimitives, WarpgroupGemmSharedA) { FLARE_REQUIRE_HOPPER(); check_wg_gemm<false, false>(); }
+TEST(HopperPrimitives, WarpgroupGemmSharedATransposedB) { FLARE_REQUIRE_HOPPER(); check_wg_gemm<false, true>(); }
+TEST(HopperPrimitives, WarpgroupGemmRegisterATransposedB) { FLARE_REQUIRE_HOPPER(); check_wg_gemm<true, true>(); }
 
 // A 2-stage ring streams kTiles 64 x 64 tiles of a matrix through TMA; the consumer warpgroup
 // copies each out and releases it. Many laps exercise the phase bits.
@@ -163,7 +152,7 @@ __global__ void ring_kernel(const __grid_constant__ TmaTile tma, int rows, Elem*
 }
 
 TEST(HopperPrimitives, TmaStageRingOverManyLaps) {
-  REQUIRE_HOPPER();
+  FLARE_REQUIRE_HOPPER();
   const int rows = kTiles * 64;
   std::vector<Elem> in(rows * 64);
   for (size_t i = 0; i < in.size(); ++i) in[i] = Elem(float((i * 37) % 1001) - 500.f);
@@ -195,7 +184,7 @@ __global__ void exp2_kernel(const float* x, float* poly, float* hw, int n) {
 }
 
 TEST(HopperPrimitives, Exp2PolynomialMatchesExp2) {
-  REQUIRE_HOPPER();
+  FLARE_REQUIRE_HOPPER();
   std::vector<float> x;
   for (float v = -130.f; v <= 0.f; v += 0.0137f) x.push_back(v);
   x.push_back(-INFINITY);

@@ -16,9 +16,7 @@ struct BwdLayouts {
   using HalfHD = cute::Int<kHeadDim / 2>;
   using St = cute::Int<kStages>;
 
-  using SmemAtom = cute::conditional_t<
-      kHeadDim % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Elem>,
-      cute::conditional_t<kHeadDim % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Elem>, cute::GMMA::Layout_K_SW32_Atom<Elem>>>;
+  using SmemAtom = KMajorAtom<Elem, kHeadDim>;
   // Q and dO: (q rows, head dim, stage); their transposes (head dim, q rows, stage) feed dK and dV.
   using SmemQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BM, HD, St>{}));
   using SmemQStage = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BM, HD>{}));

@@ -60,20 +60,8 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream, in
     return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
   }
   const detail::DeviceFacts dev = detail::current_device_facts();
-  sched::TileShape shape;
-  shape.batch = p.batch;
-  shape.heads = p.heads;
-  shape.heads_kv = p.heads_kv;
-  shape.seqlen_q = p.seqlen_q;
-  shape.seqlen_k = p.seqlen_k;
-  shape.q_block = Cfg::kBlockM;
-  shape.kv_block = Cfg::kBlockN;
-  shape.head_dim = p.head_dim;
-  shape.elem_bytes = sizeof(T);
-  shape.causal = p.causal;
-  shape.window_left = p.window_left;
-  shape.window_right = p.window_right;
-  hp.p.order = sched::make_forward_order(shape, dev.l2_bytes / 2);
+  hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                         dev.l2_bytes / 2);
   const dim3 grid(std::min(hp.p.order.num_tiles, dev.num_sms));  // one CTA fits an SM
   persistent_kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch (persistent)");

@@ -29,6 +29,12 @@ __host__ __device__ auto make_gtensor(const void* ptr, GShape shape, GStride str
   return cute::make_tensor(cute::make_gmem_ptr(static_cast<const Elem*>(ptr)), shape, stride);
 }
 
+// The widest K-major swizzle atom whose row (64, 32 or 16 elements) divides the head dim.
+template <typename Elem, int kHeadDim>
+using KMajorAtom = cute::conditional_t<
+    kHeadDim % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Elem>,
+    cute::conditional_t<kHeadDim % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Elem>, cute::GMMA::Layout_K_SW32_Atom<Elem>>>;
+
 template <typename Cfg, typename T>
 struct FwdLayouts {
   using Elem = typename CuteElem<T>::type;
@@ -38,10 +44,7 @@ struct FwdLayouts {
   using BN = cute::Int<kBlockN>;
   using HD = cute::Int<kHeadDim>;
 
-  // The widest K-major swizzle atom whose row (64, 32 or 16 elements) divides the head dim.
-  using SmemAtom = cute::conditional_t<
-      kHeadDim % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Elem>,
-      cute::conditional_t<kHeadDim % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Elem>, cute::GMMA::Layout_K_SW32_Atom<Elem>>>;
+  using SmemAtom = KMajorAtom<Elem, kHeadDim>;
   using SmemQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BM, HD>{}));
   using SmemKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BN, HD, cute::Int<kStages>>{}));
   using SmemKVStage = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<BN, HD>{}));

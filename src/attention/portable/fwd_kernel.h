@@ -36,12 +36,197 @@ struct RowState {
   float sum[kMTiles][2];  // this thread's share of the denominator
 };
 
+// The pieces of a q tile's work that the dense kernel below and the block-sparse kernel
+// (fwd_sparse_kernel.h) share: accumulator set-up, one KV block's step, the epilogue.
+
+// O = 0; the running max and sum start from the sink (if any) or empty.
+template <typename Cfg>
+__device__ __forceinline__ void fwd_init_accumulators(const FwdKernelParams& p, int h, int t,
+                                                      float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
+                                                      RowState<Cfg::kMTiles>& st) {
+  const float sink_log2 = p.sinks ? p.sinks[h] * static_cast<float>(M_LOG2E) : -INFINITY;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      st.max[mt][r] = sink_log2;
+      st.sum[mt][r] = (p.sinks && t == 0) ? 1.f : 0.f;  // the quad's sum is reduced at the end
+    }
+#pragma unroll
+    for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+  }
+}
+
+// Sets the scores of the elements `visible(row, col)` rejects to -inf. row_base: the first row
+// of this thread (tile row + warp row + g), col_base: its first column (tile column + 2t).
+template <int kMTiles, int kNTiles, typename Visible>
+__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], int row_base, int col_base,
+                                            Visible&& visible) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_base + 16 * mt + (e / 2) * 8;
+        const int jcol = col_base + 8 * j + (e % 2);
+        s[mt][j][e] = visible(mt, e / 2, i, jcol) ? s[mt][j][e] : -INFINITY;
+      }
+}
+
+// One KV block (K and V staged in k_s, v_s):  S = Q K^T;  soft-cap;  mask_block(s) (the caller's
+// masking, by mask_scores or not at all);  online softmax in exp2;  O += P V.
+template <typename Cfg, typename T, typename MaskBlock>
+__device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const T* q_s, const T* k_s, const T* v_s,
+                                                 int warp_row, int lane, float score_scale,
+                                                 float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
+                                                 RowState<Cfg::kMTiles>& st, MaskBlock&& mask_block) {
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kMTiles = Cfg::kMTiles, kBlockN = Cfg::kBlockN;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
+  constexpr int kStride = Cfg::kRowStride;
+
+  // S = Q K^T
+  float s[kMTiles][kNTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+      ldmatrix_x4(a[mt], q_s + (warp_row + 16 * mt + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
+#pragma unroll
+    for (int jp = 0; jp < kNTiles / 2; ++jp) {
+      uint32_t bk[4];
+      ldmatrix_x4(bk, k_s + (16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks +
+                          ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16x8x16<T>(s[mt][2 * jp], a[mt], bk[0], bk[1]);
+        mma_16x8x16<T>(s[mt][2 * jp + 1], a[mt], bk[2], bk[3]);
+      }
+    }
+  }
+
+  // Scores soft-capped (then in scaled log2 units) and masked on partial tiles. Each step is a
+  // branch-free loop under a uniform condition, so the compiler keeps the element work
+  // straight-line and interleaved.
+  if (p.softcap > 0.f) {
+    const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][j][e] = post * fast_tanh(s[mt][j][e] * pre);
+  }  // without a cap, the scale is folded into the exponent below (one FFMA per element)
+  mask_block(s);
+
+  // Online softmax: new max, rescale O and the sum, P = exp2(S - max).
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;  // of the raw scores: the scale is positive
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(st.max[mt][r], mx * score_scale);      // scaled log2 units
+      const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
+      const float alpha = fast_exp2(st.max[mt][r] - base);
+      st.max[mt][r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], score_scale, -base));
+        s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], score_scale, -base));
+        sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+      }
+      st.sum[mt][r] = st.sum[mt][r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o[mt][dt][2 * r] *= alpha;
+        o[mt][dt][2 * r + 1] *= alpha;
+      }
+    }
+
+  // O += P V
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      a[mt][0] = ElemTraits<T>::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+      a[mt][1] = ElemTraits<T>::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+      a[mt][2] = ElemTraits<T>::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+      a[mt][3] = ElemTraits<T>::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kDTiles / 2; ++dp) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, v_s + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + 16 * dp +
+                                (lane / 16) * 8);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_16x8x16<T>(o[mt][2 * dp], a[mt], bv[0], bv[1]);
+        mma_16x8x16<T>(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+      }
+    }
+  }
+}
+
+// Epilogue: normalize, write the LSE, stage O through shared memory (the Q tile's, q_s: every
+// warp is done with Q after the barrier) for 16-byte stores. Rows [row0, row0 + rows) of the sequence.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void fwd_epilogue(const FwdKernelParams& p, T* q_s,
+                                             const float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
+                                             const RowState<Cfg::kMTiles>& st, const detail::SeqInfo& seq, int row0,
+                                             int rows, int h, int b, int warp_row) {
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM;
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kStride = Cfg::kRowStride;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  __syncthreads();
+  float* lse = p.lse ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start : nullptr;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = st.sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = warp_row + 16 * mt + g + 8 * r;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<uint32_t*>(q_s + row * kStride + 8 * dt + 2 * t) =
+            ElemTraits<T>::pack(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
+      if (lse != nullptr && t == 0 && row < rows)
+        lse[row0 + row] = sum > 0.f ? (st.max[mt][r] + log2f(sum)) * static_cast<float>(M_LN2) : INFINITY;
+    }
+  __syncthreads();
+  T* out_g = static_cast<T*>(p.out) + detail::row_offset(p.out_str, b, seq.q_start + row0, h);
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  for (int c = threadIdx.x; c < kBlockM * kChunksPerRow; c += Cfg::kThreads) {
+    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    if (r < rows && col < p.head_dim)
+      *reinterpret_cast<uint4*>(out_g + r * p.out_str.row + col) =
+          *reinterpret_cast<const uint4*>(q_s + r * kStride + col);
+  }
+}
+
 // One tile: query rows [m_block * kBlockM, +kBlockM) of head h of sequence b.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, T>& sm, int m_block, int h, int b) {
   constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
-  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   constexpr int kStride = Cfg::kRowStride;
 
   const detail::SeqInfo seq = detail::seq_info(p, b);
@@ -61,17 +246,7 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
 
   float o[kMTiles][kDTiles][4];
   RowState<kMTiles> st;
-  const float sink_log2 = p.sinks ? p.sinks[h] * static_cast<float>(M_LOG2E) : -INFINITY;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      st.max[mt][r] = sink_log2;
-      st.sum[mt][r] = (p.sinks && t == 0) ? 1.f : 0.f;  // the quad's sum is reduced at the end
-    }
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
-  }
+  fwd_init_accumulators<Cfg>(p, h, t, o, st);
 
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp within the block
   const float score_scale = p.softcap > 0.f ? 1.f : p.scale_log2;  // raw (or capped) score -> log2 units
@@ -100,142 +275,28 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
       cp_async_commit();
       --n_next;
 
-      // S = Q K^T
-      float s[kMTiles][kNTiles][4];
+      fwd_attend_block<Cfg, T>(p, sm.q, sm.k[stage], sm.v[stage], warp_row, lane, score_scale, o, st,
+                               [&](float (&s)[kMTiles][kNTiles][4]) {
+                                 const int col0 = n * kBlockN;
+                                 if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN,
+                                                          seq.seqlen_k) != sched::TileKind::kFull) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+                                   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+                                     for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-          ldmatrix_x4(a[mt], sm.q + (warp_row + 16 * mt + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
-#pragma unroll
-        for (int jp = 0; jp < kNTiles / 2; ++jp) {
-          uint32_t bk[4];
-          ldmatrix_x4(bk, sm.k[stage] + (16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks +
-                              ((lane / 8) % 2) * 8);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_16x8x16<T>(s[mt][2 * jp], a[mt], bk[0], bk[1]);
-            mma_16x8x16<T>(s[mt][2 * jp + 1], a[mt], bk[2], bk[3]);
-          }
-        }
-      }
-
-      // Scores soft-capped (then in scaled log2 units) and masked on partial tiles. Each step is a
-      // branch-free loop under a uniform condition, so the compiler keeps the element work
-      // straight-line and interleaved.
-      if (p.softcap > 0.f) {
-        const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][j][e] = post * fast_tanh(s[mt][j][e] * pre);
-      }  // without a cap, the scale is folded into the exponent below (one FFMA per element)
-      const int col0 = n * kBlockN;
-      if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN, seq.seqlen_k) !=
-          sched::TileKind::kFull) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = row0 + warp_row + 16 * mt + g + (e / 2) * 8;
-              const int jcol = col0 + 8 * j + 2 * t + (e % 2);
-              const bool visible = jcol < seq.seqlen_k && band.visible(i, jcol);
-              s[mt][j][e] = visible ? s[mt][j][e] : -INFINITY;
-            }
-      }
-
-      // Online softmax: new max, rescale O and the sum, P = exp2(S - max).
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = -INFINITY;  // of the raw scores: the scale is positive
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          mx = fmaxf(st.max[mt][r], mx * score_scale);      // scaled log2 units
-          const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
-          const float alpha = fast_exp2(st.max[mt][r] - base);
-          st.max[mt][r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) {
-            s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], score_scale, -base));
-            s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], score_scale, -base));
-            sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
-          }
-          st.sum[mt][r] = st.sum[mt][r] * alpha + sum;
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o[mt][dt][2 * r] *= alpha;
-            o[mt][dt][2 * r + 1] *= alpha;
-          }
-        }
-
-      // O += P V
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          a[mt][0] = ElemTraits<T>::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-          a[mt][1] = ElemTraits<T>::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-          a[mt][2] = ElemTraits<T>::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-          a[mt][3] = ElemTraits<T>::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < kDTiles / 2; ++dp) {
-          uint32_t bv[4];
-          ldmatrix_x4_trans(bv, sm.v[stage] + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + 16 * dp +
-                                    (lane / 16) * 8);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_16x8x16<T>(o[mt][2 * dp], a[mt], bv[0], bv[1]);
-            mma_16x8x16<T>(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-          }
-        }
-      }
+                                       for (int e = 0; e < 4; ++e) {
+                                         const int i = row0 + warp_row + 16 * mt + g + (e / 2) * 8;
+                                         const int jcol = col0 + 8 * j + 2 * t + (e % 2);
+                                         const bool visible = jcol < seq.seqlen_k && band.visible(i, jcol);
+                                         s[mt][j][e] = visible ? s[mt][j][e] : -INFINITY;
+                                       }
+                                 }
+                               });
     }
   }
 
-  // Epilogue: normalize, write the LSE, stage O through shared memory for 16-byte stores.
-  __syncthreads();
-  float* lse = p.lse ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start : nullptr;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = st.sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const int row = warp_row + 16 * mt + g + 8 * r;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt)
-        *reinterpret_cast<uint32_t*>(sm.q + row * kStride + 8 * dt + 2 * t) =
-            ElemTraits<T>::pack(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-      if (lse != nullptr && t == 0 && row < rows)
-        lse[row0 + row] = sum > 0.f ? (st.max[mt][r] + log2f(sum)) * static_cast<float>(M_LN2) : INFINITY;
-    }
-  __syncthreads();
-  T* out_g = static_cast<T*>(p.out) + detail::row_offset(p.out_str, b, seq.q_start + row0, h);
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  for (int c = threadIdx.x; c < kBlockM * kChunksPerRow; c += Cfg::kThreads) {
-    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    if (r < rows && col < p.head_dim)
-      *reinterpret_cast<uint4*>(out_g + r * p.out_str.row + col) =
-          *reinterpret_cast<const uint4*>(sm.q + r * kStride + col);
-  }
+  fwd_epilogue<Cfg, T>(p, sm.q, o, st, seq, row0, rows, h, b, warp_row);
 }
 
 // kPersistent is a template parameter so that each launch mode gets its own register allocation.
@@ -297,21 +358,9 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
   if (ctas_per_sm == 0)
     FLARE_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, persistent_kernel, Cfg::kThreads, kSmem));
   const detail::DeviceFacts dev = detail::current_device_facts();
-  sched::TileShape shape;
-  shape.batch = params.batch;
-  shape.heads = params.heads;
-  shape.heads_kv = params.heads_kv;
-  shape.seqlen_q = params.seqlen_q;
-  shape.seqlen_k = params.seqlen_k;
-  shape.q_block = Cfg::kBlockM;
-  shape.kv_block = Cfg::kBlockN;
-  shape.head_dim = params.head_dim;
-  shape.elem_bytes = sizeof(T);
-  shape.causal = params.causal;
-  shape.window_left = params.window_left;
-  shape.window_right = params.window_right;
   FwdKernelParams p = params;
-  p.order = sched::make_forward_order(shape, dev.l2_bytes / 2);
+  p.order = sched::make_forward_order(detail::forward_tile_shape(params, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                      dev.l2_bytes / 2);
   const dim3 grid(std::min(p.order.num_tiles, std::max(1, ctas_per_sm) * dev.num_sms));
   persistent_kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return detail::cuda_status(cudaGetLastError(), "portable forward launch");
