@@ -5,6 +5,8 @@
 #include "src/attention/bwd_params.h"
 #include "src/attention/portable/bwd_launch.h"
 #include "src/attention/portable/fwd_launch.h"
+#include "src/block_sparse/block_mask_args.h"
+#include "src/block_sparse/block_sparse_params.h"
 #ifdef FLARE_WITH_HOPPER
 #include "src/attention/hopper/bwd_launch.h"
 #include "src/attention/hopper/fwd_launch.h"
@@ -12,12 +14,33 @@
 #include "src/common/cuda_check.h"
 
 namespace flare {
+namespace {
+
+// Block-sparse masks run on the portable kernel (the Hopper path is a later issue). The lists
+// must cover the attention's batched shape: varlen sequences have no per-batch block rows.
+Status block_sparse_forward(const AttentionForwardParams& params, const detail::AttentionShape& shape,
+                            const detail::FwdKernelParams& kp) {
+  if (shape.varlen)
+    return Status::NotSupported("block_mask: block-sparse attention with varlen sequences (cu_seqlens) is not supported");
+  if (params.backend == Backend::kReference)
+    return Status::NotSupported("backend: the reference kernel has no block-sparse mask (the CPU oracle is flare::ref)");
+  if (params.backend == Backend::kHopper)
+    return Status::NotSupported("backend: the Hopper forward has no block-sparse mask yet (use kAuto or kPortable)");
+  const detail::BlockMaskProblem problem{shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k};
+  detail::BlockMaskShape mask_shape;
+  FLARE_RETURN_IF_ERROR(detail::validate_block_mask(*params.block_mask, problem, DeviceKind::kCUDA, &mask_shape));
+  const block_sparse::BlockSparseParams bs =
+      block_sparse::make_block_sparse_params(*params.block_mask, shape.seqlen_q, shape.seqlen_k);
+  return portable::portable_attention_forward_sparse(kp, bs, params.q.dtype, params.stream);
+}
+
+}  // namespace
 
 Status attention_forward(const AttentionForwardParams& params) {
   detail::AttentionShape shape;
   FLARE_RETURN_IF_ERROR(detail::validate_attention_forward(params, DeviceKind::kCUDA, &shape));
-  if (params.block_mask != nullptr) return Status::NotSupported("block-sparse attention forward is not built yet");
   const detail::FwdKernelParams kp = detail::make_fwd_kernel_params(params, shape);
+  if (params.block_mask != nullptr) return block_sparse_forward(params, shape, kp);
   switch (params.backend) {
     case Backend::kReference:
       return detail::naive_attention_forward(kp, params.q.dtype, params.stream);
