@@ -102,10 +102,10 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   auto do_part = hp.tma_do.get_slice(_0{});
   auto k_part = hp.tma_k.get_slice(_0{});
   auto v_part = hp.tma_v.get_slice(_0{});
-  Tensor tQg = q_part.partition_S(gQ);
-  Tensor tQs = q_part.partition_D(sQ);
-  Tensor tDOg = do_part.partition_S(gDO);
-  Tensor tDOs = do_part.partition_D(sDO);
+  Tensor q_src = q_part.partition_S(gQ);
+  Tensor q_dst = q_part.partition_D(sQ);
+  Tensor do_src = do_part.partition_S(gDO);
+  Tensor do_dst = do_part.partition_D(sDO);
 
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
   copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
@@ -113,8 +113,8 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   RingPos pos;
   for (int m = t.mrange.first; m < t.mrange.last; ++m) {
     uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes);
-    copy(hp.tma_q.with(bar), tQg(_, _, _, m), tQs(_, _, _, pos.index));
-    copy(hp.tma_do.with(bar), tDOg(_, _, _, m), tDOs(_, _, _, pos.index));
+    copy(hp.tma_q.with(bar), q_src(_, _, _, m), q_dst(_, _, _, pos.index));
+    copy(hp.tma_do.with(bar), do_src(_, _, _, m), do_dst(_, _, _, pos.index));
     pos.template advance<Cfg::kStages>();
   }
 }
@@ -147,32 +147,32 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
   Tensor sKt = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKt{});
 
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
-  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (.., stage)
-  Tensor tSrDO = thr_sdp.partition_fragment_B(sDO);  // (.., stage)
-  Tensor tKVrDOt = thr_dkv.partition_fragment_B(sDOt);
-  Tensor tKVrQt = thr_dkv.partition_fragment_B(sQt);
-  Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor k_frag = thr_sdp.partition_fragment_A(sK);
+  Tensor v_frag = thr_sdp.partition_fragment_A(sV);
+  Tensor q_frag = thr_sdp.partition_fragment_B(sQ);    // (.., stage)
+  Tensor do_frag = thr_sdp.partition_fragment_B(sDO);  // (.., stage)
+  Tensor dot_frag = thr_dkv.partition_fragment_B(sDOt);
+  Tensor qt_frag = thr_dkv.partition_fragment_B(sQt);
+  Tensor kt_frag = thr_dq.partition_fragment_B(sKt);
 
-  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
-  Tensor tSrDP = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
-  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<typename L::BM, typename L::HD>{});
-  Tensor tPrP = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
-  Tensor tPrDS = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
-  static_assert(decltype(size(tSrS))::value == decltype(size(tPrP))::value, "P^T mirrors S^T element for element");
+  Tensor s_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
+  Tensor dp_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
+  Tensor dv_acc = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
+  Tensor dk_acc = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
+  Tensor dq_acc = partition_fragment_C(mma_dq, Shape<typename L::BM, typename L::HD>{});
+  Tensor p_frag = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
+  Tensor ds_frag = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
+  static_assert(decltype(size(s_acc))::value == decltype(size(p_frag))::value, "P^T mirrors S^T element for element");
   // Coordinates (key, q) of each S^T element and (q, column) of each dQ element, (key, column) of dK/dV.
-  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
-  Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
-  Tensor cDKV = thr_dkv.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::HD>{}));
-  clear(tdVrdV);
-  clear(tdKrdK);
+  Tensor s_coord = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
+  Tensor dq_coord = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
+  Tensor dkv_coord = thr_dkv.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::HD>{}));
+  clear(dv_acc);
+  clear(dk_acc);
 
   const float* lse_g = p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start;
   const float* dpsum_g = P.dpsum + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start;
-  constexpr int kN = decltype(size(tSrS))::value;  // S^T elements a thread holds
+  constexpr int kN = decltype(size(s_acc))::value;  // S^T elements a thread holds
 
   if (t.mrange.first < t.mrange.last) {
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
@@ -188,10 +188,10 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         stats[r] = r < Cfg::kBlockM ? (valid ? lse_g[q] * kLog2e : INFINITY) : (valid ? dpsum_g[q] : 0.f);
       }
       sm.qdo_ring.wait_full(pos);
-      wg_gemm<true>(mma_sdp, tSrK, tSrQ(_, _, _, pos.index), tSrS);
-      wg_gemm<true>(mma_sdp, tSrV, tSrDO(_, _, _, pos.index), tSrDP);
-      wg_wait<0>(tSrS);
-      cute::warpgroup_fence_operand(tSrDP);
+      wg_gemm<true>(mma_sdp, k_frag, q_frag(_, _, _, pos.index), s_acc);
+      wg_gemm<true>(mma_sdp, v_frag, do_frag(_, _, _, pos.index), dp_acc);
+      wg_wait<0>(s_acc);
+      cute::warpgroup_fence_operand(dp_acc);
       asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's row stats are in
 
       // P^T and dS^T, masked on the partial tiles.
@@ -201,38 +201,38 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
               sched::TileKind::kFull;
       CUTE_UNROLL
       for (int i = 0; i < kN; ++i) {
-        const int q_local = get<1>(cS(i));
-        float pv = exp2_approx(fmaf(tSrS(i), p.scale_log2, -stats[q_local]));
+        const int q_local = get<1>(s_coord(i));
+        float pv = exp2_approx(fmaf(s_acc(i), p.scale_log2, -stats[q_local]));
         if (partial) {
-          const int key = t.col0 + get<0>(cS(i)), q = q0 + get<1>(cS(i));
+          const int key = t.col0 + get<0>(s_coord(i)), q = q0 + get<1>(s_coord(i));
           pv = (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key)) ? pv : 0.f;
         }
-        tPrP(i) = static_cast<Elem>(pv);
-        tPrDS(i) = static_cast<Elem>(pv * (tSrDP(i) - stats[Cfg::kBlockM + q_local]));
+        p_frag(i) = static_cast<Elem>(pv);
+        ds_frag(i) = static_cast<Elem>(pv * (dp_acc(i) - stats[Cfg::kBlockM + q_local]));
       }
-      wg_gemm<false>(mma_dkv, tPrP, tKVrDOt(_, _, _, pos.index), tdVrdV);
-      wg_gemm<false>(mma_dkv, tPrDS, tKVrQt(_, _, _, pos.index), tdKrdK);
+      wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);
+      wg_gemm<false>(mma_dkv, ds_frag, qt_frag(_, _, _, pos.index), dk_acc);
 
       // dS to shared memory (this step's buffer), then dQ = dS K over both warpgroups' keys.
-      Tensor tSsDS = thr_sdp.partition_C(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
+      Tensor ds_smem = thr_sdp.partition_C(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
       CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) tSsDS(i) = tPrDS(i);
+      for (int i = 0; i < kN; ++i) ds_smem(i) = ds_frag(i);
       cutlass::arch::fence_view_async_shared();
       consumers_sync();
-      Tensor tQrDS = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
-      wg_gemm<true>(mma_dq, tQrDS, tQrKt, tdQrdQ);
-      wg_wait<0>(tdQrdQ);
-      cute::warpgroup_fence_operand(tdVrdV);
-      cute::warpgroup_fence_operand(tdKrdK);
+      Tensor ds_desc = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
+      wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
+      wg_wait<0>(dq_acc);
+      cute::warpgroup_fence_operand(dv_acc);
+      cute::warpgroup_fence_operand(dk_acc);
       if (lane == 0) sm.qdo_ring.release(pos);
       pos.template advance<Cfg::kStages>();
 
       CUTE_UNROLL
-      for (int i = 0; i < size(tdQrdQ); i += 2) {
-        const int q = q0 + get<0>(cDQ(i)), col = get<1>(cDQ(i));
+      for (int i = 0; i < size(dq_acc); i += 2) {
+        const int q = q0 + get<0>(dq_coord(i)), col = get<1>(dq_coord(i));
         if (q >= t.seq.seqlen_q || col >= p.head_dim) continue;
         float* dst = P.dq_accum + (detail::accum_row(p, t.b, t.seq.q_start, q, p.seqlen_q) * p.heads + t.h) * p.head_dim + col;
-        portable::red_add_f32x2(dst, tdQrdQ(i) * p.scale, tdQrdQ(i + 1) * p.scale);
+        portable::red_add_f32x2(dst, dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale);
       }
     }
   }
@@ -241,11 +241,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   const bool gqa = p.group > 1;
   const int hk = t.h / p.group;
   CUTE_UNROLL
-  for (int i = 0; i < size(tdKrdK); i += 2) {
-    const int key = get<0>(cDKV(i)), col = get<1>(cDKV(i));
+  for (int i = 0; i < size(dk_acc); i += 2) {
+    const int key = get<0>(dkv_coord(i)), col = get<1>(dkv_coord(i));
     if (key >= t.keys || col >= p.head_dim) continue;
-    const float k0 = tdKrdK(i) * p.scale, k1 = tdKrdK(i + 1) * p.scale;
-    const float v0 = tdVrdV(i), v1 = tdVrdV(i + 1);
+    const float k0 = dk_acc(i) * p.scale, k1 = dk_acc(i + 1) * p.scale;
+    const float v0 = dv_acc(i), v1 = dv_acc(i + 1);
     if (!gqa) {
       T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
       T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;

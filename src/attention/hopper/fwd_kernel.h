@@ -104,28 +104,28 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
   auto q_part = hp.tma_q.get_slice(_0{});
   auto k_part = hp.tma_k.get_slice(_0{});
   auto v_part = hp.tma_v.get_slice(_0{});
-  Tensor tQg = q_part.partition_S(gQ);
-  Tensor tQs = q_part.partition_D(sQ);
-  Tensor tKg = k_part.partition_S(gK);  // (TMA, .., n)
-  Tensor tKs = k_part.partition_D(sK);  // (TMA, .., stage)
-  Tensor tVg = v_part.partition_S(gV);
-  Tensor tVs = v_part.partition_D(sV);
+  Tensor q_src = q_part.partition_S(gQ);
+  Tensor q_dst = q_part.partition_D(sQ);
+  Tensor k_src = k_part.partition_S(gK);  // (TMA, .., n)
+  Tensor k_dst = k_part.partition_D(sK);  // (TMA, .., stage)
+  Tensor v_src = v_part.partition_S(gV);
+  Tensor v_dst = v_part.partition_D(sV);
 
   cutlass::arch::ClusterBarrier::wait(&sm.q_empty, pos.q_phase ^ 1u);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_full, L::kQBytes);
-  copy(hp.tma_q.with(sm.q_full), tQg, tQs);
+  copy(hp.tma_q.with(sm.q_full), q_src, q_dst);
   pos.q_phase ^= 1u;
 
   RingPos& kpos = pos.k;
   RingPos& vpos = pos.v;
   auto load_k = [&](int n) {
     uint64_t& bar = sm.k_ring.acquire(kpos, L::kKVBytes);
-    copy(hp.tma_k.with(bar), tKg(_, _, _, n), tKs(_, _, _, kpos.index));
+    copy(hp.tma_k.with(bar), k_src(_, _, _, n), k_dst(_, _, _, kpos.index));
     kpos.template advance<Cfg::kStages>();
   };
   auto load_v = [&](int n) {
     uint64_t& bar = sm.v_ring.acquire(vpos, L::kKVBytes);
-    copy(hp.tma_v.with(bar), tVg(_, _, _, n), tVs(_, _, _, vpos.index));
+    copy(hp.tma_v.with(bar), v_src(_, _, _, n), v_dst(_, _, _, vpos.index));
     vpos.template advance<Cfg::kStages>();
   };
   load_k(t.range.last - 1);
@@ -183,22 +183,22 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
   Tensor sVt = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemVt{});
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
-  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (.., stage)
-  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (.., stage)
-  Tensor tSrS = partition_fragment_C(mma_qk, Shape<typename L::BM, typename L::BN>{});
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename L::BM, typename L::HD>{});
-  Tensor tOrP = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
-  static_assert(decltype(size(tSrS))::value == decltype(size(tOrP))::value, "P mirrors S element for element");
+  Tensor q_frag = thr_qk.partition_fragment_A(sQ);   // descriptors
+  Tensor k_frag = thr_qk.partition_fragment_B(sK);   // (.., stage)
+  Tensor vt_frag = thr_pv.partition_fragment_B(sVt);  // (.., stage)
+  Tensor s_acc = partition_fragment_C(mma_qk, Shape<typename L::BM, typename L::BN>{});
+  Tensor o_acc = partition_fragment_C(mma_pv, Shape<typename L::BM, typename L::HD>{});
+  Tensor p_frag = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
+  static_assert(decltype(size(s_acc))::value == decltype(size(p_frag))::value, "P mirrors S element for element");
 
   const float score_scale = p.softcap > 0.f ? 1.f : p.scale_log2;
   OnlineSoftmax softmax;
   softmax.init(p.sinks ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, p.sinks != nullptr && lane % 4 == 0);
-  clear(tOrO);
+  clear(o_acc);
 
   auto to_p = [&] {
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<typename L::Elem>(tSrS(i));
+    for (int i = 0; i < size(s_acc); ++i) p_frag(i) = static_cast<typename L::Elem>(s_acc(i));
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   if (t.range.first < t.range.last) {
@@ -209,43 +209,43 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     int n = t.range.last - 1;
     sm.k_ring.wait_full(kpos);
     Turns::wait(wg);
-    wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
+    wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
     Turns::pass(wg);
-    wg_wait<0>(tSrS);
+    wg_wait<0>(s_acc);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
-    prepare_scores<Cfg>(tSrS, p, t, wg_row0, n, quad_row, quad_col);
-    RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(tSrS, score_scale);
+    prepare_scores<Cfg>(s_acc, p, t, wg_row0, n, quad_row, quad_col);
+    RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
     to_p();
     for (--n; n >= t.range.first; --n) {
       sm.k_ring.wait_full(kpos);
       Turns::wait(wg);
-      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.index), tSrS);
-      softmax.rescale(tOrO, alpha);  // while S_n is on the tensor cores
+      wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
+      softmax.rescale(o_acc, alpha);  // while S_n is on the tensor cores
       sm.v_ring.wait_full(vpos);
-      wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
+      wg_gemm<false>(mma_pv, p_frag, vt_frag(_, _, _, vpos.index), o_acc);
       Turns::pass(wg);
-      wg_wait<1>(tSrS);
+      wg_wait<1>(s_acc);
       if (lane == 0) sm.k_ring.release(kpos);
       kpos.template advance<Cfg::kStages>();
 #if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
       alpha = RowScale{{1.f, 1.f}};
 #else
-      prepare_scores<Cfg>(tSrS, p, t, wg_row0, n, quad_row, quad_col);
-      alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(tSrS, score_scale);
+      prepare_scores<Cfg>(s_acc, p, t, wg_row0, n, quad_row, quad_col);
+      alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
 #endif
-      wg_wait<0>(tOrO);
+      wg_wait<0>(o_acc);
       if (lane == 0) sm.v_ring.release(vpos);
       vpos.template advance<Cfg::kStages>();
       to_p();
     }
     if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.q_empty);  // every S GEMM has completed
-    softmax.rescale(tOrO, alpha);
+    softmax.rescale(o_acc, alpha);
     sm.v_ring.wait_full(vpos);
     Turns::wait(wg);
-    wg_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.index), tOrO);
+    wg_gemm<false>(mma_pv, p_frag, vt_frag(_, _, _, vpos.index), o_acc);
     Turns::pass(wg);
-    wg_wait<0>(tOrO);
+    wg_wait<0>(o_acc);
     if (lane == 0) sm.v_ring.release(vpos);
     vpos.template advance<Cfg::kStages>();
   }
@@ -262,10 +262,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     if (row >= t.seq.seqlen_q) continue;
     T* out_row = out + row * p.out_str.row;
     CUTE_UNROLL
-    for (int j = 0; j < size(tOrO) / 4; ++j) {
+    for (int j = 0; j < size(o_acc) / 4; ++j) {
       const int col = 8 * j + quad_col;
       if (col < p.head_dim)
-        *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(tOrO(4 * j + 2 * r) * inv.v[r], tOrO(4 * j + 2 * r + 1) * inv.v[r]);
+        *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
     }
     if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
   }
