@@ -1,0 +1,568 @@
+// Block-sparse attention on the GPU: the portable block-sparse forward against the CPU oracle
+// (reference/attention_ref.h, which reads the same BlockMask) over host-built masks of every
+// kind (random block kinds, causal, sliding window, documents, prefix-LM, bit-packed), head dims
+// 64/128, GQA, sequence lengths off the block grid, broadcast batch/head dims and block sizes that
+// are not the kernel's tiles; the GPU builder (include/flare/block_mask.h) against the host
+// builder list for list; and a fuzzer over all of it with its seed printed
+// (FLARE_BLOCK_SPARSE_SEED=<n> replays one run, FLARE_BLOCK_SPARSE_CASES=<n> sets its size).
+// FLARE_TEST_REDUCED=1 runs a small subset (for compute-sanitizer).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <tuple>
+#include <string>
+#include <vector>
+
+#include "flare/block_mask.h"
+#include "flare_instantiated.h"
+#include "src/block_sparse/block_mask_build.h"
+#include "tests/gpu/attention_case.h"
+
+namespace flare::test {
+namespace {
+
+using block_sparse::BlockKindGrid;
+using block_sparse::BlockMaskGeometry;
+using block_sparse::HostBlockMask;
+using block_sparse::TileKind;
+
+bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
+
+// ---- masks ---------------------------------------------------------------------------------------
+
+enum class MaskKind { kRandomBlocks, kCausal, kWindow, kDocuments, kPrefixLm, kBits, kCount };
+
+const char* mask_kind_name(MaskKind k) {
+  switch (k) {
+    case MaskKind::kRandomBlocks: return "random-blocks";
+    case MaskKind::kCausal: return "causal";
+    case MaskKind::kWindow: return "window";
+    case MaskKind::kDocuments: return "documents";
+    case MaskKind::kPrefixLm: return "prefix-lm";
+    case MaskKind::kBits: return "bits";
+    case MaskKind::kCount: break;
+  }
+  return "?";
+}
+
+struct SparseCase {
+  AttnCase attn;  // shapes, dtype, dense mask (composed with the block mask), softcap, sinks, seed
+  MaskKind kind = MaskKind::kCausal;
+  int q_block = 128, kv_block = 128;
+  bool broadcast_batch = false, broadcast_heads = false;  // the mask's dims 1
+
+  std::string name() const {
+    std::ostringstream s;
+    s << mask_kind_name(kind) << " blocks " << q_block << "x" << kv_block << (broadcast_batch ? " bcast-b" : "")
+      << (broadcast_heads ? " bcast-h" : "") << " | " << attn.name();
+    return s.str();
+  }
+};
+
+// A CPU int32 tensor with its device copy.
+struct IntTensor {
+  ref::HostTensor host;
+  std::unique_ptr<DeviceTensor> dev;
+
+  void make(std::vector<int64_t> shape) {
+    host.reset(DType::kInt32, std::move(shape));
+    dev = std::make_unique<DeviceTensor>(host);
+  }
+  int32_t* data() { return static_cast<int32_t*>(host.data()); }
+  void upload() { dev->upload(host); }
+  void download() { dev->download(host); }
+};
+
+// The element predicates of a mask kind and the tensors they read (host and device copies).
+struct ElementTensors {
+  ElementMask host, device;
+  IntTensor doc_q, doc_k, bits;
+};
+
+void make_element_mask(const SparseCase& c, int mask_batch, int mask_heads, std::mt19937_64& rng,
+                       ElementTensors* out) {
+  const int sq = c.attn.seqlen_q, sk = c.attn.seqlen_k;
+  ElementMask e;
+  switch (c.kind) {
+    case MaskKind::kCausal:
+      e.causal = true;
+      break;
+    case MaskKind::kWindow:
+      e.window_left = static_cast<int>(rng() % 300);
+      e.window_right = rng() % 2 ? 0 : static_cast<int>(rng() % 100);
+      break;
+    case MaskKind::kPrefixLm:
+      e.prefix_length = static_cast<int>(rng() % (sk + 1));
+      break;
+    case MaskKind::kDocuments: {
+      // Sorted documents of random lengths, the same boundaries on both sides (FlexAttention's
+      // document mask); per batch entry different ones.
+      out->doc_q.make({c.attn.batch, sq});
+      out->doc_k.make({c.attn.batch, sk});
+      for (int b = 0; b < c.attn.batch; ++b) {
+        int doc = 0;
+        std::vector<int32_t> ids(std::max(sq, sk));
+        for (int t = 0; t < static_cast<int>(ids.size()); ++t) {
+          if (t > 0 && rng() % 97 == 0) ++doc;
+          ids[t] = doc;
+        }
+        std::memcpy(out->doc_q.data() + int64_t{b} * sq, ids.data(), sizeof(int32_t) * sq);
+        std::memcpy(out->doc_k.data() + int64_t{b} * sk, ids.data(), sizeof(int32_t) * sk);
+      }
+      e.causal = rng() % 2;
+      break;
+    }
+    case MaskKind::kBits:
+    case MaskKind::kRandomBlocks: {
+      const int words = (sk + 31) / 32;
+      out->bits.make({mask_batch, mask_heads, sq, words});
+      // A random pattern with long runs, so that some blocks come out full or empty.
+      const int64_t n = out->bits.host.numel();
+      for (int64_t w = 0; w < n; ++w) {
+        const int r = static_cast<int>(rng() % 8);
+        out->bits.data()[w] = r < 3 ? 0 : (r < 6 ? -1 : static_cast<int32_t>(rng()));
+      }
+      break;
+    }
+    case MaskKind::kCount:
+      break;
+  }
+  out->host = e;
+  out->device = e;
+  for (auto [t, host_view, dev_view] :
+       {std::tuple{&out->doc_q, &out->host.doc_ids_q, &out->device.doc_ids_q},
+        std::tuple{&out->doc_k, &out->host.doc_ids_k, &out->device.doc_ids_k},
+        std::tuple{&out->bits, &out->host.bits, &out->device.bits}}) {
+    if (!t->dev) continue;
+    t->upload();
+    *host_view = t->host.view();
+    *dev_view = t->dev->view();
+  }
+}
+
+// A host-built mask (the oracle reads its CPU views) and its device copy.
+struct SparseMask {
+  ElementTensors element;
+  HostBlockMask host;
+  std::vector<std::unique_ptr<IntTensor>> lists;
+  BlockMask host_view, device_view;
+
+  void upload() {
+    host_view = host.view();
+    host_view.element = element.host;
+    device_view = host_view;
+    device_view.element = element.device;
+    for (auto [src, dst] : {std::pair{&host_view.kv_num_blocks, &device_view.kv_num_blocks},
+                            {&host_view.kv_indices, &device_view.kv_indices},
+                            {&host_view.full_kv_num_blocks, &device_view.full_kv_num_blocks},
+                            {&host_view.full_kv_indices, &device_view.full_kv_indices},
+                            {&host_view.q_num_blocks, &device_view.q_num_blocks},
+                            {&host_view.q_indices, &device_view.q_indices},
+                            {&host_view.full_q_num_blocks, &device_view.full_q_num_blocks},
+                            {&host_view.full_q_indices, &device_view.full_q_indices}}) {
+      auto t = std::make_unique<IntTensor>();
+      t->make(std::vector<int64_t>(src->shape, src->shape + src->rank));
+      std::memcpy(t->data(), src->data, t->host.nbytes());
+      t->upload();
+      *dst = t->dev->view();
+      lists.push_back(std::move(t));
+    }
+  }
+};
+
+BlockMaskGeometry geometry_of(const SparseCase& c) {
+  BlockMaskGeometry g;
+  g.batch = c.broadcast_batch ? 1 : c.attn.batch;
+  g.heads = c.broadcast_heads ? 1 : c.attn.heads;
+  g.seqlen_q = c.attn.seqlen_q;
+  g.seqlen_k = c.attn.seqlen_k;
+  g.q_block_size = c.q_block;
+  g.kv_block_size = c.kv_block;
+  return g;
+}
+
+// Random block kinds (about a third each), the bits as the partial blocks' predicate.
+void build_random_blocks(const SparseCase& c, std::mt19937_64& rng, SparseMask* m) {
+  const BlockMaskGeometry g = geometry_of(c);
+  BlockKindGrid kinds = BlockKindGrid::all_empty(g.batch, g.heads, g.num_q_blocks(), g.num_kv_blocks());
+  for (TileKind& k : kinds.kinds) k = static_cast<TileKind>(rng() % 3);
+  ASSERT_TRUE(block_sparse::build_from_kinds(kinds, g, m->element.host, &m->host).ok());
+}
+
+void build_mask(const SparseCase& c, SparseMask* m) {
+  std::mt19937_64 rng(c.attn.seed * 7919 + 13);
+  // Documents are per batch entry; a batch-broadcast mask cannot follow them.
+  SparseCase cc = c;
+  if (c.kind == MaskKind::kDocuments) cc.broadcast_batch = false;
+  const BlockMaskGeometry g = geometry_of(cc);
+  make_element_mask(cc, g.batch, g.heads, rng, &m->element);
+  if (c.kind == MaskKind::kRandomBlocks) {
+    build_random_blocks(cc, rng, m);
+  } else {
+    const Status s = block_sparse::build_from_element_mask(m->element.host, g, &m->host);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  m->upload();
+}
+
+// ---- the forward against the oracle --------------------------------------------------------------
+
+bool instantiated(const AttnCase& c) {
+#ifndef FLARE_HAS_DTYPE_fp16
+  if (c.dtype == DType::kFloat16) return false;
+#endif
+#ifndef FLARE_HAS_DTYPE_bf16
+  if (c.dtype == DType::kBFloat16) return false;
+#endif
+  (void)c;
+  return true;
+}
+
+void run_sparse_forward(const SparseCase& c, const BlockMask* gpu_built = nullptr) {
+  SCOPED_TRACE(c.name());
+  if (!instantiated(c.attn)) {
+    std::printf("skipped (dtype not instantiated in this build): %s\n", c.name().c_str());
+    return;
+  }
+  SparseMask mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+  AttnProblem prob(c.attn);
+
+  // The oracle: the case's params with the mask's CPU views.
+  prob.out_ref.reset(DType::kFloat64, prob.q_shape);
+  prob.out_lowp.reset(DType::kFloat64, prob.q_shape);
+  prob.lse_ref.reset(DType::kFloat64, prob.lse_shape);
+  prob.lse_lowp.reset(DType::kFloat64, prob.lse_shape);
+  AttentionForwardParams r;
+  r.q = prob.q;
+  r.k = prob.k;
+  r.v = prob.v;
+  r.mask = c.attn.mask;
+  r.softcap = c.attn.softcap;
+  if (c.attn.sinks) r.sinks = prob.sinks;
+  r.block_mask = &mask.host_view;
+  r.out = prob.out_ref;
+  r.lse = prob.lse_ref;
+  ASSERT_TRUE(ref::attention_forward(r).ok());
+  r.out = prob.out_lowp;
+  r.lse = prob.lse_lowp;
+  ASSERT_TRUE(ref::attention_forward(r, {true}).ok());
+
+  AttentionForwardParams p = prob.forward_params(Backend::kPortable);  // outputs poisoned
+  p.block_mask = gpu_built ? gpu_built : &mask.device_view;
+  const Status s = attention_forward(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  prob.check_forward();
+}
+
+SparseCase base_case(MaskKind kind, int head_dim, uint64_t seed) {
+  SparseCase c;
+  c.kind = kind;
+  c.attn.head_dim = head_dim;
+  c.attn.batch = 2;
+  c.attn.seqlen_q = 300;
+  c.attn.seqlen_k = 300;
+  c.attn.heads = 4;
+  c.attn.heads_kv = 2;
+  c.attn.seed = seed;
+  return c;
+}
+
+TEST(BlockSparseForward, EveryMaskKind) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 1000;
+  for (int d : {64, 128})
+    for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+      if (reduced() && (d == 64 || k % 2)) continue;
+      run_sparse_forward(base_case(static_cast<MaskKind>(k), d, seed++));
+    }
+}
+
+TEST(BlockSparseForward, ShapesGqaAndBlockSizes) {
+  FLARE_REQUIRE_GPU();
+  struct Shape {
+    int sq, sk, heads, heads_kv, q_block, kv_block;
+  };
+  // Lengths off the 128 grid, seqlen_q != seqlen_k, MQA/GQA, blocks smaller than the kernel's
+  // q tile, kv blocks that are not a multiple of its kv tile.
+  const Shape shapes[] = {{1, 1, 2, 1, 128, 128},     {17, 200, 4, 1, 128, 128}, {257, 129, 8, 2, 128, 128},
+                          {385, 385, 4, 4, 64, 64},   {200, 333, 6, 3, 16, 48},  {500, 260, 2, 1, 256, 128},
+                          {130, 650, 4, 2, 128, 256}, {333, 333, 2, 2, 96, 80}};
+  uint64_t seed = 2000;
+  int i = 0;
+  for (const Shape& s : shapes) {
+    if (reduced() && i++ % 3) continue;
+    SparseCase c = base_case(static_cast<MaskKind>(seed % static_cast<int>(MaskKind::kCount)), 128, seed);
+    c.attn.seqlen_q = s.sq;
+    c.attn.seqlen_k = s.sk;
+    c.attn.heads = s.heads;
+    c.attn.heads_kv = s.heads_kv;
+    c.q_block = s.q_block;
+    c.kv_block = s.kv_block;
+    ++seed;
+    run_sparse_forward(c);
+  }
+}
+
+TEST(BlockSparseForward, BroadcastBatchAndHeads) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 3000;
+  for (MaskKind kind : {MaskKind::kRandomBlocks, MaskKind::kBits, MaskKind::kCausal, MaskKind::kWindow})
+    for (int bc = 1; bc < 4; ++bc) {
+      SparseCase c = base_case(kind, 128, seed++);
+      c.broadcast_batch = bc & 1;
+      c.broadcast_heads = bc & 2;
+      if (reduced() && bc != 3) continue;
+      run_sparse_forward(c);
+    }
+}
+
+TEST(BlockSparseForward, WithDenseMaskSoftcapSinksFp16) {
+  FLARE_REQUIRE_GPU();
+  SparseCase c = base_case(MaskKind::kDocuments, 128, 4000);
+  c.attn.mask.causal = true;
+  run_sparse_forward(c);
+  c = base_case(MaskKind::kRandomBlocks, 64, 4001);
+  c.attn.mask.window_left = 100;
+  c.attn.softcap = 30.f;
+  c.attn.sinks = true;
+  run_sparse_forward(c);
+  c = base_case(MaskKind::kPrefixLm, 128, 4002);
+  c.attn.dtype = DType::kFloat16;
+  run_sparse_forward(c);
+}
+
+TEST(BlockSparseForward, EmptyMaskWritesZerosAndInfiniteLse) {
+  FLARE_REQUIRE_GPU();
+  // Every block empty: no key anywhere, out 0 and LSE +inf everywhere (checked by the oracle).
+  SparseCase c = base_case(MaskKind::kRandomBlocks, 128, 5000);
+  SparseMask mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+  for (std::unique_ptr<IntTensor>& t : mask.lists) {
+    std::memset(t->data(), 0, t->host.nbytes());
+    t->upload();
+  }
+  AttnProblem prob(c.attn);
+  AttentionForwardParams p = prob.forward_params(Backend::kPortable);
+  p.block_mask = &mask.device_view;
+  ASSERT_TRUE(attention_forward(p).ok());
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  cudaMemcpy(prob.out_host.data(), p.out.data, prob.out_host.nbytes(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(prob.lse_host.data(), p.lse.data, prob.lse_host.nbytes(), cudaMemcpyDeviceToHost);
+  for (int64_t i = 0; i < prob.out_host.numel(); ++i) ASSERT_EQ(prob.out_host.get(i), 0.0) << i;
+  for (int64_t i = 0; i < prob.lse_host.numel(); ++i) ASSERT_TRUE(std::isinf(prob.lse_host.get(i))) << i;
+}
+
+TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
+  FLARE_REQUIRE_GPU();
+  SparseCase c = base_case(MaskKind::kCausal, 128, 6000);
+  SparseMask mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+  AttnProblem prob(c.attn);
+  AttentionForwardParams p = prob.forward_params(Backend::kPortable);
+  p.block_mask = &mask.host_view;  // CPU views on the GPU op
+  Status s = attention_forward(p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  p.block_mask = &mask.device_view;
+  p.backend = Backend::kHopper;
+  EXPECT_EQ(attention_forward(p).code(), StatusCode::kNotSupported);
+  p.backend = Backend::kReference;
+  EXPECT_EQ(attention_forward(p).code(), StatusCode::kNotSupported);
+}
+
+// ---- the GPU builder against the host builder ----------------------------------------------------
+
+struct GpuBuilt {
+  std::vector<std::unique_ptr<IntTensor>> lists;  // kv, kv_idx, full_kv, full_kv_idx, q, q_idx, full_q, full_q_idx
+  BlockMask mask;
+};
+
+// Builds `c`'s mask on the GPU (outputs poisoned first) and checks every list equal to the host
+// builder's, tails included.
+void check_gpu_builder(const SparseCase& c, bool transposed, GpuBuilt* out = nullptr) {
+  SCOPED_TRACE(c.name());
+  SparseMask ref_mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &ref_mask));
+  const HostBlockMask& h = ref_mask.host;
+  GpuBuilt local;
+  GpuBuilt& g = out ? *out : local;
+  const int64_t B = h.batch, H = h.heads, nq = h.num_q_blocks, nkv = h.num_kv_blocks;
+  const std::vector<int64_t> shapes[] = {{B, H, nq}, {B, H, nq, nkv}, {B, H, nq}, {B, H, nq, nkv},
+                                         {B, H, nkv}, {B, H, nkv, nq}, {B, H, nkv}, {B, H, nkv, nq}};
+  TensorView* views[] = {&g.mask.kv_num_blocks, &g.mask.kv_indices, &g.mask.full_kv_num_blocks,
+                         &g.mask.full_kv_indices, &g.mask.q_num_blocks, &g.mask.q_indices,
+                         &g.mask.full_q_num_blocks, &g.mask.full_q_indices};
+  for (int i = 0; i < (transposed ? 8 : 4); ++i) {
+    auto t = std::make_unique<IntTensor>();
+    t->make(shapes[i]);
+    t->dev->poison();
+    *views[i] = t->dev->view();
+    g.lists.push_back(std::move(t));
+  }
+  BlockMaskBuildParams bp;
+  bp.batch = h.batch;
+  bp.heads = h.heads;
+  bp.seqlen_q = c.attn.seqlen_q;
+  bp.seqlen_k = c.attn.seqlen_k;
+  bp.q_block_size = c.q_block;
+  bp.kv_block_size = c.kv_block;
+  bp.element = ref_mask.element.device;
+  const Status s = build_block_mask(bp, &g.mask);
+  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t>* expected[] = {&h.partial_kv.num_blocks, &h.partial_kv.indices, &h.full_kv.num_blocks,
+                                            &h.full_kv.indices,       &h.partial_q.num_blocks, &h.partial_q.indices,
+                                            &h.full_q.num_blocks,     &h.full_q.indices};
+  const char* names[] = {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                         "q_num_blocks",  "q_indices",  "full_q_num_blocks",  "full_q_indices"};
+  for (size_t i = 0; i < g.lists.size(); ++i) {
+    g.lists[i]->download();
+    const int32_t* got = g.lists[i]->data();
+    ASSERT_EQ(static_cast<size_t>(g.lists[i]->host.numel()), expected[i]->size()) << names[i];
+    for (size_t e = 0; e < expected[i]->size(); ++e)
+      ASSERT_EQ(got[e], (*expected[i])[e]) << names[i] << " element " << e;
+  }
+}
+
+TEST(BlockMaskBuilder, MatchesTheHostBuilder) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 7000;
+  const std::pair<int, int> blocks[] = {{128, 128}, {64, 128}, {16, 48}, {256, 64}};
+  for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+    if (static_cast<MaskKind>(k) == MaskKind::kRandomBlocks) continue;  // not a predicate
+    for (const auto& [qb, kb] : blocks) {
+      SparseCase c = base_case(static_cast<MaskKind>(k), 128, seed++);
+      c.attn.seqlen_q = 300 + static_cast<int>(seed % 7) * 37;
+      c.attn.seqlen_k = 260 + static_cast<int>(seed % 5) * 61;
+      c.q_block = qb;
+      c.kv_block = kb;
+      c.broadcast_heads = true;
+      check_gpu_builder(c, /*transposed=*/seed % 2 == 0);
+      if (reduced()) break;
+    }
+  }
+}
+
+TEST(BlockMaskBuilder, ItsMaskRunsTheForward) {
+  FLARE_REQUIRE_GPU();
+  SparseCase c = base_case(MaskKind::kDocuments, 128, 8000);
+  c.attn.seqlen_q = c.attn.seqlen_k = 700;
+  GpuBuilt built;
+  check_gpu_builder(c, true, &built);
+  run_sparse_forward(c, &built.mask);
+}
+
+// Times the builder at the issue's benchmark shape (informational: the forward's block mask
+// must be cheap enough to rebuild per step).
+TEST(BlockMaskBuilder, TimeAtSeqlen8k) {
+  FLARE_REQUIRE_GPU();
+  if (reduced()) GTEST_SKIP() << "reduced run";
+  for (MaskKind kind : {MaskKind::kCausal, MaskKind::kDocuments, MaskKind::kBits}) {
+    SparseCase c = base_case(kind, 128, 9000);
+    c.attn.batch = 2;
+    c.attn.heads = 16;
+    c.attn.seqlen_q = c.attn.seqlen_k = 8192;
+    c.broadcast_heads = true;
+    std::mt19937_64 rng(1);
+    ElementTensors el;
+    const BlockMaskGeometry g = geometry_of(c);
+    make_element_mask(c, g.batch, g.heads, rng, &el);
+    std::vector<std::unique_ptr<IntTensor>> lists;
+    BlockMask m;
+    const int64_t nq = g.num_q_blocks(), nkv = g.num_kv_blocks();
+    const std::vector<int64_t> shapes[] = {{g.batch, 1, nq}, {g.batch, 1, nq, nkv}, {g.batch, 1, nq},
+                                           {g.batch, 1, nq, nkv}, {g.batch, 1, nkv}, {g.batch, 1, nkv, nq},
+                                           {g.batch, 1, nkv}, {g.batch, 1, nkv, nq}};
+    TensorView* views[] = {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices,
+                           &m.q_num_blocks, &m.q_indices, &m.full_q_num_blocks, &m.full_q_indices};
+    for (int i = 0; i < 8; ++i) {
+      lists.push_back(std::make_unique<IntTensor>());
+      lists.back()->make(shapes[i]);
+      *views[i] = lists.back()->dev->view();
+    }
+    BlockMaskBuildParams bp;
+    bp.batch = g.batch;
+    bp.heads = 1;
+    bp.seqlen_q = bp.seqlen_k = 8192;
+    bp.element = el.device;
+    ASSERT_TRUE(build_block_mask(bp, &m).ok());  // warm-up
+    cudaEvent_t start, stop;
+    cudaEventCreate(&start);
+    cudaEventCreate(&stop);
+    constexpr int kRepeats = 20;
+    cudaEventRecord(start);
+    for (int r = 0; r < kRepeats; ++r) ASSERT_TRUE(build_block_mask(bp, &m).ok());
+    cudaEventRecord(stop);
+    FLARE_CUDA_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    std::printf("build_block_mask %s, batch %d, seqlen 8192, 128x128 blocks: %.3f ms\n", mask_kind_name(kind),
+                g.batch, ms / kRepeats);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+}
+
+// ---- the fuzzer ----------------------------------------------------------------------------------
+
+uint64_t env_or(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::strtoull(v, nullptr, 10) : fallback;
+}
+
+SparseCase random_case(std::mt19937_64& rng, uint64_t case_seed) {
+  auto pick = [&](int n) { return static_cast<int>(rng() % n); };
+  const int block_sizes[] = {16, 32, 48, 64, 128, 128, 128, 256};
+  SparseCase c;
+  c.kind = static_cast<MaskKind>(pick(static_cast<int>(MaskKind::kCount)));
+  c.q_block = block_sizes[pick(8)];
+  c.kv_block = block_sizes[pick(8)];
+  c.attn.head_dim = pick(2) ? 64 : 128;
+  c.attn.batch = 1 + pick(2);
+  c.attn.heads_kv = 1 + pick(3);
+  c.attn.heads = c.attn.heads_kv * (1 + pick(3));
+  c.attn.seqlen_q = 1 + pick(pick(4) ? 400 : 40);
+  c.attn.seqlen_k = pick(3) ? c.attn.seqlen_q : 1 + pick(400);
+  c.attn.dtype = pick(4) ? DType::kBFloat16 : DType::kFloat16;
+  if (!instantiated(c.attn)) c.attn.dtype = c.attn.dtype == DType::kFloat16 ? DType::kBFloat16 : DType::kFloat16;
+  if (pick(6) == 0) c.attn.mask.causal = true;
+  if (pick(8) == 0) c.attn.mask.window_left = pick(200);
+  if (pick(8) == 0) c.attn.softcap = 20.f;
+  c.attn.sinks = pick(8) == 0;
+  c.broadcast_batch = pick(3) == 0;
+  c.broadcast_heads = pick(3) == 0;
+  c.attn.seed = case_seed;
+  return c;
+}
+
+TEST(BlockSparseFuzz, ForwardAgainstTheOracle) {
+  FLARE_REQUIRE_GPU();
+  const uint64_t seed = env_or("FLARE_BLOCK_SPARSE_SEED",
+                               static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  const int cases = static_cast<int>(env_or("FLARE_BLOCK_SPARSE_CASES", reduced() ? 20 : 500));
+  std::printf("block-sparse fuzzer: seed %llu, %d cases (FLARE_BLOCK_SPARSE_SEED=%llu replays)\n",
+              static_cast<unsigned long long>(seed), cases, static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < cases; ++i) {
+    const SparseCase c = random_case(rng, seed + static_cast<uint64_t>(i));
+    SCOPED_TRACE("fuzzer seed " + std::to_string(seed) + " case " + std::to_string(i));
+    run_sparse_forward(c);
+    if (::testing::Test::HasFailure()) {
+      std::printf("first failure: seed %llu case %d: %s\n", static_cast<unsigned long long>(seed), i,
+                  c.name().c_str());
+      break;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flare::test
