@@ -29,16 +29,9 @@ Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim) {
 }
 
 Status hopper_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream) {
-  if (dtype == DType::kBFloat16) {
-#ifdef FLARE_HAS_DTYPE_bf16
-    return portable::visit_head_dim(p.fwd.head_dim, [&](auto hd) { return launch_hopper_bwd<decltype(hd)::value, __nv_bfloat16>(p, stream); });
-#endif
-  } else {
-#ifdef FLARE_HAS_DTYPE_fp16
-    return portable::visit_head_dim(p.fwd.head_dim, [&](auto hd) { return launch_hopper_bwd<decltype(hd)::value, __half>(p, stream); });
-#endif
-  }
-  return Status::NotSupported(std::string("dtype ") + dtype_name(dtype) + ": no kernel instantiated for it in this build");
+  return portable::visit_instantiation(p.fwd.head_dim, dtype, [&](auto hd, auto elem) {
+    return launch_hopper_bwd<decltype(hd)::value, decltype(elem)>(p, stream);
+  });
 }
 
 }  // namespace flare::hopper

@@ -10,7 +10,6 @@
 
 namespace flare::hopper {
 
-
 Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype) {
   FLARE_RETURN_IF_ERROR(check_sm90());
   if (portable::instantiated_head_dim(p.head_dim) == 0)
@@ -31,16 +30,9 @@ Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype) {
 
 Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, Stream stream) {
   FLARE_RETURN_IF_ERROR(hopper_forward_check(p, dtype));
-  if (dtype == DType::kBFloat16) {
-#ifdef FLARE_HAS_DTYPE_bf16
-    return portable::visit_head_dim(p.head_dim, [&](auto hd) { return launch_hopper_fwd<decltype(hd)::value, __nv_bfloat16>(p, stream); });
-#endif
-  } else {
-#ifdef FLARE_HAS_DTYPE_fp16
-    return portable::visit_head_dim(p.head_dim, [&](auto hd) { return launch_hopper_fwd<decltype(hd)::value, __half>(p, stream); });
-#endif
-  }
-  return Status::NotSupported(std::string("dtype ") + dtype_name(dtype) + ": no kernel instantiated for it in this build");
+  return portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto elem) {
+    return launch_hopper_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
+  });
 }
 
 }  // namespace flare::hopper

@@ -18,21 +18,9 @@ BwdBlocks portable_bwd_blocks(int head_dim) {
 }
 
 Status portable_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream) {
-  const int d = p.fwd.head_dim;
-  if (instantiated_head_dim(d) == 0)
-    return Status::NotSupported("head dim " + std::to_string(d) +
-                                ": no kernel instantiated for it in this build (see FLARE_HEAD_DIMS)");
-  if (dtype == DType::kBFloat16) {
-#ifdef FLARE_HAS_DTYPE_bf16
-    return visit_head_dim(d, [&](auto hd) { return launch_portable_bwd<decltype(hd)::value, __nv_bfloat16>(p, stream); });
-#endif
-  } else {
-#ifdef FLARE_HAS_DTYPE_fp16
-    return visit_head_dim(d, [&](auto hd) { return launch_portable_bwd<decltype(hd)::value, __half>(p, stream); });
-#endif
-  }
-  return Status::NotSupported(std::string("dtype ") + dtype_name(dtype) +
-                              ": no kernel instantiated for it in this build (see FLARE_DTYPES)");
+  return visit_instantiation(p.fwd.head_dim, dtype, [&](auto hd, auto elem) {
+    return launch_portable_bwd<decltype(hd)::value, decltype(elem)>(p, stream);
+  });
 }
 
 }  // namespace flare::portable

@@ -2,7 +2,14 @@
 // instantiated one at least as large.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
 #include <type_traits>
+
+#include "flare/status.h"
+#include "flare/types.h"
 
 #include "flare_instantiated.h"
 
@@ -61,6 +68,26 @@ decltype(auto) visit_head_dim(int d, F&& f) {
   }
   // 256, or (for a head dim the caller did not check) the largest instantiated one.
   return f(std::integral_constant<int, kLargestHeadDim>{});
+}
+
+// f(std::integral_constant<int, D>{}, T{}) for the instantiated head dim D serving `head_dim` and
+// the dtype's element type T (__nv_bfloat16 or __half); NotSupported naming what the build lacks.
+template <typename F>
+Status visit_instantiation(int head_dim, DType dtype, F&& f) {
+  if (instantiated_head_dim(head_dim) == 0)
+    return Status::NotSupported("head dim " + std::to_string(head_dim) +
+                                ": no kernel instantiated for it in this build (see FLARE_HEAD_DIMS)");
+  if (dtype == DType::kBFloat16) {
+#ifdef FLARE_HAS_DTYPE_bf16
+    return visit_head_dim(head_dim, [&](auto hd) { return f(hd, __nv_bfloat16{}); });
+#endif
+  } else if (dtype == DType::kFloat16) {
+#ifdef FLARE_HAS_DTYPE_fp16
+    return visit_head_dim(head_dim, [&](auto hd) { return f(hd, __half{}); });
+#endif
+  }
+  return Status::NotSupported(std::string("dtype ") + dtype_name(dtype) +
+                              ": no kernel instantiated for it in this build (see FLARE_DTYPES)");
 }
 
 }  // namespace flare::portable
