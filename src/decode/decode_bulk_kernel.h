@@ -345,10 +345,7 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
         }
       }
       uint32_t pa[4];
-      pa[0] = ElemTraits<T>::pack(sc[0][0], sc[0][1]);
-      pa[1] = ElemTraits<T>::pack(sc[0][2], sc[0][3]);
-      pa[2] = ElemTraits<T>::pack(sc[1][0], sc[1][1]);
-      pa[3] = ElemTraits<T>::pack(sc[1][2], sc[1][3]);
+      accum_to_a<T>(sc[0], sc[1], pa);
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t bv[4];

@@ -138,6 +138,7 @@ namespace device {
 
 using portable::cp_async_commit;
 using portable::cp_async_wait;
+using portable::accum_to_a;
 using portable::ElemTraits;
 using portable::fast_exp2;
 using portable::ldmatrix_x4;
@@ -424,10 +425,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_attention_kernel(const D
 
       // O += P V: the S accumulators are P's A fragment (16 rows x 16 keys).
       uint32_t pa[4];
-      pa[0] = ElemTraits<T>::pack(s[0][0], s[0][1]);
-      pa[1] = ElemTraits<T>::pack(s[0][2], s[0][3]);
-      pa[2] = ElemTraits<T>::pack(s[1][0], s[1][1]);
-      pa[3] = ElemTraits<T>::pack(s[1][2], s[1][3]);
+      accum_to_a<T>(s[0], s[1], pa);
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t bv[4];

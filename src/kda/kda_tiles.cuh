@@ -88,10 +88,7 @@ __device__ __forceinline__ void mma_pair(float (&c0)[4], float (&c1)[4], const u
 // The A fragment of k-step kk (columns 16kk..16kk+15) from accumulators in C layout.
 template <typename T, int N8>
 __device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&acc)[N8][4], int kk) {
-  a[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
-  a[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
-  a[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-  a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+  portable::accum_to_a<T>(acc[2 * kk], acc[2 * kk + 1], a);
 }
 
 // -a for a packed pair of 16-bit floats.

@@ -202,7 +202,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       CUTE_UNROLL
       for (int i = 0; i < kN; ++i) {
         const int q_local = get<1>(s_coord(i));
-        float pv = exp2_approx(fmaf(s_acc(i), p.scale_log2, -stats[q_local]));
+        float pv = fast_exp2(fmaf(s_acc(i), p.scale_log2, -stats[q_local]));
         if (partial) {
           const int key = t.col0 + get<0>(s_coord(i)), q = q0 + get<1>(s_coord(i));
           pv = (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key)) ? pv : 0.f;
@@ -249,8 +249,8 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
     if (!gqa) {
       T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
       T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
-      *reinterpret_cast<uint32_t*>(dkp) = pack2<T>(k0, k1);
-      *reinterpret_cast<uint32_t*>(dvp) = pack2<T>(v0, v1);
+      *reinterpret_cast<uint32_t*>(dkp) = portable::ElemTraits<T>::pack(k0, k1);
+      *reinterpret_cast<uint32_t*>(dvp) = portable::ElemTraits<T>::pack(v0, v1);
     } else {
       const int64_t off = (detail::accum_row(p, t.b, t.seq.k_start, t.col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
       portable::red_add_f32x2(P.dk_accum + off, k0, k1);

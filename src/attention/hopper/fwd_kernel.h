@@ -143,7 +143,7 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
   if (p.softcap > 0.f) {
     const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
     CUTE_UNROLL
-    for (int i = 0; i < cute::size(s); ++i) s(i) = post * tanh_approx(s(i) * pre);
+    for (int i = 0; i < cute::size(s); ++i) s(i) = post * fast_tanh(s(i) * pre);
   }
   const int col0 = n * Cfg::kBlockN;
   if (sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN, t.seq.seqlen_k) ==
@@ -265,7 +265,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     for (int j = 0; j < size(o_acc) / 4; ++j) {
       const int col = 8 * j + quad_col;
       if (col < p.head_dim)
-        *reinterpret_cast<uint32_t*>(out_row + col) = pack2<T>(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
+        *reinterpret_cast<uint32_t*>(out_row + col) = portable::ElemTraits<T>::pack(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
     }
     if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
   }

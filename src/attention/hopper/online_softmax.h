@@ -5,19 +5,15 @@
 // the row max is reduced across the quad at every block, the row sum only at the end.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <cstdint>
 
+#include "src/attention/portable/warp_mma.h"
+
 namespace flare::hopper {
 
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using portable::fast_exp2;
+using portable::fast_tanh;
 
 // 2^x on the FMA pipe, for the share of the softmax that would otherwise queue on the exp2 unit
 // (16 results per clock and SM against 128 FMAs). x = n + f with n = round(x) and f in
@@ -31,23 +27,6 @@ __device__ __forceinline__ float exp2_poly(float x) {
   const float p = fmaf(fmaf(fmaf(0.0550088343f, f, 0.242210999f), f, 0.693282946f), f, 1.f);
   const int bits = __float_as_int(p) + (__float_as_int(t) << 23);
   return x < -125.f ? 0.f : __int_as_float(bits);
-}
-
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __half>) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
 }
 
 struct RowScale {
@@ -99,7 +78,7 @@ struct OnlineSoftmax {
         if (!__any_sync(0xffffffffu, grew)) mx = max[r];
       }
       const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
-      alpha.v[r] = exp2_approx(max[r] - base);
+      alpha.v[r] = fast_exp2(max[r] - base);
       max[r] = mx;
       float part[kN / 4];
 #pragma unroll
@@ -110,8 +89,8 @@ struct OnlineSoftmax {
           s(i) = exp2_poly(x0);
           s(i + 1) = exp2_poly(x1);
         } else {
-          s(i) = exp2_approx(x0);
-          s(i + 1) = exp2_approx(x1);
+          s(i) = fast_exp2(x0);
+          s(i + 1) = fast_exp2(x1);
         }
         part[j] = s(i) + s(i + 1);
       }

@@ -240,14 +240,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
 #pragma unroll
     for (int ks = 0; ks < kBlockM / 16; ++ks) {
       uint32_t ap[4], ads[4];
-      ap[0] = ElemTraits<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-      ap[1] = ElemTraits<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-      ap[2] = ElemTraits<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      ap[3] = ElemTraits<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-      ads[0] = ElemTraits<T>::pack(dp[2 * ks][0], dp[2 * ks][1]);
-      ads[1] = ElemTraits<T>::pack(dp[2 * ks][2], dp[2 * ks][3]);
-      ads[2] = ElemTraits<T>::pack(dp[2 * ks + 1][0], dp[2 * ks + 1][1]);
-      ads[3] = ElemTraits<T>::pack(dp[2 * ks + 1][2], dp[2 * ks + 1][3]);
+      accum_to_a<T>(s[2 * ks], s[2 * ks + 1], ap);
+      accum_to_a<T>(dp[2 * ks], dp[2 * ks + 1], ads);
 #pragma unroll
       for (int cp = 0; cp < kDkvTiles / 2; ++cp) {
         const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dkv_col + 16 * cp + (lane / 16) * 8;

@@ -160,10 +160,7 @@ __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const
     uint32_t a[kMTiles][4];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      a[mt][0] = ElemTraits<T>::pack(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-      a[mt][1] = ElemTraits<T>::pack(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-      a[mt][2] = ElemTraits<T>::pack(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-      a[mt][3] = ElemTraits<T>::pack(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      accum_to_a<T>(s[mt][2 * ks], s[mt][2 * ks + 1], a[mt]);
     }
 #pragma unroll
     for (int dp = 0; dp < kDTiles / 2; ++dp) {

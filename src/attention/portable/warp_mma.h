@@ -30,6 +30,16 @@ template <> struct ElemTraits<__half> {
 };
 
 // D = A * B + D with fp32 accumulation.
+// Two 16x8 fp32 accumulators (columns 0-7 and 8-15 of a 16x16 tile) as the A fragment of the next
+// mma: the layouts match element for element, so P = softmax(S) feeds P V from registers.
+template <typename T>
+__device__ __forceinline__ void accum_to_a(const float (&lo)[4], const float (&hi)[4], uint32_t (&a)[4]) {
+  a[0] = ElemTraits<T>::pack(lo[0], lo[1]);
+  a[1] = ElemTraits<T>::pack(lo[2], lo[3]);
+  a[2] = ElemTraits<T>::pack(hi[0], hi[1]);
+  a[3] = ElemTraits<T>::pack(hi[2], hi[3]);
+}
+
 template <typename T>
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
