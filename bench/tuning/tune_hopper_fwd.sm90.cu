@@ -36,8 +36,8 @@ flare::detail::FwdKernelParams params_for(int d, int s, bool causal, void* q, vo
   return flare::detail::make_fwd_kernel_params(p, shape);
 }
 
-template <typename Cfg>
-void measure(Env& e, const char* label, bool causal, int persistent = -1) {
+template <typename Cfg, bool kPersistent = false>
+void measure(Env& e, const char* label, bool causal) {
   constexpr int d = Cfg::kHeadDim, s = 4096;
   std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
@@ -46,18 +46,18 @@ void measure(Env& e, const char* label, bool causal, int persistent = -1) {
   if (!flare::detail::naive_attention_forward(ref, DType::kBFloat16, e.stream).ok()) std::abort();
   auto p = params_for(d, s, causal, e.q, e.k, e.v, e.out);
   FLARE_BENCH_CHECK(cudaMemsetAsync(e.out, 0xFF, n * 2, e.stream));
-  Status st = hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16>(p, e.stream, persistent);
+  Status st = hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16, kPersistent>(p, e.stream);
   if (!st.ok()) {
     e.table.add_row({{"config", name}, {"check", st.message()}});
     return;
   }
   const double rel = compare_bf16(e.out, e.ref, n, e.stream).rel_l2;
   Timing t = time_kernel([&](cudaStream_t st2) {
-    if (!hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16>(p, st2, persistent).ok()) std::abort();
+    if (!hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16, kPersistent>(p, st2).ok()) std::abort();
   }, e.args.timing({.warmup = 3, .repeats = 15}), e.stream);
   const double tf = tflops(attention_fwd_flops(16384 / s, 2048 / d, s, s, d, causal), t.median_ms);
   cudaFuncAttributes attr;
-  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, hopper::hopper_fwd_kernel<Cfg, __nv_bfloat16, true>));
+  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, hopper::hopper_fwd_kernel<Cfg, __nv_bfloat16, kPersistent>));
   e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
                    {"spill B", static_cast<int>(attr.localSizeBytes)}, {"rel err", Table::Cell(rel, 4)},
                    {"check", rel < 2e-2 ? "ok" : "FAIL"}});
@@ -65,20 +65,20 @@ void measure(Env& e, const char* label, bool causal, int persistent = -1) {
 
 // HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong>
 void sweep(Env& e, bool causal) {
-  measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128", causal, 0);
-  measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128 persistent", causal, 1);
-  measure<HopperFwdConfig<64, 128, 3, 3>>(e, "3wg n128 3 stages", causal, 0);
-  measure<HopperFwdConfig<64, 128, 3, 2, false>>(e, "3wg n128 no ping-pong", causal, 0);
-  measure<HopperFwdConfig<96, 128, 2>>(e, "2wg n128", causal, 0);
-  measure<HopperFwdConfig<128, 128, 2>>(e, "2wg n128", causal, 0);
-  measure<HopperFwdConfig<128, 128, 2, 3>>(e, "2wg n128 3 stages", causal, 0);
-  measure<HopperFwdConfig<128, 128, 2, 2, false>>(e, "2wg n128 no ping-pong", causal, 0);
-  measure<HopperFwdConfig<128, 128, 2, 2, true, 8>>(e, "2wg n128 exp2 poly 1/8", causal, 0);
-  measure<HopperFwdConfig<192, 96, 2>>(e, "2wg n96", causal, 0);
-  measure<HopperFwdConfig<256, 64, 2>>(e, "2wg n64", causal, 0);
-  measure<HopperFwdConfig<256, 80, 2>>(e, "2wg n80", causal, 0);
-  measure<HopperFwdConfig<256, 64, 2, 2, false>>(e, "2wg n64 no ping-pong", causal, 0);
-  measure<HopperFwdConfig<256, 64, 2, 2, true, 4>>(e, "2wg n64 exp2 poly 1/4", causal, 0);
+  measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128", causal);
+  measure<HopperFwdConfig<64, 128, 3>, true>(e, "3wg n128 persistent", causal);
+  measure<HopperFwdConfig<64, 128, 3, 3>>(e, "3wg n128 3 stages", causal);
+  measure<HopperFwdConfig<64, 128, 3, 2, false>>(e, "3wg n128 no ping-pong", causal);
+  measure<HopperFwdConfig<96, 128, 2>>(e, "2wg n128", causal);
+  measure<HopperFwdConfig<128, 128, 2>>(e, "2wg n128", causal);
+  measure<HopperFwdConfig<128, 128, 2, 3>>(e, "2wg n128 3 stages", causal);
+  measure<HopperFwdConfig<128, 128, 2, 2, false>>(e, "2wg n128 no ping-pong", causal);
+  measure<HopperFwdConfig<128, 128, 2, 2, true, 8>>(e, "2wg n128 exp2 poly 1/8", causal);
+  measure<HopperFwdConfig<192, 96, 2>>(e, "2wg n96", causal);
+  measure<HopperFwdConfig<256, 64, 2>>(e, "2wg n64", causal);
+  measure<HopperFwdConfig<256, 80, 2>>(e, "2wg n80", causal);
+  measure<HopperFwdConfig<256, 64, 2, 2, false>>(e, "2wg n64 no ping-pong", causal);
+  measure<HopperFwdConfig<256, 64, 2, 2, true, 4>>(e, "2wg n64 exp2 poly 1/4", causal);
 }
 
 int run(int argc, char** argv) {

@@ -54,6 +54,7 @@ Status attention_forward(const AttentionForwardParams& params) {
       return portable::portable_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kHopper:
 #ifdef FLARE_WITH_HOPPER
+      FLARE_RETURN_IF_ERROR(hopper::hopper_forward_check(kp, params.q.dtype));
       return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
 #else
       return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");

@@ -29,7 +29,6 @@ Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype) {
 }
 
 Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, Stream stream) {
-  FLARE_RETURN_IF_ERROR(hopper_forward_check(p, dtype));
   return portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto elem) {
     return launch_hopper_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
   });

@@ -13,7 +13,8 @@ Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream);
 // Ok when the Hopper kernel can run this problem on the current device, else why not.
 Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype);
 
-// Checks, then launches the kernel of the smallest instantiated head dim >= p.head_dim.
+// Launches the kernel of the smallest instantiated head dim >= p.head_dim, for a problem that
+// hopper_forward_check accepted.
 Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, Stream stream);
 
 }  // namespace flare::hopper

@@ -19,20 +19,19 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
   *stride = GStride(st.row, cute::_1{}, st.head, varlen ? st.row * rows : st.batch);
 }
 
-// persistent: 1 always, 0 never (the default), -1 for uniform work only (no causal or window
-// mask). Measured on the H100 at seqlen 4096 (bench/RESULTS.md): the static round-robin over the
-// L2-grouped order lost 2-4 % to one CTA per tile on uniform work at d128 and d256 and 8-14 % on
-// causal work; it stays selectable for the tuning sweep.
-template <typename Cfg, typename T>
-Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream, int persistent = 0) {
+// kPersistent: a grid of one CTA per SM walking the L2-grouped tile order, else one CTA per tile
+// (longest first when masked). Measured on the H100 at seqlen 4096 (bench/RESULTS.md): the
+// persistent static round-robin lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal
+// work, so the library instantiates only the one-CTA-per-tile kernel; the tuning sweep keeps the
+// other selectable.
+template <typename Cfg, typename T, bool kPersistent = false>
+Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T>();
-  auto tiled = hopper_fwd_kernel<Cfg, T, false>;
-  auto persistent_kernel = hopper_fwd_kernel<Cfg, T, true>;
+  auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent>;
   static const cudaError_t attr = [&] {
-    cudaError_t e = cudaFuncSetAttribute(tiled, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (e == cudaSuccess) e = cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e;
   }();
@@ -53,18 +52,17 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream, in
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
   hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.v, hp.shape_k, v_stride),
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
-  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
-  if (persistent == 0 || (persistent < 0 && !uniform)) {
+  if constexpr (!kPersistent) {
     const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
-    tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
-    return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+  } else {
+    const detail::DeviceFacts dev = detail::current_device_facts();
+    hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                           dev.l2_bytes / 2);
+    const dim3 grid(std::min(hp.p.order.num_tiles, dev.num_sms));  // one CTA fits an SM
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
-  const detail::DeviceFacts dev = detail::current_device_facts();
-  hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
-                                         dev.l2_bytes / 2);
-  const dim3 grid(std::min(hp.p.order.num_tiles, dev.num_sms));  // one CTA fits an SM
-  persistent_kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
-  return detail::cuda_status(cudaGetLastError(), "hopper forward launch (persistent)");
+  return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
 }
 
 template <int kHeadDim, typename T>
