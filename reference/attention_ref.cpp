@@ -270,6 +270,10 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         Slice q = gather(p.q, pr.lq, b, h);
         Slice dout = gather(p.dout, pr.lq, b, h);
+        // Emulating the input dtype, D_i = dO_i . O_i uses the O the caller passes (the forward's
+        // stored output, as the kernels do); the fp64 reference recomputes O exactly.
+        const bool out_given = rule.emulate && p.out.defined();
+        Slice out = out_given ? gather(p.out, pr.lq, b, h) : Slice{};
         Slice dq{sq, pr.dim, std::vector<double>(static_cast<size_t>(sq * pr.dim), 0.0)};
         Visibility vis{&p.mask, p.block_mask, sq, sk, b, h};
         const double sink = sink_of(p.sinks, h);
@@ -279,8 +283,7 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
           if (lse == kInf) continue;
           const double* g = dout.row(i);
           // D_i = sum_j P_ij dP_ij = dO_i . O_i (the sink carries no value). Emulating the input
-          // dtype, D_i is dO_i . O_i with O as the forward stores it (rounded to the dtype), as
-          // the kernels compute it.
+          // dtype, D_i is dO_i . O_i with O rounded to the dtype, as the kernels compute it.
           std::vector<double> dp(static_cast<size_t>(sk), 0.0);
           double d_i = 0;
           for (int64_t j = 0; j < sk; ++j) {
@@ -288,7 +291,9 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
             dp[j] = rule.r(dot(g, v.row(j), pr.dim_v));
             if (!rule.emulate) d_i += prob[j] * dp[j];
           }
-          if (rule.emulate) {
+          if (rule.emulate && out_given) {
+            d_i = dot(g, out.row(i), pr.dim_v);
+          } else if (rule.emulate) {
             for (int64_t c = 0; c < pr.dim_v; ++c) {
               double o_c = 0;
               for (int64_t j = 0; j < sk; ++j)

@@ -96,7 +96,8 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
   if (p.backend == Backend::kHopper)
     return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
 #endif
-  plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic);
+  plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
+                                              plan->hopper);
   return Status::Ok();
 }
 

@@ -7,7 +7,8 @@ std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
 }  // namespace
 
-BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic) {
+BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
+                                        bool row_stats) {
   BwdWorkspaceLayout l;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
@@ -17,6 +18,10 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
   };
   const std::size_t rows_q = static_cast<std::size_t>(s.total_q), rows_k = static_cast<std::size_t>(s.total_k);
   l.dpsum = take(rows_q * s.heads * sizeof(float));
+  if (row_stats) {
+    const std::size_t m_blocks = (s.seqlen_q + kRowStatsBlockM - 1) / kRowStatsBlockM;
+    l.row_stats = take(std::size_t{1} * s.batch * s.heads * m_blocks * 2 * kRowStatsBlockM * sizeof(float));
+  }
   l.dq_accum = take(rows_q * s.heads * s.head_dim * sizeof(float));
   if (s.heads_kv != s.heads) {
     l.dk_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
@@ -65,6 +70,7 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
   k.dv_str = row_strides(p.dv, s.varlen);
   k.dsinks = static_cast<float*>(p.dsinks.data);
   k.dpsum = reinterpret_cast<float*>(ws + l.dpsum);
+  if (l.row_stats != 0) k.row_stats = reinterpret_cast<float*>(ws + l.row_stats);
   k.dq_accum = reinterpret_cast<float*>(ws + l.dq_accum);
   if (s.heads_kv != s.heads) {
     k.dk_accum = reinterpret_cast<float*>(ws + l.dk_accum);

@@ -1,8 +1,8 @@
 // The attention backward as the kernels see it. The forward's fields (inputs, strides, mask,
 // scale, softcap, sinks) are shared through `fwd`; the backward adds its inputs, outputs and the
 // fp32 workspace: dq_accum [rows_q, heads, head_dim], dk/dv_accum [rows_k, heads_kv, head_dim]
-// (GQA only), dpsum (= rowsum(dO o O), laid out like the LSE), and the deterministic mode's
-// semaphores.
+// (GQA only), dpsum (= rowsum(dO o O), laid out like the LSE), the Hopper kernel's padded row
+// statistics, and the deterministic mode's semaphores.
 #pragma once
 
 #include <cstddef>
@@ -23,6 +23,10 @@ struct BwdKernelParams {
   float* dsinks = nullptr;      // optional [heads]
   // Workspace.
   float* dpsum = nullptr;       // like the LSE
+  // Hopper only: per (sequence, head, 64-row query block) the block's LSE in log2 units, then its
+  // dpsum: [batch, heads, num_m_blocks, 2, kRowStatsBlockM]; rows past the sequence hold (+inf, 0),
+  // so a block is one aligned bulk copy and its padded rows get P = 0.
+  float* row_stats = nullptr;
   float* dq_accum = nullptr;    // row r of q (batch * seqlen_q + i, or the packed row), head, channel
   float* dk_accum = nullptr;    // GQA only: row r of k, kv head, channel
   float* dv_accum = nullptr;
@@ -32,6 +36,8 @@ struct BwdKernelParams {
   bool deterministic = false;
 };
 
+inline constexpr int kRowStatsBlockM = 64;
+
 // Rows of the q (or k) side: batch * seqlen when batched, total rows when varlen.
 FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i, int seqlen) {
   return p.cu_seqlens_q != nullptr ? start + i : int64_t{b} * seqlen + i;
@@ -39,11 +45,13 @@ FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i
 
 // The workspace a backward needs, carved from one buffer.
 struct BwdWorkspaceLayout {
-  std::size_t dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
+  std::size_t dpsum = 0, row_stats = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
   std::size_t total = 0;
 };
 
-BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic);
+// `row_stats`: the Hopper kernel's padded statistics (block_m must be kRowStatsBlockM).
+BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
+                                        bool row_stats = false);
 
 // The forward's view of a backward call: the same inputs, mask and scalars.
 AttentionForwardParams forward_view(const AttentionBackwardParams& b);

@@ -270,4 +270,29 @@ class AttnProblem {
   std::unique_ptr<DeviceTensor> dgrad_out_, ddq_, ddk_, ddv_, ddsinks_;
 };
 
+// Runs the deterministic backward `runs` times on one problem (forward on `backend` too) and
+// expects dQ, dK and dV bitwise identical to the first run's.
+inline void expect_bitwise_reproducible(const AttnCase& c, Backend backend, int runs) {
+  SCOPED_TRACE(c.name() + " deterministic, bitwise");
+  AttnProblem prob(c);
+  ASSERT_TRUE(attention_forward(prob.forward_params(backend)).ok());
+  ref::HostTensor first_dq, first_dk, first_dv;
+  for (int r = 0; r < runs; ++r) {
+    AttentionBackwardParams b = prob.backward_params(backend, true);
+    Status s = attention_backward(b);
+    ASSERT_TRUE(s.ok()) << s.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.download_grads();
+    if (r == 0) {
+      first_dq = prob.dq_host;
+      first_dk = prob.dk_host;
+      first_dv = prob.dv_host;
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(first_dq.data(), prob.dq_host.data(), first_dq.nbytes()), 0) << "dq differs in run " << r;
+    ASSERT_EQ(std::memcmp(first_dk.data(), prob.dk_host.data(), first_dk.nbytes()), 0) << "dk differs in run " << r;
+    ASSERT_EQ(std::memcmp(first_dv.data(), prob.dv_host.data(), first_dv.nbytes()), 0) << "dv differs in run " << r;
+  }
+}
+
 }  // namespace flare::test

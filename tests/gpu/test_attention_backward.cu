@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-#include <cstring>
 
 #include "tests/gpu/attention_case.h"
 
@@ -100,25 +99,7 @@ TEST(PortableBackward, DeterministicIsBitwiseReproducible) {
     c.batch = 2;
     c.mask = mask;
     c.seed = 4000 + ratio;
-    AttnProblem prob(c);
-    AttentionForwardParams f = prob.forward_params(Backend::kPortable);
-    ASSERT_TRUE(attention_forward(f).ok());
-    ref::HostTensor first_dq, first_dk;
-    const int runs = reduced() ? 2 : 20;
-    for (int r = 0; r < runs; ++r) {
-      AttentionBackwardParams b = prob.backward_params(Backend::kPortable, true);
-      Status s = attention_backward(b);
-      ASSERT_TRUE(s.ok()) << s.message();
-      FLARE_CUDA_OK(cudaDeviceSynchronize());
-      prob.download_grads();
-      if (r == 0) {
-        first_dq = prob.dq_host;
-        first_dk = prob.dk_host;
-        continue;
-      }
-      ASSERT_EQ(std::memcmp(first_dq.data(), prob.dq_host.data(), first_dq.nbytes()), 0) << "dq differs in run " << r;
-      ASSERT_EQ(std::memcmp(first_dk.data(), prob.dk_host.data(), first_dk.nbytes()), 0) << "dk differs in run " << r;
-    }
+    expect_bitwise_reproducible(c, Backend::kPortable, reduced() ? 2 : 20);
   }
 }
 

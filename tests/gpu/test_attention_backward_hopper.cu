@@ -1,6 +1,7 @@
-// The Hopper attention backward against the CPU oracle: head dims up to 128, every mask, GQA/MQA,
-// seqlen_q != seqlen_k, varlen with empty and one-token sequences, attention sinks. (Deterministic
-// mode, soft-capping and head dims above 128 run the portable backward: test_attention_backward.)
+// The Hopper attention backward against the CPU oracle, ordinary and deterministic: head dims up to
+// 128, every mask, GQA/MQA, seqlen_q != seqlen_k, varlen with empty and one-token sequences,
+// attention sinks; the deterministic mode's bitwise reproducibility. (Soft-capping and head dims
+// above 128 run the portable backward: test_attention_backward.)
 // FLARE_TEST_REDUCED=1 runs a small subset.
 #include <gtest/gtest.h>
 
@@ -15,13 +16,13 @@ namespace {
 bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 
-void run_backward(const AttnCase& c, Backend forward = Backend::kAuto) {
-  SCOPED_TRACE(c.name());
+void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backend::kAuto) {
+  SCOPED_TRACE(c.name() + (deterministic ? " deterministic" : ""));
   AttnProblem prob(c);
   AttentionForwardParams f = prob.forward_params(forward);
   Status s = attention_forward(f);
   ASSERT_TRUE(s.ok()) << s.message();
-  AttentionBackwardParams b = prob.backward_params(Backend::kHopper, false);  // draws dout
+  AttentionBackwardParams b = prob.backward_params(Backend::kHopper, deterministic);  // draws dout
   prob.run_backward_oracle();
   Status sb = attention_backward(b);
   ASSERT_TRUE(sb.ok()) << sb.message();
@@ -51,7 +52,7 @@ TEST(HopperBackward, Sweep) {
       c.mask = kMasks[(li + d / 32) % 4];
       c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
       c.seed = seed++;
-      run_backward(c);
+      run_backward(c, li % 3 == 0);
     }
 }
 
@@ -59,18 +60,19 @@ TEST(HopperBackward, MasksAndRatios) {
   FLARE_REQUIRE_HOPPER();
   uint64_t seed = 6500;
   for (const MaskParams& m : kMasks)
-    for (int ratio : {1, 4}) {
-      AttnCase c;
-      c.head_dim = 128;
-      c.seqlen_q = 200;
-      c.seqlen_k = 333;
-      c.heads = 4;
-      c.heads_kv = 4 / ratio;
-      c.mask = m;
-      c.seed = seed++;
-      run_backward(c);
-      if (reduced()) return;
-    }
+    for (int ratio : {1, 4})
+      for (bool det : {false, true}) {
+        AttnCase c;
+        c.head_dim = 128;
+        c.seqlen_q = 200;
+        c.seqlen_k = 333;
+        c.heads = 4;
+        c.heads_kv = 4 / ratio;
+        c.mask = m;
+        c.seed = seed++;
+        run_backward(c, det);
+        if (reduced()) return;
+      }
 }
 
 TEST(HopperBackward, SinksVarlen) {
@@ -86,8 +88,23 @@ TEST(HopperBackward, SinksVarlen) {
     c.varlen_k = {5, 1, 40, 129, 0, 300};
     c.batch = 6;
     c.seed = 7000 + d;
-    run_backward(c, Backend::kPortable);
-    run_backward(c, Backend::kAuto);
+    run_backward(c, false, Backend::kPortable);
+    run_backward(c, d == 128, Backend::kAuto);
+  }
+}
+
+TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
+  FLARE_REQUIRE_HOPPER();
+  for (auto [mask, ratio] : {std::pair{MaskParams{}, 1}, {MaskParams{true, -1, -1}, 4}, {MaskParams{false, 300, 0}, 2}}) {
+    AttnCase c;
+    c.head_dim = ratio == 2 ? 64 : 128;
+    c.seqlen_q = c.seqlen_k = 1000;
+    c.heads = 8;
+    c.heads_kv = 8 / ratio;
+    c.batch = 2;
+    c.mask = mask;
+    c.seed = 8000 + ratio;
+    expect_bitwise_reproducible(c, Backend::kHopper, reduced() ? 2 : 20);
   }
 }
 

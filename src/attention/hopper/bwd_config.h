@@ -7,6 +7,8 @@
 // the portable backward.
 #pragma once
 
+#include "src/attention/hopper/register_split.h"
+
 namespace flare::hopper {
 
 template <int kHeadDim_, int kStages_ = 2>
@@ -19,6 +21,7 @@ struct HopperBwdConfig {
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
 };
 
 inline constexpr int kHopperBwdMaxHeadDim = 128;

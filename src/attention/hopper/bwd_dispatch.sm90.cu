@@ -16,7 +16,6 @@ Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim) {
   if (head_dim == 0 || head_dim > kHopperBwdMaxHeadDim)
     return Status::NotSupported("head dim: the Hopper backward serves head dims up to " +
                                 std::to_string(kHopperBwdMaxHeadDim));
-  if (p.deterministic) return Status::NotSupported("deterministic: the Hopper backward has no deterministic mode yet");
   if (p.softcap > 0.f) return Status::NotSupported("softcap: the Hopper backward does not soft-cap yet");
   const bool varlen = p.cu_seqlens_q.data != nullptr;
   FLARE_RETURN_IF_ERROR(check_tma_operand("q", p.q.data, detail::row_strides(p.q, varlen), varlen));

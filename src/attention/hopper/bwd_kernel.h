@@ -1,24 +1,35 @@
 // Hopper attention backward (sm_90a): warp-specialized, TMA-fed, wgmma-computed.
 //
-// A CTA owns kBlockN keys of one (sequence, q head). The producer warpgroup loads K and V once,
-// then Q and dO of every query block that sees these keys into a ring of stages. Each consumer
-// warpgroup owns 64 keys and, per query block of 64 rows,
+// A CTA owns kBlockN keys of one (sequence, q head). Warp 0 of the producer warpgroup loads K and
+// V once, then, per query block that sees these keys, Q, dO and the block's row statistics (LSE
+// in log2 units, rowsum(dO o O)) into a ring of stages. Each consumer warpgroup owns 64 keys and,
+// per query block of 64 rows,
 //
-//     S^T = K Q^T,  dP^T = V dO^T                     (wgmma, shared x shared)
-//     P^T = exp2(S^T scale log2e - LSE log2e),  dS^T = P^T (dP^T - rowsum(dO o O))
-//     dV += P^T dO,  dK += dS^T Q                      (wgmma, P^T and dS^T from registers)
-//     dQ[:, half w] = dS K[:, half w]                  (wgmma on dS through shared memory,
-//                                                       both warpgroups' keys; added to dq_accum)
+//     S^T = K Q^T,  dP^T = V dO^T                     (wgmma, shared x shared; both issued)
+//     P^T = exp2(S^T scale log2e - LSE log2e)          (while dP^T is on the tensor cores)
+//     dV += P^T dO                                     (wgmma, P^T from registers; issued)
+//     dS^T = P^T (dP^T - rowsum(dO o O))               (while dV is on the tensor cores; to
+//                                                       shared memory)
+//     dK += dS^T Q                                     (wgmma, shared x shared)
+//     dQ[:, half w] = dS K[:, half w]                  (wgmma, shared x shared, both warpgroups'
+//                                                       keys)
 //
-// dK (scaled) and dV leave registers at the end: stored, or added into fp32 accumulators under
-// GQA. The pre-pass (rowsum(dO o O)), dsinks and the dQ conversion are the portable backward's.
+// dQ goes to a shared fp32 tile; warp 1 of the producer warpgroup adds it into dq_accum with bulk
+// reductions (cp.reduce.async.bulk, one per row), so the consumers never wait on global memory.
+// In deterministic mode that warp waits for the query block's turn (a semaphore per (sequence,
+// head, query block), the portable backward's turn order) and hands the turn on once its adds are
+// complete. dK (scaled) and dV leave registers at the end: stored, or added into fp32 accumulators
+// under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
+// dsinks and the dQ conversion are the portable backward's.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "src/attention/bwd_params.h"
@@ -27,7 +38,9 @@
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
+#include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/warp_mma.h"
+#include "src/common/bulk_copy.h"
 
 namespace flare::hopper {
 
@@ -48,9 +61,11 @@ struct BwdSmem {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> dout;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds[2];
-  float rowstats[2][Cfg::kConsumerWGs][2][Cfg::kBlockM];  // [step parity][warpgroup][LSE log2, dpsum][row]
+  cute::array_aligned<float, Cfg::kBlockM * L::kDqStride, 128> dq;  // this step's dQ, fp32, padded rows
+  cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
   uint64_t kv_full;
-  StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q and dO of one query block
+  StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q, dO and the row statistics of one query block
+  uint64_t dq_full, dq_empty;            // the dQ tile: written by the 8 consumer warps / read by the bulk adds
 };
 
 template <typename Cfg, typename T>
@@ -66,19 +81,21 @@ struct BwdTile {
 };
 
 template <typename Cfg>
-__device__ __forceinline__ BwdTile bwd_tile_of(const detail::FwdKernelParams& p, int n, int h, int b) {
+__device__ __forceinline__ BwdTile bwd_tile_of(const detail::BwdKernelParams& P, int x, int h, int b) {
+  const detail::FwdKernelParams& p = P.fwd;
   BwdTile t;
   t.seq = detail::seq_info(p, b);
   t.band = detail::band_of(p, t.seq);
-  t.n = n;
+  t.n = portable::kv_block_of(P, x);
   t.h = h;
   t.b = b;
-  t.col0 = n * Cfg::kBlockN;
+  t.col0 = t.n * Cfg::kBlockN;
   t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
   if (t.keys > 0) t.mrange = sched::q_block_range(t.band, t.col0, t.col0 + t.keys, t.seq.seqlen_q, Cfg::kBlockM);
   return t;
 }
 
+// Producer warp 0 (one thread): K and V once, then per query block Q, dO and the row statistics.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
   using namespace cute;
@@ -106,16 +123,60 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   Tensor q_dst = q_part.partition_D(sQ);
   Tensor do_src = do_part.partition_S(gDO);
   Tensor do_dst = do_part.partition_D(sDO);
+  const float* stats_g = hp.p.row_stats + (int64_t{t.b} * p.heads + t.h) * hp.p.num_m_blocks * 2 * Cfg::kBlockM;
 
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
   copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
   copy(hp.tma_v.with(sm.kv_full), v_part.partition_S(gV), v_part.partition_D(sV));
   RingPos pos;
   for (int m = t.mrange.first; m < t.mrange.last; ++m) {
-    uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes);
+    uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes + L::kStatsBytes);
     copy(hp.tma_q.with(bar), q_src(_, _, _, m), q_dst(_, _, _, pos.index));
     copy(hp.tma_do.with(bar), do_src(_, _, _, m), do_dst(_, _, _, pos.index));
+    sm90::bulk_copy_g2s(&sm.stats[pos.index * 2 * Cfg::kBlockM], stats_g + m * 2 * Cfg::kBlockM, L::kStatsBytes, &bar);
     pos.template advance<Cfg::kStages>();
+  }
+}
+
+// Producer warp 1: adds each step's dQ tile into dq_accum, one bulk reduction per row.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
+                                             int lane) {
+  using L = BwdLayouts<Cfg, T>;
+  const detail::BwdKernelParams& P = hp.p;
+  const detail::FwdKernelParams& p = P.fwd;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.head_dim) * sizeof(float);
+  for (int m = t.mrange.first, it = 0; m < t.mrange.last; ++m, ++it) {
+    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
+    cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
+    if (sem != nullptr) {
+      if (lane == 0) {
+        const int turn = portable::dq_turn_of(P, t.band, m, t.n, Cfg::kBlockM, Cfg::kBlockN, t.seq.seqlen_q, t.seq.seqlen_k);
+        int v;
+        do {
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+        } while (v != turn);
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      }
+      __syncwarp();
+    }
+    for (int r = lane; r < Cfg::kBlockM; r += 32) {
+      const int q = m * Cfg::kBlockM + r;
+      if (q >= t.seq.seqlen_q) break;
+      float* dst = P.dq_accum + (detail::accum_row(p, t.b, t.seq.q_start, q, p.seqlen_q) * p.heads + t.h) * p.head_dim;
+      sm90::bulk_reduce_add_f32_s2g(dst, &sm.dq[r * L::kDqStride], row_bytes);
+    }
+    sm90::bulk_commit_group();
+    if (sem != nullptr) {
+      sm90::bulk_wait_all();  // the adds are performed before the turn passes on
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+    } else {
+      sm90::bulk_wait_read_all();
+      __syncwarp();
+    }
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
   }
 }
 
@@ -130,14 +191,15 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   using Elem = typename L::Elem;
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
-  const int lane = ct % 32, wg = ct / 128;
-  constexpr float kLog2e = static_cast<float>(M_LOG2E);
+  const int lane = ct % 32;
 
   typename L::MmaSdP mma_sdp;
   typename L::MmaDKV mma_dkv;
+  typename L::MmaDK mma_dk;
   typename L::MmaDQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(ct);
   auto thr_dkv = mma_dkv.get_thread_slice(ct);
+  auto thr_dk = mma_dk.get_thread_slice(ct);
   auto thr_dq = mma_dq.get_thread_slice(ct);
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
   Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemQ{});
@@ -152,26 +214,28 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   Tensor q_frag = thr_sdp.partition_fragment_B(sQ);    // (.., stage)
   Tensor do_frag = thr_sdp.partition_fragment_B(sDO);  // (.., stage)
   Tensor dot_frag = thr_dkv.partition_fragment_B(sDOt);
-  Tensor qt_frag = thr_dkv.partition_fragment_B(sQt);
+  Tensor qt_frag = thr_dk.partition_fragment_B(sQt);
   Tensor kt_frag = thr_dq.partition_fragment_B(sKt);
 
-  Tensor s_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
+  Tensor s_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});  // S^T, then P^T in fp32
   Tensor dp_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
   Tensor dv_acc = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
   Tensor dk_acc = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
   Tensor dq_acc = partition_fragment_C(mma_dq, Shape<typename L::BM, typename L::HD>{});
   Tensor p_frag = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
-  Tensor ds_frag = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
   static_assert(decltype(size(s_acc))::value == decltype(size(p_frag))::value, "P^T mirrors S^T element for element");
+  // dS^T leaves registers through stmatrix: each 8x8 block of the accumulator layout is 8 keys of
+  // 8 consecutive query rows, 16 contiguous bytes of the q-contiguous dS tile.
+  auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Elem>{}, mma_sdp);
+  auto thr_r2s_ds = r2s_ds.get_thread_slice(ct);
+  Tensor ds_reg = make_tensor<Elem>(shape(s_acc));
+  Tensor ds_src = thr_r2s_ds.retile_S(ds_reg);
   // Coordinates (key, q) of each S^T element and (q, column) of each dQ element, (key, column) of dK/dV.
   Tensor s_coord = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
   Tensor dq_coord = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
   Tensor dkv_coord = thr_dkv.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::HD>{}));
   clear(dv_acc);
   clear(dk_acc);
-
-  const float* lse_g = p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start;
-  const float* dpsum_g = P.dpsum + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start;
   constexpr int kN = decltype(size(s_acc))::value;  // S^T elements a thread holds
 
   if (t.mrange.first < t.mrange.last) {
@@ -179,46 +243,46 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
     RingPos pos;
     for (int m = t.mrange.first, it = 0; m < t.mrange.last; ++m, ++it) {
       const int q0 = m * Cfg::kBlockM;
-      // LSE (log2 units) and rowsum(dO o O) of the block's rows into this warpgroup's copy in shared
-      // memory (a row past the sequence gets LSE = +inf: its P is 0); read after the S GEMM.
-      float* stats = &sm.rowstats[it % 2][wg][0][0];
-      {
-        const int r = ct % 128, q = q0 + r % Cfg::kBlockM;
-        const bool valid = q < t.seq.seqlen_q;
-        stats[r] = r < Cfg::kBlockM ? (valid ? lse_g[q] * kLog2e : INFINITY) : (valid ? dpsum_g[q] : 0.f);
-      }
+      const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];
+      const float* dpsum = lse_log2 + Cfg::kBlockM;
       sm.qdo_ring.wait_full(pos);
       wg_gemm<true>(mma_sdp, k_frag, q_frag(_, _, _, pos.index), s_acc);
       wg_gemm<true>(mma_sdp, v_frag, do_frag(_, _, _, pos.index), dp_acc);
-      wg_wait<0>(s_acc);
-      cute::warpgroup_fence_operand(dp_acc);
-      asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's row stats are in
+      wg_wait<1>(s_acc);
 
-      // P^T and dS^T, masked on the partial tiles.
-      const bool partial =
-          q0 + Cfg::kBlockM > t.seq.seqlen_q ||
-          sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN, t.seq.seqlen_k) !=
-              sched::TileKind::kFull;
-      CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) {
-        const int q_local = get<1>(s_coord(i));
-        float pv = fast_exp2(fmaf(s_acc(i), p.scale_log2, -stats[q_local]));
-        if (partial) {
-          const int key = t.col0 + get<0>(s_coord(i)), q = q0 + get<1>(s_coord(i));
-          pv = (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key)) ? pv : 0.f;
+      // P^T (fp32, in place) while dP^T finishes; masked on the partial tiles. Rows past the
+      // sequence have LSE = +inf: P = 0 there without a mask.
+      const bool partial = sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN,
+                                                t.seq.seqlen_k) != sched::TileKind::kFull;
+      auto probs = [&](auto masked) {
+        CUTE_UNROLL
+        for (int i = 0; i < kN; ++i) {
+          const int q_local = get<1>(s_coord(i));
+          float pv = fast_exp2(fmaf(s_acc(i), p.scale_log2, -lse_log2[q_local]));
+          if constexpr (decltype(masked)::value) {
+            const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
+            pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
+          }
+          s_acc(i) = pv;
+          p_frag(i) = static_cast<Elem>(pv);
         }
-        p_frag(i) = static_cast<Elem>(pv);
-        ds_frag(i) = static_cast<Elem>(pv * (dp_acc(i) - stats[Cfg::kBlockM + q_local]));
+      };
+      if (partial) {
+        probs(std::true_type{});
+      } else {
+        probs(std::false_type{});
       }
       wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);
-      wg_gemm<false>(mma_dkv, ds_frag, qt_frag(_, _, _, pos.index), dk_acc);
+      wg_wait<1>(dp_acc);
 
-      // dS to shared memory (this step's buffer), then dQ = dS K over both warpgroups' keys.
-      Tensor ds_smem = thr_sdp.partition_C(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
+      // dS^T to shared memory while dV is on the tensor cores; dK and dQ read it there.
       CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) ds_smem(i) = ds_frag(i);
+      for (int i = 0; i < kN; ++i) ds_reg(i) = static_cast<Elem>(s_acc(i) * (dp_acc(i) - dpsum[get<1>(s_coord(i))]));
+      copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
       cutlass::arch::fence_view_async_shared();
-      consumers_sync();
+      consumers_sync();  // both warpgroups' dS are in
+      Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
+      wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
       Tensor ds_desc = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
       wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
       wg_wait<0>(dq_acc);
@@ -227,19 +291,33 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       if (lane == 0) sm.qdo_ring.release(pos);
       pos.template advance<Cfg::kStages>();
 
+      // dQ (scaled) into the shared tile once the writer has read the previous one.
+      if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty, (it - 1) & 1);
       CUTE_UNROLL
       for (int i = 0; i < size(dq_acc); i += 2) {
-        const int q = q0 + get<0>(dq_coord(i)), col = get<1>(dq_coord(i));
-        if (q >= t.seq.seqlen_q || col >= p.head_dim) continue;
-        float* dst = P.dq_accum + (detail::accum_row(p, t.b, t.seq.q_start, q, p.seqlen_q) * p.heads + t.h) * p.head_dim + col;
-        portable::red_add_f32x2(dst, dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale);
+        const int r = get<0>(dq_coord(i)), col = get<1>(dq_coord(i));
+        *reinterpret_cast<float2*>(&sm.dq[r * L::kDqStride + col]) = make_float2(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale);
       }
+      sm90::fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full);
     }
   }
 
-  // dK (scaled) and dV: stored, or added into the fp32 accumulators under GQA.
+  // dK (scaled) and dV: stored, or added into the fp32 accumulators under GQA (in q-head order,
+  // one turn per head of the group, when deterministic).
   const bool gqa = p.group > 1;
   const int hk = t.h / p.group;
+  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{t.b} * p.heads_kv + hk) * P.num_n_blocks + t.n : nullptr;
+  if (sem != nullptr) {
+    if (ct == 0) {
+      int v;
+      do {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
+      } while (v != t.h % p.group);
+    }
+    consumers_sync();
+  }
   CUTE_UNROLL
   for (int i = 0; i < size(dk_acc); i += 2) {
     const int key = get<0>(dkv_coord(i)), col = get<1>(dkv_coord(i));
@@ -257,6 +335,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       portable::red_add_f32x2(P.dv_accum + off, v0, v1);
     }
   }
+  if (sem != nullptr) {
+    __threadfence();
+    consumers_sync();
+    if (ct == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+  }
 }
 
 template <typename Cfg, typename T>
@@ -267,14 +350,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
     sm.qdo_ring.init(4 * Cfg::kConsumerWGs);
+    cutlass::arch::ClusterBarrier::init(&sm.dq_full, 4 * Cfg::kConsumerWGs);
+    cutlass::arch::ClusterBarrier::init(&sm.dq_empty, 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  const BwdTile tile = bwd_tile_of<Cfg>(hp.p.fwd, blockIdx.x, blockIdx.y, blockIdx.z);
+  const BwdTile tile = bwd_tile_of<Cfg>(hp.p, blockIdx.x, blockIdx.y, blockIdx.z);
   if (tile.keys <= 0) return;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && tile.mrange.first < tile.mrange.last && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);
+    if (warp == 1) bwd_write_dq<Cfg, T>(hp, sm, tile, threadIdx.x % 32);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);

@@ -23,8 +23,9 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
     return e;
   }();
   if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");
-  if (p.seqlen_q > 0) {
-    dim3 grid((p.seqlen_q + 7) / 8, p.heads, p.batch);
+  if (P.row_stats == nullptr) return Status::InvalidArgument("workspace", "the Hopper backward needs its row statistics");
+  if (p.seqlen_q > 0) {  // dpsum and the padded statistics, padding rows included
+    dim3 grid((P.num_m_blocks * detail::kRowStatsBlockM + 7) / 8, p.heads, p.batch);
     portable::bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
   }
   if (p.seqlen_k > 0 && p.seqlen_q > 0 && P.num_n_blocks > 0) {

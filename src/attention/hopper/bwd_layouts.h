@@ -1,6 +1,7 @@
 // Shared-memory layouts and wgmma tilings of the Hopper backward (see bwd_kernel.h for the GEMMs).
 #pragma once
 
+#include "src/attention/bwd_params.h"
 #include "src/attention/hopper/fwd_layouts.h"
 
 namespace flare::hopper {
@@ -37,9 +38,14 @@ struct BwdLayouts {
   // S^T = K Q^T and dP^T = V dO^T: (keys, q), k = head dim.
   using MmaSdP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, BM, HD>>(), KeysSplit{}));
-  // dV += P^T dO and dK += dS^T Q: (keys, head dim), k = q rows; P^T, dS^T from registers.
+  // dV += P^T dO: (keys, head dim), k = q rows; P^T from registers.
   using MmaDKV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HD, BM>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      KeysSplit{}));
+  // dK += dS^T Q from dS^T in shared memory (written for dQ anyway), so dS^T's registers die early.
+  using MmaDK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HD, BM>, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
       KeysSplit{}));
   // dQ = dS K: (q rows, head dim), k = keys; each warpgroup one half of the head dim.
@@ -52,6 +58,15 @@ struct BwdLayouts {
                                             SmemQStage{}, cute::Shape<BM, HD>{}, cute::_1{}));
   using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
                                             SmemK{}, cute::Shape<BN, HD>{}, cute::_1{}));
+
+  // The dQ tile (q rows, head dim) in fp32, rows padded to 8 mod 32 floats: a half-warp's float2
+  // stores of the accumulator layout (4 rows x 8 columns) hit 32 distinct banks; rows stay 16-byte
+  // aligned for the bulk reductions.
+  static constexpr int kDqStride = kHeadDim + 8;
+  static_assert(kDqStride % 32 == 8, "dQ tile rows must be 8 floats past a multiple of 32");
+  // A stage's row statistics: LSE (log2 units) and dpsum of the block's rows, one bulk copy.
+  static_assert(kBlockM == detail::kRowStatsBlockM, "the padded row statistics are laid out per 64-row block");
+  static constexpr uint32_t kStatsBytes = 2 * kBlockM * sizeof(float);
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Elem);
   static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Elem);

@@ -6,6 +6,8 @@
 // registers for one CTA.
 #pragma once
 
+#include "src/attention/hopper/register_split.h"
+
 // A build switch for measuring the ping-pong's worth (-DFLARE_HOPPER_PINGPONG=0).
 #ifndef FLARE_HOPPER_PINGPONG
 #define FLARE_HOPPER_PINGPONG 1
@@ -30,6 +32,7 @@ struct HopperFwdConfig {
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN: a multiple of 16, at most 256");
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: a multiple of 16, at most 256");
   static_assert(kConsumerWGs == 2 || kConsumerWGs == 3, "two or three consumer warpgroups");

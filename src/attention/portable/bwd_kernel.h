@@ -321,14 +321,27 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   if (sem) pass_turn(sem);
 }
 
-// dpsum = rowsum(dO o O) in fp32, one warp per (row, head); laid out like the LSE.
+// dpsum = rowsum(dO o O) in fp32, one warp per (row, head); laid out like the LSE. With
+// P.row_stats (the Hopper kernel's padded statistics) also (LSE log2e, dpsum) per row there, and
+// (+inf, 0) for the rows past the sequence up to num_m_blocks * kRowStatsBlockM (the grid covers
+// them).
 template <typename T>
 __global__ void bwd_dpsum_kernel(const BwdKernelParams P) {
   const detail::FwdKernelParams& p = P.fwd;
   const int b = blockIdx.z, h = blockIdx.y;
   const detail::SeqInfo seq = detail::seq_info(p, b);
   const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (i >= seq.seqlen_q) return;
+  constexpr int kStatsM = detail::kRowStatsBlockM;
+  float* stats = P.row_stats == nullptr
+                     ? nullptr
+                     : P.row_stats + ((int64_t{b} * p.heads + h) * P.num_m_blocks + i / kStatsM) * 2 * kStatsM + i % kStatsM;
+  if (i >= seq.seqlen_q) {
+    if (stats != nullptr && lane == 0 && i < P.num_m_blocks * kStatsM) {
+      stats[0] = INFINITY;
+      stats[kStatsM] = 0.f;
+    }
+    return;
+  }
   const T* o = static_cast<const T*>(p.out) + detail::row_offset(p.out_str, b, seq.q_start + i, h);
   const T* d = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start + i, h);
   float acc = 0.f;
@@ -340,7 +353,14 @@ __global__ void bwd_dpsum_kernel(const BwdKernelParams P) {
     for (int e = 0; e < 8; ++e) acc += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
   }
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) P.dpsum[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i] = acc;
+  if (lane == 0) {
+    const int64_t at = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + i;
+    P.dpsum[at] = acc;
+    if (stats != nullptr) {
+      stats[0] = p.lse[at] * static_cast<float>(M_LOG2E);
+      stats[kStatsM] = acc;
+    }
+  }
 }
 
 // dsinks[h] = -sum over rows of exp(sink - lse) * dpsum (bwd_common.cu).
