@@ -36,6 +36,7 @@
 #include "src/attention/hopper/bwd_config.h"
 #include "src/attention/hopper/bwd_layouts.h"
 #include "src/attention/hopper/online_softmax.h"
+#include "src/attention/hopper/smem_struct.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
 #include "src/attention/portable/bwd_kernel.h"
@@ -217,7 +218,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   Tensor qt_frag = thr_dk.partition_fragment_B(sQt);
   Tensor kt_frag = thr_dq.partition_fragment_B(sKt);
 
-  Tensor s_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});  // S^T, then P^T in fp32
+  Tensor s_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
   Tensor dp_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
   Tensor dv_acc = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
   Tensor dk_acc = partition_fragment_C(mma_dkv, Shape<typename L::BN, typename L::HD>{});
@@ -250,8 +251,9 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       wg_gemm<true>(mma_sdp, v_frag, do_frag(_, _, _, pos.index), dp_acc);
       wg_wait<1>(s_acc);
 
-      // P^T (fp32, in place) while dP^T finishes; masked on the partial tiles. Rows past the
-      // sequence have LSE = +inf: P = 0 there without a mask.
+      // P^T while dP^T finishes; masked on the partial tiles. Rows past the sequence have
+      // LSE = +inf: P = 0 there without a mask. P^T is rounded to the input dtype once: the dV
+      // GEMM's operand and the factor of dS^T (freeing S^T's registers before dS^T).
       const bool partial = sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN,
                                                 t.seq.seqlen_k) != sched::TileKind::kFull;
       auto probs = [&](auto masked) {
@@ -263,7 +265,6 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
             const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
             pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
           }
-          s_acc(i) = pv;
           p_frag(i) = static_cast<Elem>(pv);
         }
       };
@@ -277,7 +278,8 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
 
       // dS^T to shared memory while dV is on the tensor cores; dK and dQ read it there.
       CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) ds_reg(i) = static_cast<Elem>(s_acc(i) * (dp_acc(i) - dpsum[get<1>(s_coord(i))]));
+      for (int i = 0; i < kN; ++i)
+        ds_reg(i) = static_cast<Elem>(static_cast<float>(p_frag(i)) * (dp_acc(i) - dpsum[get<1>(s_coord(i))]));
       copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
@@ -288,6 +290,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       wg_wait<0>(dq_acc);
       cute::warpgroup_fence_operand(dv_acc);
       cute::warpgroup_fence_operand(dk_acc);
+      __syncwarp();  // every lane's reads of the stage precede the release
       if (lane == 0) sm.qdo_ring.release(pos);
       pos.template advance<Cfg::kStages>();
 
@@ -345,7 +348,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
 template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<BwdSmem<Cfg, T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& sm = smem_struct<BwdSmem<Cfg, T>>(smem_raw);
   const int warp = threadIdx.x / 32, wg = warp / 4;
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);

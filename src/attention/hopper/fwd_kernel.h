@@ -24,6 +24,7 @@
 #include "src/attention/hopper/fwd_layouts.h"
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
+#include "src/attention/hopper/smem_struct.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
 
@@ -277,7 +278,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 template <typename Cfg, typename T, bool kPersistent>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<FwdSmem<Cfg, T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& sm = smem_struct<FwdSmem<Cfg, T>>(smem_raw);
   const detail::FwdKernelParams& p = hp.p;
   const int warp = threadIdx.x / 32, wg = warp / 4;
   if (threadIdx.x == 0) {
