@@ -43,6 +43,12 @@
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/bulk_copy.h"
 
+// Experiments (wrong results; timing only): 1 = no exp2/mask/dpsum in P and dS, 2 = no dQ GEMM
+// and no dQ adds, 3 = no dK/dV GEMMs.
+#ifndef FLARE_HOPPER_BWD_EXPERIMENT
+#define FLARE_HOPPER_BWD_EXPERIMENT 0
+#endif
+
 namespace flare::hopper {
 
 template <typename Cfg, typename T>
@@ -268,25 +274,40 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
           p_frag(i) = static_cast<Elem>(pv);
         }
       };
+#if FLARE_HOPPER_BWD_EXPERIMENT == 1
+      CUTE_UNROLL
+      for (int i = 0; i < kN; ++i) p_frag(i) = static_cast<Elem>(s_acc(i));
+#else
       if (partial) {
         probs(std::true_type{});
       } else {
         probs(std::false_type{});
       }
+#endif
+#if FLARE_HOPPER_BWD_EXPERIMENT != 3
       wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);
+#endif
       wg_wait<1>(dp_acc);
 
       // dS^T to shared memory while dV is on the tensor cores; dK and dQ read it there.
       CUTE_UNROLL
       for (int i = 0; i < kN; ++i)
+#if FLARE_HOPPER_BWD_EXPERIMENT == 1
+        ds_reg(i) = static_cast<Elem>(dp_acc(i));
+#else
         ds_reg(i) = static_cast<Elem>(static_cast<float>(p_frag(i)) * (dp_acc(i) - dpsum[get<1>(s_coord(i))]));
+#endif
       copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
       Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
+#if FLARE_HOPPER_BWD_EXPERIMENT != 3
       wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
+#endif
       Tensor ds_desc = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
+#if FLARE_HOPPER_BWD_EXPERIMENT != 2
       wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
+#endif
       wg_wait<0>(dq_acc);
       cute::warpgroup_fence_operand(dv_acc);
       cute::warpgroup_fence_operand(dk_acc);
@@ -363,7 +384,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && tile.mrange.first < tile.mrange.last && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);
+#if FLARE_HOPPER_BWD_EXPERIMENT == 2
+    if (warp == 1) {  // releases the dQ tile without adding it
+      for (int it = 0; it < tile.mrange.last - tile.mrange.first; ++it) {
+        cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
+        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
+      }
+    }
+#else
     if (warp == 1) bwd_write_dq<Cfg, T>(hp, sm, tile, threadIdx.x % 32);
+#endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
