@@ -97,7 +97,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
 #endif
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
-                                              plan->hopper);
+                                              plan->hopper ? plan->blocks.head_dim : 0);
   return Status::Ok();
 }
 

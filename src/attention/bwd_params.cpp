@@ -8,7 +8,7 @@ std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 }  // namespace
 
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
-                                        bool row_stats) {
+                                        int hopper_head_dim) {
   BwdWorkspaceLayout l;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
@@ -18,11 +18,15 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
   };
   const std::size_t rows_q = static_cast<std::size_t>(s.total_q), rows_k = static_cast<std::size_t>(s.total_k);
   l.dpsum = take(rows_q * s.heads * sizeof(float));
-  if (row_stats) {
+  l.hopper_head_dim = hopper_head_dim;
+  if (hopper_head_dim > 0) {
     const std::size_t m_blocks = (s.seqlen_q + kRowStatsBlockM - 1) / kRowStatsBlockM;
     l.row_stats = take(std::size_t{1} * s.batch * s.heads * m_blocks * 2 * kRowStatsBlockM * sizeof(float));
+    const std::size_t padded = static_cast<std::size_t>(hopper_dq_padded_rows(s.total_q, s.batch));
+    l.dq_accum = take(padded * s.heads * hopper_head_dim * sizeof(float));
+  } else {
+    l.dq_accum = take(rows_q * s.heads * s.head_dim * sizeof(float));
   }
-  l.dq_accum = take(rows_q * s.heads * s.head_dim * sizeof(float));
   if (s.heads_kv != s.heads) {
     l.dk_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
     l.dv_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
@@ -70,7 +74,11 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
   k.dv_str = row_strides(p.dv, s.varlen);
   k.dsinks = static_cast<float*>(p.dsinks.data);
   k.dpsum = reinterpret_cast<float*>(ws + l.dpsum);
-  if (l.row_stats != 0) k.row_stats = reinterpret_cast<float*>(ws + l.row_stats);
+  if (l.hopper_head_dim > 0) {
+    k.row_stats = reinterpret_cast<float*>(ws + l.row_stats);
+    k.dq_tile_elems = kRowStatsBlockM * l.hopper_head_dim;
+    k.dq_padded_rows = hopper_dq_padded_rows(s.total_q, s.batch);
+  }
   k.dq_accum = reinterpret_cast<float*>(ws + l.dq_accum);
   if (s.heads_kv != s.heads) {
     k.dk_accum = reinterpret_cast<float*>(ws + l.dk_accum);

@@ -27,12 +27,18 @@ struct BwdKernelParams {
   // dpsum: [batch, heads, num_m_blocks, 2, kRowStatsBlockM]; rows past the sequence hold (+inf, 0),
   // so a block is one aligned bulk copy and its padded rows get P = 0.
   float* row_stats = nullptr;
-  float* dq_accum = nullptr;    // row r of q (batch * seqlen_q + i, or the packed row), head, channel
+  // Portable: row r of q (batch * seqlen_q + i, or the packed row), head, channel. Hopper
+  // (dq_tile_elems > 0): per (head, 64-row query block) one tile of dq_tile_elems floats in the
+  // order the kernel's threads hold them (hopper_dq_tile_offset), so a block's dQ is added with
+  // one bulk reduction; see hopper_dq_tile.
+  float* dq_accum = nullptr;
   float* dk_accum = nullptr;    // GQA only: row r of k, kv head, channel
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks]
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
   int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths
+  int dq_tile_elems = 0;        // Hopper: kRowStatsBlockM x the instantiated head dim
+  int64_t dq_padded_rows = 0;   // Hopper: query rows of dq_accum per head, sequences 64-aligned
   bool deterministic = false;
 };
 
@@ -43,15 +49,27 @@ FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i
   return p.cu_seqlens_q != nullptr ? start + i : int64_t{b} * seqlen + i;
 }
 
+// Hopper dq_accum: the first row of sequence b (its rows start at q_start) in the padded row
+// space, where every sequence starts on a 64-row boundary: floor((q_start + 64 b) / 64) * 64.
+// Sequences never overlap and all rows fit in hopper_dq_padded_rows(total_q, batch).
+FLARE_HD int64_t hopper_dq_padded_start(int64_t q_start, int b) {
+  return (q_start + int64_t{kRowStatsBlockM} * b) / kRowStatsBlockM * kRowStatsBlockM;
+}
+FLARE_HD int64_t hopper_dq_padded_rows(int64_t total_q, int batch) {
+  return (total_q + int64_t{kRowStatsBlockM} * (batch + 1) - 1) / kRowStatsBlockM * kRowStatsBlockM;
+}
+
 // The workspace a backward needs, carved from one buffer.
 struct BwdWorkspaceLayout {
+  int hopper_head_dim = 0;
   std::size_t dpsum = 0, row_stats = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
   std::size_t total = 0;
 };
 
-// `row_stats`: the Hopper kernel's padded statistics (block_m must be kRowStatsBlockM).
+// `hopper_head_dim` > 0: the Hopper kernel's layout (its padded row statistics and dQ tiles, for
+// that instantiated head dim; block_m must be kRowStatsBlockM).
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
-                                        bool row_stats = false);
+                                        int hopper_head_dim = 0);
 
 // The forward's view of a backward call: the same inputs, mask and scalars.
 AttentionForwardParams forward_view(const AttentionBackwardParams& b);

@@ -68,7 +68,7 @@ struct BwdSmem {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> dout;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds[2];
-  cute::array_aligned<float, Cfg::kBlockM * L::kDqStride, 128> dq;  // this step's dQ, fp32, padded rows
+  cute::array_aligned<float, Cfg::kBlockM * Cfg::kHeadDim, 128> dq;  // this step's dQ tile, fp32, thread order
   cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
   uint64_t kv_full;
   StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q, dO and the row statistics of one query block
@@ -100,6 +100,23 @@ __device__ __forceinline__ BwdTile bwd_tile_of(const detail::BwdKernelParams& P,
   t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
   if (t.keys > 0) t.mrange = sched::q_block_range(t.band, t.col0, t.col0 + t.keys, t.seq.seqlen_q, Cfg::kBlockM);
   return t;
+}
+
+// The dQ tile of a 64-row query block in dq_accum: consumer thread ct's accumulator element i
+// (of the dQ GEMM's fragment, i a multiple of 4 starting a 16-byte group) sits at this offset, so
+// threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add.
+// hopper_dq_convert_kernel maps it back to (row, column).
+template <typename Cfg>
+__host__ __device__ constexpr int hopper_dq_tile_offset(int ct, int i) {
+  return ((i / 4) * Cfg::kConsumerWGs * 128 + ct) * 4;
+}
+// Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
+template <typename Cfg>
+__device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& P, int64_t q_start, int b, int h, int m) {
+  const int64_t first_row = detail::accum_row(P.fwd, b, q_start, 0, P.fwd.seqlen_q);
+  const int64_t row0 = detail::hopper_dq_padded_start(first_row, b) + int64_t{m} * Cfg::kBlockM;
+  if (row0 < 0 || row0 + Cfg::kBlockM > P.dq_padded_rows) return nullptr;
+  return P.dq_accum + (int64_t{h} * P.dq_padded_rows + row0) * Cfg::kHeadDim;
 }
 
 // Producer warp 0 (one thread): K and V once, then per query block Q, dO and the row statistics.
@@ -152,7 +169,7 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
   using L = BwdLayouts<Cfg, T>;
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
-  const uint32_t row_bytes = static_cast<uint32_t>(p.head_dim) * sizeof(float);
+  constexpr uint32_t kTileBytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
   for (int m = t.mrange.first, it = 0; m < t.mrange.last; ++m, ++it) {
     int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
     cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
@@ -167,13 +184,11 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
       }
       __syncwarp();
     }
-    for (int r = lane; r < Cfg::kBlockM; r += 32) {
-      const int q = m * Cfg::kBlockM + r;
-      if (q >= t.seq.seqlen_q) break;
-      float* dst = P.dq_accum + (detail::accum_row(p, t.b, t.seq.q_start, q, p.seqlen_q) * p.heads + t.h) * p.head_dim;
-      sm90::bulk_reduce_add_f32_s2g(dst, &sm.dq[r * L::kDqStride], row_bytes);
+    if (lane == 0) {
+      float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
+      if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq.data(), kTileBytes);
+      sm90::bulk_commit_group();
     }
-    sm90::bulk_commit_group();
     if (sem != nullptr) {
       sm90::bulk_wait_all();  // the adds are performed before the turn passes on
       __threadfence();
@@ -315,13 +330,13 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       if (lane == 0) sm.qdo_ring.release(pos);
       pos.template advance<Cfg::kStages>();
 
-      // dQ (scaled) into the shared tile once the writer has read the previous one.
+      // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
+      // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
       if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty, (it - 1) & 1);
       CUTE_UNROLL
-      for (int i = 0; i < size(dq_acc); i += 2) {
-        const int r = get<0>(dq_coord(i)), col = get<1>(dq_coord(i));
-        *reinterpret_cast<float2*>(&sm.dq[r * L::kDqStride + col]) = make_float2(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale);
-      }
+      for (int i = 0; i < size(dq_acc); i += 4)
+        *reinterpret_cast<float4*>(&sm.dq[hopper_dq_tile_offset<Cfg>(ct, i)]) =
+            make_float4(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale, dq_acc(i + 2) * p.scale, dq_acc(i + 3) * p.scale);
       sm90::fence_proxy_async_shared();
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full);
@@ -397,6 +412,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
+  }
+}
+
+// dQ from the tiles of dq_accum (already scaled) to the output dtype through dq's strides: one CTA
+// of the consumer warpgroups' size per (query block, head, sequence); each thread reads its own
+// elements back and finds their (row, column) through the dQ GEMM's partition.
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_kernel(const detail::BwdKernelParams P) {
+  using namespace cute;
+  using L = BwdLayouts<Cfg, T>;
+  const detail::FwdKernelParams& p = P.fwd;
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z, ct = threadIdx.x;
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  if (m * Cfg::kBlockM >= seq.seqlen_q) return;
+  typename L::MmaDQ mma_dq;
+  Tensor dq_coord = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
+  const float* tile = hopper_dq_tile<Cfg>(P, seq.q_start, b, h, m);
+  if (tile == nullptr) return;
+  CUTE_UNROLL
+  for (int i = 0; i < size(dq_coord); i += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(tile + hopper_dq_tile_offset<Cfg>(ct, i));
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+    CUTE_UNROLL
+    for (int e = 0; e < 4; e += 2) {
+      const int q = m * Cfg::kBlockM + get<0>(dq_coord(i + e)), col = get<1>(dq_coord(i + e));
+      if (q >= seq.seqlen_q || col >= p.head_dim) continue;
+      T* dst = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + q, h) + col;
+      *reinterpret_cast<uint32_t*>(dst) = portable::ElemTraits<T>::pack(vals[e], vals[e + 1]);
+    }
   }
 }
 

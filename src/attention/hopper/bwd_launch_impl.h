@@ -23,7 +23,9 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
     return e;
   }();
   if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");
-  if (P.row_stats == nullptr) return Status::InvalidArgument("workspace", "the Hopper backward needs its row statistics");
+  if (P.row_stats == nullptr || P.dq_tile_elems != Cfg::kBlockM * Cfg::kHeadDim)
+    return Status::InvalidArgument("workspace", "not laid out for this Hopper backward (head dim " +
+                                                    std::to_string(Cfg::kHeadDim) + ")");
   if (p.seqlen_q > 0) {  // dpsum and the padded statistics, padding rows included
     dim3 grid((P.num_m_blocks * detail::kRowStatsBlockM + 7) / 8, p.heads, p.batch);
     portable::bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
@@ -51,8 +53,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
-  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
-  portable::bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
+  if (P.num_m_blocks > 0)
+    hopper_dq_convert_kernel<Cfg, T><<<dim3(P.num_m_blocks, p.heads, p.batch), Cfg::kConsumerWGs * 128, 0, stream>>>(P);
   if (p.group > 1) {
     const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
     dim3 grid(rows_k, p.heads_kv, p.batch);

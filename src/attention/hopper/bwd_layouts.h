@@ -59,11 +59,6 @@ struct BwdLayouts {
   using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
                                             SmemK{}, cute::Shape<BN, HD>{}, cute::_1{}));
 
-  // The dQ tile (q rows, head dim) in fp32, rows padded to 8 mod 32 floats: a half-warp's float2
-  // stores of the accumulator layout (4 rows x 8 columns) hit 32 distinct banks; rows stay 16-byte
-  // aligned for the bulk reductions.
-  static constexpr int kDqStride = kHeadDim + 8;
-  static_assert(kDqStride % 32 == 8, "dQ tile rows must be 8 floats past a multiple of 32");
   // A stage's row statistics: LSE (log2 units) and dpsum of the block's rows, one bulk copy.
   static_assert(kBlockM == detail::kRowStatsBlockM, "the padded row statistics are laid out per 64-row block");
   static constexpr uint32_t kStatsBytes = 2 * kBlockM * sizeof(float);
