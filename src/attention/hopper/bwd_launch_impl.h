@@ -16,6 +16,7 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
   if (p.batch == 0 || p.heads == 0) return Status::Ok();
   constexpr int kSmem = hopper_bwd_smem_bytes<Cfg, T>();
+  static_assert(kSmem <= 227 * 1024, "the Hopper backward's shared memory exceeds an H100 CTA's 227 KB");
   auto kernel = hopper_bwd_kernel<Cfg, T>;
   static const cudaError_t attr = [&] {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
