@@ -281,7 +281,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         CUTE_UNROLL
         for (int i = 0; i < kN; ++i) {
           const int q_local = get<1>(s_coord(i));
-          float pv = fast_exp2(fmaf(s_acc(i), p.scale_log2, -lse_log2[q_local]));
+          const float x = fmaf(s_acc(i), p.scale_log2, -lse_log2[q_local]);
+          // Every kExp2PolyEvery-th pair on the FMA pipe: the exp2 unit is the P phase's limit.
+          float pv = (Cfg::kExp2PolyEvery > 0 && (i / 2) % (Cfg::kExp2PolyEvery > 0 ? Cfg::kExp2PolyEvery : 1) == 0)
+                         ? exp2_poly(x)
+                         : fast_exp2(x);
           if constexpr (decltype(masked)::value) {
             const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
             pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
