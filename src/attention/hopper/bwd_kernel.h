@@ -57,7 +57,9 @@ struct HopperBwdParams {
   detail::BwdKernelParams p;
   typename L::TmaQ tma_q, tma_do;
   typename L::TmaK tma_k, tma_v;
+  typename L::TmaStats tma_stats;
   GShape shape_q, shape_k;
+  typename L::StatsShape shape_stats;
 };
 
 template <typename Cfg, typename T>
@@ -147,7 +149,11 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   Tensor q_dst = q_part.partition_D(sQ);
   Tensor do_src = do_part.partition_S(gDO);
   Tensor do_dst = do_part.partition_D(sDO);
-  const float* stats_g = hp.p.row_stats + (int64_t{t.b} * p.heads + t.h) * hp.p.num_m_blocks * 2 * Cfg::kBlockM;
+  // Row statistics: block (b, h, m) of row_stats is column (b heads + h) num_m_blocks + m.
+  auto stats_part = hp.tma_stats.get_slice(_0{});
+  Tensor stats_src = stats_part.partition_S(
+      local_tile(hp.tma_stats.get_tma_tensor(hp.shape_stats), Shape<typename L::StatsBlock, _1>{}, make_coord(_0{}, _)));
+  const int stats_block0 = (t.b * p.heads + t.h) * hp.p.num_m_blocks;
 
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
   copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
@@ -157,7 +163,8 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
     uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes + L::kStatsBytes);
     copy(hp.tma_q.with(bar), q_src(_, _, _, m), q_dst(_, _, _, pos.index));
     copy(hp.tma_do.with(bar), do_src(_, _, _, m), do_dst(_, _, _, pos.index));
-    sm90::bulk_copy_g2s(&sm.stats[pos.index * 2 * Cfg::kBlockM], stats_g + m * 2 * Cfg::kBlockM, L::kStatsBytes, &bar);
+    copy(hp.tma_stats.with(bar), stats_src(_, _, _, stats_block0 + m),
+         stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[pos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
     pos.template advance<Cfg::kStages>();
   }
 }

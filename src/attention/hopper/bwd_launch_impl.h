@@ -50,6 +50,10 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
                              Shape<typename L::BN, typename L::HD>{}, _1{});
     hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.v, hp.shape_k, v_stride), typename L::SmemK{},
                              Shape<typename L::BN, typename L::HD>{}, _1{});
+    const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks;
+    hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
+    hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
+                                 Shape<typename L::StatsBlock, _1>{}, _1{});
     const dim3 grid(P.num_n_blocks, p.heads, p.batch);
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }

@@ -62,6 +62,16 @@ struct BwdLayouts {
   // A stage's row statistics: LSE (log2 units) and dpsum of the block's rows, one bulk copy.
   static_assert(kBlockM == detail::kRowStatsBlockM, "the padded row statistics are laid out per 64-row block");
   static constexpr uint32_t kStatsBytes = 2 * kBlockM * sizeof(float);
+  // The statistics as a tensor-map load: (2 kBlockM floats, block) over row_stats, one block a copy.
+  using StatsBlock = cute::Int<2 * kBlockM>;
+  using StatsShape = cute::Shape<StatsBlock, int32_t>;
+  using StatsStride = cute::Stride<cute::_1, StatsBlock>;
+  using SmemStats = cute::Layout<cute::Shape<StatsBlock, cute::_1>>;
+  static auto stats_gtensor(const float* ptr, int32_t blocks) {
+    return cute::make_tensor(cute::make_gmem_ptr(ptr), StatsShape{StatsBlock{}, blocks}, StatsStride{});
+  }
+  using TmaStats = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, stats_gtensor(nullptr, 1), SmemStats{},
+                                                cute::Shape<StatsBlock, cute::_1>{}, cute::_1{}));
 
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Elem);
   static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Elem);
