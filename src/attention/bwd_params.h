@@ -59,6 +59,11 @@ FLARE_HD int64_t hopper_dq_padded_rows(int64_t total_q, int batch) {
   return (total_q + int64_t{kRowStatsBlockM} * (batch + 1) - 1) / kRowStatsBlockM * kRowStatsBlockM;
 }
 
+// Hopper dQ tile order: element i of consumer thread ct's dQ fragment (of `threads` consumer
+// threads), i a multiple of 4 starting a 16-byte group, sits at this float offset of its tile, so
+// consecutive threads write consecutive 16 bytes.
+FLARE_HD int hopper_dq_tile_offset(int threads, int ct, int i) { return ((i / 4) * threads + ct) * 4; }
+
 // The workspace a backward needs, carved from one buffer.
 struct BwdWorkspaceLayout {
   int hopper_head_dim = 0;

@@ -104,13 +104,12 @@ __device__ __forceinline__ BwdTile bwd_tile_of(const detail::BwdKernelParams& P,
   return t;
 }
 
-// The dQ tile of a 64-row query block in dq_accum: consumer thread ct's accumulator element i
-// (of the dQ GEMM's fragment, i a multiple of 4 starting a 16-byte group) sits at this offset, so
-// threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add.
+// The dQ tile of a 64-row query block in dq_accum, in thread order (detail::hopper_dq_tile_offset):
+// threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add;
 // hopper_dq_convert_kernel maps it back to (row, column).
 template <typename Cfg>
-__host__ __device__ constexpr int hopper_dq_tile_offset(int ct, int i) {
-  return ((i / 4) * Cfg::kConsumerWGs * 128 + ct) * 4;
+__device__ __forceinline__ int hopper_dq_tile_offset(int ct, int i) {
+  return detail::hopper_dq_tile_offset(Cfg::kConsumerWGs * 128, ct, i);
 }
 // Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
 template <typename Cfg>

@@ -1,0 +1,86 @@
+// The backward workspace layouts: the portable one, and the Hopper kernel's padded row statistics
+// and dQ tiles (sequences 64-row aligned, tiles in thread order).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "src/attention/bwd_params.h"
+
+namespace flare::detail {
+namespace {
+
+// Every sequence's tiles [start, start + ceil(len / 64) * 64) are 64-aligned, disjoint and inside
+// hopper_dq_padded_rows: for batched (q_start = b * seqlen) and random varlen batches with empty
+// and one-row sequences.
+void expect_disjoint_tiles(const std::vector<int>& lens) {
+  const int batch = static_cast<int>(lens.size());
+  int64_t q_start = 0, prev_end = 0;
+  int64_t total = 0;
+  for (int len : lens) total += len;
+  const int64_t rows = hopper_dq_padded_rows(total, batch);
+  for (int b = 0; b < batch; ++b) {
+    const int64_t start = hopper_dq_padded_start(q_start, b);
+    const int64_t end = start + (lens[b] + kRowStatsBlockM - 1) / kRowStatsBlockM * kRowStatsBlockM;
+    EXPECT_EQ(start % kRowStatsBlockM, 0) << "sequence " << b;
+    EXPECT_GE(start, prev_end) << "sequence " << b << " overlaps the one before";
+    EXPECT_LE(end, rows) << "sequence " << b << " past the padded rows";
+    prev_end = std::max(prev_end, end);
+    q_start += lens[b];
+  }
+}
+
+TEST(HopperDqLayout, SequencesAreAlignedDisjointAndFit) {
+  expect_disjoint_tiles({4096, 4096, 4096, 4096});
+  expect_disjoint_tiles({1000, 1000, 1000});
+  expect_disjoint_tiles({0, 1, 17, 130, 1, 257});
+  expect_disjoint_tiles({63, 64, 65, 0, 0, 127, 128, 129});
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<int> lens(1 + rng() % 40);
+    for (int& l : lens) l = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % 700);
+    expect_disjoint_tiles(lens);
+  }
+}
+
+TEST(HopperDqLayout, TileOrderIsAPermutationOfTheTile) {
+  for (int head_dim : {64, 96, 128}) {
+    const int threads = 256, tile = kRowStatsBlockM * head_dim, per_thread = tile / threads;
+    std::set<int> seen;
+    for (int ct = 0; ct < threads; ++ct)
+      for (int i = 0; i < per_thread; ++i) {
+        const int at = hopper_dq_tile_offset(threads, ct, i - i % 4) + i % 4;
+        ASSERT_GE(at, 0);
+        ASSERT_LT(at, tile);
+        ASSERT_TRUE(seen.insert(at).second) << "offset " << at << " taken twice (head dim " << head_dim << ")";
+      }
+    EXPECT_EQ(static_cast<int>(seen.size()), tile);
+    // A warp's 16-byte stores of one group are 512 contiguous bytes.
+    for (int lane = 0; lane < 32; ++lane) EXPECT_EQ(hopper_dq_tile_offset(threads, lane, 4), (threads + lane) * 4);
+  }
+}
+
+TEST(BwdWorkspace, HopperLayoutSizesItsRegions) {
+  AttentionShape s;
+  s.batch = 6, s.heads = 4, s.heads_kv = 2, s.head_dim = 80;
+  s.seqlen_q = 257, s.seqlen_k = 300, s.varlen = true, s.total_q = 406, s.total_k = 475;
+  const BwdWorkspaceLayout portable = bwd_workspace_layout(s, 64, 128, true);
+  const BwdWorkspaceLayout hopper = bwd_workspace_layout(s, 64, 128, true, /*hopper_head_dim=*/96);
+  EXPECT_EQ(portable.row_stats, 0u);
+  EXPECT_EQ(portable.hopper_head_dim, 0);
+  EXPECT_EQ(hopper.hopper_head_dim, 96);
+  const std::size_t m_blocks = (257 + 63) / 64;
+  EXPECT_GE(hopper.dq_accum - hopper.row_stats, std::size_t{6} * 4 * m_blocks * 2 * 64 * sizeof(float));
+  const std::size_t dq_bytes = static_cast<std::size_t>(hopper_dq_padded_rows(406, 6)) * 4 * 96 * sizeof(float);
+  EXPECT_GE(hopper.dk_accum - hopper.dq_accum, dq_bytes);
+  for (std::size_t off : {hopper.row_stats, hopper.dq_accum, hopper.dk_accum, hopper.dq_semaphore})
+    EXPECT_EQ(off % 256, 0u);
+  EXPECT_LT(hopper.dpsum, hopper.row_stats);
+  EXPECT_LE(hopper.dkv_semaphore, hopper.total);
+}
+
+}  // namespace
+}  // namespace flare::detail
