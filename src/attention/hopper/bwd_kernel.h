@@ -42,6 +42,7 @@
 #include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/bulk_copy.h"
+#include "src/common/turn_semaphore.h"
 
 // Experiments (wrong results; timing only): 1 = no exp2/mask/dpsum in P and dS, 2 = no dQ GEMM
 // and no dQ adds, 3 = no dK/dV GEMMs.
@@ -181,11 +182,8 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
     cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
     if (sem != nullptr) {
       if (lane == 0) {
-        const int turn = portable::dq_turn_of(P, t.band, m, t.n, Cfg::kBlockM, Cfg::kBlockN, t.seq.seqlen_q, t.seq.seqlen_k);
-        int v;
-        do {
-          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
-        } while (v != turn);
+        device_sync::wait_for_turn(
+            sem, portable::dq_turn_of(P, t.band, m, t.n, Cfg::kBlockM, Cfg::kBlockN, t.seq.seqlen_q, t.seq.seqlen_k));
         asm volatile("fence.proxy.async.global;\n" ::: "memory");
       }
       __syncwarp();
@@ -199,7 +197,7 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
       sm90::bulk_wait_all();  // the adds are performed before the turn passes on
       __threadfence();
       __syncwarp();
-      if (lane == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+      if (lane == 0) device_sync::pass_turn(sem);
     } else {
       sm90::bulk_wait_read_all();
       __syncwarp();
@@ -359,12 +357,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   const int hk = t.h / p.group;
   int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{t.b} * p.heads_kv + hk) * P.num_n_blocks + t.n : nullptr;
   if (sem != nullptr) {
-    if (ct == 0) {
-      int v;
-      do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
-      } while (v != t.h % p.group);
-    }
+    if (ct == 0) device_sync::wait_for_turn(sem, t.h % p.group);
     consumers_sync();
   }
   CUTE_UNROLL
@@ -387,7 +380,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   if (sem != nullptr) {
     __threadfence();
     consumers_sync();
-    if (ct == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+    if (ct == 0) device_sync::pass_turn(sem);
   }
 }
 

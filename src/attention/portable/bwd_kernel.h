@@ -21,6 +21,7 @@
 #include "src/attention/portable/tile_copy.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/cuda_check.h"
+#include "src/common/turn_semaphore.h"
 
 namespace flare::portable {
 
@@ -45,19 +46,14 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool va
 
 // Waits until the semaphore reaches `turn` (one thread), then lets the CTA in.
 __device__ __forceinline__ void wait_turn(const int* sem, int turn) {
-  if (threadIdx.x == 0) {
-    int v;
-    do {
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(sem) : "memory");
-    } while (v != turn);
-  }
+  if (threadIdx.x == 0) device_sync::wait_for_turn(sem, turn);
   __syncthreads();
 }
 // Publishes this CTA's writes and hands the turn on.
 __device__ __forceinline__ void pass_turn(int* sem) {
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(sem), "r"(1) : "memory");
+  if (threadIdx.x == 0) device_sync::pass_turn(sem);
 }
 
 // Deterministic causal runs walk the kv blocks shortest work first (the last blocks see the fewest
