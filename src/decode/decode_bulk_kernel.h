@@ -180,33 +180,8 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
   const int L = keys.seqlen;
   const int hk = hk0 + warp;
   const int g = lane / 4, t = lane % 4;
-  RowBounds rows;
   const T* q_row[2];
-  {
-    int lo_min = INT_MAX, lo_max = INT_MIN, last_min = INT_MAX, last_max = -1;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = g + 8 * i;
-      if (r < p.rows) {
-        const int tq = r / p.group, h = hk * p.group + r % p.group;
-        rows.last[i] = p.causal ? L - p.q_len + tq : L - 1;
-        rows.lo[i] = p.window_left >= 0 ? rows.last[i] - p.window_left : 0;
-        q_row[i] = static_cast<const T*>(p.q) + b * p.q_stride_b + tq * p.q_stride_t + h * p.q_stride_h;
-        lo_min = min(lo_min, rows.lo[i]);
-        lo_max = max(lo_max, rows.lo[i]);
-        last_min = min(last_min, rows.last[i]);
-        last_max = max(last_max, rows.last[i]);
-      } else {
-        rows.last[i] = -1;
-        rows.lo[i] = 0;
-        q_row[i] = nullptr;
-      }
-    }
-    rows.lo_min = warp_min(lo_min);
-    rows.lo_max = warp_max(lo_max);
-    rows.last_min = warp_min(last_min);
-    rows.last_max = warp_max(last_max);
-  }
+  const RowBounds rows = setup_rows<T>(p, b, hk, L, 0, p.rows, g, q_row);
   uint32_t qa[kKSteps][4];
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {

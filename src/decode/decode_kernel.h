@@ -224,6 +224,39 @@ struct RowBounds {
   int lo_min, lo_max, last_min, last_max;
 };
 
+// The thread's rows first + g and first + g + 8 (valid below `count`, packed as token * group +
+// head-in-group) for KV head hk of sequence b with L keys: their key bounds and query pointers,
+// and the warp's bounds over its valid rows.
+template <typename T>
+__device__ __forceinline__ RowBounds setup_rows(const DecodeKernelParams& p, int b, int hk, int L, int first, int count,
+                                                int g, const T* (&q_row)[2]) {
+  RowBounds rows;
+  int lo_min = INT_MAX, lo_max = INT_MIN, last_min = INT_MAX, last_max = -1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g + 8 * i;
+    if (r < count) {
+      const int row = first + r, tq = row / p.group, h = hk * p.group + row % p.group;
+      rows.last[i] = p.causal ? L - p.q_len + tq : L - 1;
+      rows.lo[i] = p.window_left >= 0 ? rows.last[i] - p.window_left : 0;
+      q_row[i] = static_cast<const T*>(p.q) + b * p.q_stride_b + tq * p.q_stride_t + h * p.q_stride_h;
+      lo_min = min(lo_min, rows.lo[i]);
+      lo_max = max(lo_max, rows.lo[i]);
+      last_min = min(last_min, rows.last[i]);
+      last_max = max(last_max, rows.last[i]);
+    } else {
+      rows.last[i] = -1;
+      rows.lo[i] = 0;
+      q_row[i] = nullptr;
+    }
+  }
+  rows.lo_min = warp_min(lo_min);
+  rows.lo_max = warp_max(lo_max);
+  rows.last_min = warp_min(last_min);
+  rows.last_max = warp_max(last_max);
+  return rows;
+}
+
 }  // namespace device
 
 template <typename Cfg, typename T, bool kSplit>
@@ -263,33 +296,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_attention_kernel(const D
   const int key_groups = kWarps / num_mtiles;
   const int mt = warp % num_mtiles, kg = warp / num_mtiles;
 
-  RowBounds rows;
   const T* q_row[2];
-  {
-    int lo_min = INT_MAX, lo_max = INT_MIN, last_min = INT_MAX, last_max = -1;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = mt * 16 + g + 8 * i;
-      if (r < rows_in_block) {
-        const int row = row0 + r, tq = row / p.group, h = hk * p.group + row % p.group;
-        rows.last[i] = p.causal ? L - p.q_len + tq : L - 1;
-        rows.lo[i] = p.window_left >= 0 ? rows.last[i] - p.window_left : 0;
-        q_row[i] = static_cast<const T*>(p.q) + b * p.q_stride_b + tq * p.q_stride_t + h * p.q_stride_h;
-        lo_min = min(lo_min, rows.lo[i]);
-        lo_max = max(lo_max, rows.lo[i]);
-        last_min = min(last_min, rows.last[i]);
-        last_max = max(last_max, rows.last[i]);
-      } else {
-        rows.last[i] = -1;
-        rows.lo[i] = 0;
-        q_row[i] = nullptr;
-      }
-    }
-    rows.lo_min = warp_min(lo_min);
-    rows.lo_max = warp_max(lo_max);
-    rows.last_min = warp_min(last_min);
-    rows.last_max = warp_max(last_max);
-  }
+  const RowBounds rows = setup_rows<T>(p, b, hk, L, row0 + mt * 16, rows_in_block - mt * 16, g, q_row);
 
   // ---- K/V tile loads: thread -> (row within a pass, 16-byte column); zero-fill past kv_end
   const int32_t* page_row = p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr;
