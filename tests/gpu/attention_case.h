@@ -270,6 +270,57 @@ class AttnProblem {
   std::unique_ptr<DeviceTensor> dgrad_out_, ddq_, ddk_, ddv_, ddsinks_;
 };
 
+// The mask kinds the sweeps cycle through: none, causal, a two-sided window, causal + left window.
+inline const MaskParams kSweepMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
+                                         MaskParams{true, 64, -1}};
+
+// Case li in [0, kBackwardSweepCases) of the backward sweep at head dim d: lengths round the block
+// sizes both ways, GQA ratios 1/4/8 and the masks in turn, bf16/fp16 alternating.
+inline constexpr int kBackwardSweepCases = 6;
+inline AttnCase backward_sweep_case(int d, int li, uint64_t seed) {
+  const std::pair<int, int> lens[kBackwardSweepCases] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {300, 1000}, {1000, 300}};
+  const int ratios[] = {1, 4, 8};
+  AttnCase c;
+  c.head_dim = d;
+  c.seqlen_q = lens[li].first;
+  c.seqlen_k = lens[li].second;
+  c.heads = ratios[(li + d / 16) % 3];
+  c.heads_kv = 1;
+  c.batch = 2;
+  c.mask = kSweepMasks[(li + d / 32) % 4];
+  c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
+  c.seed = seed;
+  return c;
+}
+
+// A d128 case of 200 queries and 333 keys with mask m and `ratio` q heads per kv head.
+inline AttnCase mask_ratio_case(const MaskParams& m, int ratio, uint64_t seed) {
+  AttnCase c;
+  c.head_dim = 128;
+  c.seqlen_q = 200;
+  c.seqlen_k = 333;
+  c.heads = 4;
+  c.heads_kv = 4 / ratio;
+  c.mask = m;
+  c.seed = seed;
+  return c;
+}
+
+// Six sequences with empty and one-token ones on either side, attention sinks, 4 q heads.
+inline AttnCase varlen_sinks_case(int d, int heads_kv, const MaskParams& m, uint64_t seed) {
+  AttnCase c;
+  c.head_dim = d;
+  c.heads = 4;
+  c.heads_kv = heads_kv;
+  c.varlen_q = {0, 1, 17, 130, 1, 257};
+  c.varlen_k = {5, 1, 40, 129, 0, 300};
+  c.batch = 6;
+  c.mask = m;
+  c.sinks = true;
+  c.seed = seed;
+  return c;
+}
+
 // Runs the deterministic backward `runs` times on one problem (forward on `backend` too) and
 // expects dQ, dK and dV bitwise identical to the first run's.
 inline void expect_bitwise_reproducible(const AttnCase& c, Backend backend, int runs) {

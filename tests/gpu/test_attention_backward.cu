@@ -26,46 +26,23 @@ void run_backward(const AttnCase& c, bool deterministic) {
   prob.check_backward();
 }
 
-const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
-                             MaskParams{true, 64, -1}};
-
 TEST(PortableBackward, Sweep) {
   FLARE_REQUIRE_GPU();
-  const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {300, 1000}, {1000, 300}};
-  const int ratios[] = {1, 4, 8};
   uint64_t seed = 2000;
   for (int d : {64, 80, 96, 128, 192, 256})
-    for (int li = 0; li < 6; ++li) {
+    for (int li = 0; li < kBackwardSweepCases; ++li) {
       if (reduced() && li != 2) continue;
-      AttnCase c;
-      c.head_dim = d;
-      c.seqlen_q = lens[li].first;
-      c.seqlen_k = lens[li].second;
-      c.heads = ratios[(li + d / 16) % 3];
-      c.heads_kv = 1;
-      c.batch = 2;
-      c.mask = kMasks[(li + d / 32) % 4];
-      c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
-      c.seed = seed++;
-      run_backward(c, li % 3 == 0);
+      run_backward(backward_sweep_case(d, li, seed++), li % 3 == 0);
     }
 }
 
 TEST(PortableBackward, MasksRatiosAndModes) {
   FLARE_REQUIRE_GPU();
   uint64_t seed = 2500;
-  for (const MaskParams& m : kMasks)
+  for (const MaskParams& m : kSweepMasks)
     for (int ratio : {1, 4})
       for (bool det : {false, true}) {
-        AttnCase c;
-        c.head_dim = 128;
-        c.seqlen_q = 200;
-        c.seqlen_k = 333;
-        c.heads = 4;
-        c.heads_kv = 4 / ratio;
-        c.mask = m;
-        c.seed = seed++;
-        run_backward(c, det);
+        run_backward(mask_ratio_case(m, ratio, seed++), det);
         if (reduced()) return;
       }
 }
@@ -73,17 +50,8 @@ TEST(PortableBackward, MasksRatiosAndModes) {
 TEST(PortableBackward, SoftcapSinksVarlen) {
   FLARE_REQUIRE_GPU();
   for (int d : {64, 256}) {
-    AttnCase c;
-    c.head_dim = d;
-    c.heads = 4;
-    c.heads_kv = 2;
+    AttnCase c = varlen_sinks_case(d, 2, MaskParams{true, -1, -1}, 3000 + d);
     c.softcap = 8.f;
-    c.sinks = true;
-    c.mask = MaskParams{true, -1, -1};
-    c.varlen_q = {0, 1, 17, 130, 1, 257};
-    c.varlen_k = {5, 1, 40, 129, 0, 300};
-    c.batch = 6;
-    c.seed = 3000 + d;
     run_backward(c, d == 256);
   }
 }

@@ -30,47 +30,24 @@ void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backe
   prob.check_backward();
 }
 
-const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
-                             MaskParams{true, 64, -1}};
-
 #ifdef FLARE_HAS_HOPPER
 TEST(HopperBackward, Sweep) {
   FLARE_REQUIRE_HOPPER();
-  const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {300, 1000}, {1000, 300}};
-  const int ratios[] = {1, 4, 8};
   uint64_t seed = 6000;
   for (int d : {64, 80, 96, 128})
-    for (int li = 0; li < 6; ++li) {
+    for (int li = 0; li < kBackwardSweepCases; ++li) {
       if (reduced() && li != 2) continue;
-      AttnCase c;
-      c.head_dim = d;
-      c.seqlen_q = lens[li].first;
-      c.seqlen_k = lens[li].second;
-      c.heads = ratios[(li + d / 16) % 3];
-      c.heads_kv = 1;
-      c.batch = 2;
-      c.mask = kMasks[(li + d / 32) % 4];
-      c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
-      c.seed = seed++;
-      run_backward(c, li % 3 == 0);
+      run_backward(backward_sweep_case(d, li, seed++), li % 3 == 0);
     }
 }
 
 TEST(HopperBackward, MasksAndRatios) {
   FLARE_REQUIRE_HOPPER();
   uint64_t seed = 6500;
-  for (const MaskParams& m : kMasks)
+  for (const MaskParams& m : kSweepMasks)
     for (int ratio : {1, 4})
       for (bool det : {false, true}) {
-        AttnCase c;
-        c.head_dim = 128;
-        c.seqlen_q = 200;
-        c.seqlen_k = 333;
-        c.heads = 4;
-        c.heads_kv = 4 / ratio;
-        c.mask = m;
-        c.seed = seed++;
-        run_backward(c, det);
+        run_backward(mask_ratio_case(m, ratio, seed++), det);
         if (reduced()) return;
       }
 }
@@ -78,16 +55,7 @@ TEST(HopperBackward, MasksAndRatios) {
 TEST(HopperBackward, SinksVarlen) {
   FLARE_REQUIRE_HOPPER();
   for (int d : {64, 128}) {
-    AttnCase c;
-    c.head_dim = d;
-    c.heads = 4;
-    c.heads_kv = 2;
-    c.sinks = true;
-    c.mask = MaskParams{true, -1, -1};
-    c.varlen_q = {0, 1, 17, 130, 1, 257};
-    c.varlen_k = {5, 1, 40, 129, 0, 300};
-    c.batch = 6;
-    c.seed = 7000 + d;
+    const AttnCase c = varlen_sinks_case(d, 2, MaskParams{true, -1, -1}, 7000 + d);
     run_backward(c, false, Backend::kPortable);
     run_backward(c, d == 128, Backend::kAuto);
   }

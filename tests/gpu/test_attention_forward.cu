@@ -36,9 +36,6 @@ class Forward : public ::testing::TestWithParam<Backend> {
   }
 };
 
-const MaskParams kMasks[] = {MaskParams{}, MaskParams{true, -1, -1}, MaskParams{false, 100, 20},
-                             MaskParams{true, 64, -1}};
-
 TEST_P(Forward, Sweep) {
   const std::pair<int, int> lens[] = {{1, 1}, {17, 17}, {127, 129}, {129, 127}, {1000, 1000}, {2049, 300},
                                       {1, 1000}, {300, 2049}};
@@ -55,7 +52,7 @@ TEST_P(Forward, Sweep) {
       c.heads_kv = 1;
       c.heads = ratios[(li + d / 16) % 3];
       c.batch = c.seqlen_q * c.seqlen_k > 500000 ? 1 : 2;
-      c.mask = kMasks[(li + d / 32) % 4];
+      c.mask = kSweepMasks[(li + d / 32) % 4];
       c.dtype = (li % 2) ? DType::kFloat16 : DType::kBFloat16;
       c.seed = seed++;
       run_forward(c, GetParam());
@@ -67,7 +64,7 @@ TEST_P(Forward, Sweep) {
 
 TEST_P(Forward, EveryMaskEveryRatio) {
   uint64_t seed = 500;
-  for (const MaskParams& m : kMasks)
+  for (const MaskParams& m : kSweepMasks)
     for (int ratio : {1, 4, 8}) {
       AttnCase c;
       c.head_dim = 128;
@@ -100,18 +97,8 @@ TEST_P(Forward, SoftcapSinksAndScale) {
 
 TEST_P(Forward, VarlenWithEmptyAndSingleTokenSequences) {
   for (int d : {64, 128, 256})
-    for (const MaskParams& m : kMasks) {
-      AttnCase c;
-      c.head_dim = d;
-      c.heads = 4;
-      c.heads_kv = 1;
-      c.varlen_q = {0, 1, 17, 130, 1, 257};
-      c.varlen_k = {5, 1, 40, 129, 0, 300};
-      c.batch = 6;
-      c.mask = m;
-      c.sinks = true;
-      c.seed = 1000 + d;
-      run_forward(c, GetParam());
+    for (const MaskParams& m : kSweepMasks) {
+      run_forward(varlen_sinks_case(d, 1, m, 1000 + d), GetParam());
       if (reduced()) return;
     }
 }
