@@ -6,8 +6,7 @@
 #include <cstdio>
 #include <string>
 
-#include "bench/common/bench_common.h"
-#include "src/attention/attention_args.h"
+#include "bench/tuning/fwd_tuning_env.h"
 #include "src/attention/hopper/fwd_launch_impl.h"
 
 namespace flare::bench {
@@ -15,36 +14,15 @@ namespace {
 
 using hopper::HopperFwdConfig;
 
-struct Env {
-  __nv_bfloat16 *q, *k, *v, *out, *ref;
-  cudaStream_t stream;
-  Args args;
-  Table table;
-};
-
-flare::detail::FwdKernelParams params_for(int d, int s, bool causal, void* q, void* k, void* v, void* out) {
-  AttentionForwardParams p;
-  const int b = 16384 / s, h = 2048 / d;
-  auto view = [&](void* ptr) { return TensorView::contiguous(ptr, DType::kBFloat16, {b, s, h, d}); };
-  p.q = view(q);
-  p.k = view(k);
-  p.v = view(v);
-  p.out = view(out);
-  p.mask.causal = causal;
-  flare::detail::AttentionShape shape;
-  if (!flare::detail::validate_attention_forward(p, DeviceKind::kCUDA, &shape).ok()) std::abort();
-  return flare::detail::make_fwd_kernel_params(p, shape);
-}
-
 template <typename Cfg, bool kPersistent = false>
 void measure(Env& e, const char* label, bool causal) {
   constexpr int d = Cfg::kHeadDim, s = 4096;
   std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
   const int64_t n = int64_t{16384} * (2048 / d) * d;
-  auto ref = params_for(d, s, causal, e.q, e.k, e.v, e.ref);
+  auto ref = params_for(e, d, s, causal, e.ref);
   if (!flare::detail::naive_attention_forward(ref, DType::kBFloat16, e.stream).ok()) std::abort();
-  auto p = params_for(d, s, causal, e.q, e.k, e.v, e.out);
+  auto p = params_for(e, d, s, causal, e.out);
   FLARE_BENCH_CHECK(cudaMemsetAsync(e.out, 0xFF, n * 2, e.stream));
   Status st = hopper::launch_hopper_fwd_cfg<Cfg, __nv_bfloat16, kPersistent>(p, e.stream);
   if (!st.ok()) {
@@ -83,14 +61,7 @@ void sweep(Env& e, bool causal) {
 
 int run(int argc, char** argv) {
   Env e{};
-  e.args = parse_args_or_exit(argc, argv);
-  require_cuda_device_or_exit();
-  FLARE_BENCH_CHECK(cudaStreamCreate(&e.stream));
-  const int64_t n = int64_t{16384} * 2048;
-  for (__nv_bfloat16** p : {&e.q, &e.k, &e.v, &e.out, &e.ref}) FLARE_BENCH_CHECK(cudaMalloc(p, n * 2));
-  fill_normal_bf16(e.q, n, 1, e.stream);
-  fill_normal_bf16(e.k, n, 2, e.stream);
-  fill_normal_bf16(e.v, n, 3, e.stream);
+  setup_fwd_tuning(e, argc, argv);
   for (bool causal : {false, true}) sweep(e, causal);
   e.table.print();
   return 0;

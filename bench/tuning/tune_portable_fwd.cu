@@ -7,36 +7,13 @@
 #include <cstdio>
 #include <string>
 
-#include "bench/common/bench_common.h"
-#include "src/attention/attention_args.h"
+#include "bench/tuning/fwd_tuning_env.h"
 #include "src/attention/portable/fwd_kernel.h"
 
 namespace flare::bench {
 namespace {
 
 using portable::FwdTileConfig;
-
-struct Env {
-  __nv_bfloat16 *q, *k, *v, *out, *ref;
-  float* lse;
-  cudaStream_t stream;
-  Args args;
-  Table table;
-};
-
-flare::detail::FwdKernelParams params_for(Env& e, int d, int s, bool causal, void* out) {
-  AttentionForwardParams p;
-  const int b = 16384 / s, h = 2048 / d;
-  auto view = [&](void* ptr) { return TensorView::contiguous(ptr, DType::kBFloat16, {b, s, h, d}); };
-  p.q = view(e.q);
-  p.k = view(e.k);
-  p.v = view(e.v);
-  p.out = view(out);
-  p.mask.causal = causal;
-  flare::detail::AttentionShape shape;
-  if (!flare::detail::validate_attention_forward(p, DeviceKind::kCUDA, &shape).ok()) std::abort();
-  return flare::detail::make_fwd_kernel_params(p, shape);
-}
 
 template <typename Cfg>
 void measure(Env& e, const char* label, bool causal, int persistent = 0) {
@@ -94,14 +71,7 @@ void sweep(Env& e, bool causal) {
 
 int run(int argc, char** argv) {
   Env e{};
-  e.args = parse_args_or_exit(argc, argv);
-  require_cuda_device_or_exit();
-  FLARE_BENCH_CHECK(cudaStreamCreate(&e.stream));
-  const int64_t n = int64_t{16384} * 2048;
-  for (__nv_bfloat16** p : {&e.q, &e.k, &e.v, &e.out, &e.ref}) FLARE_BENCH_CHECK(cudaMalloc(p, n * 2));
-  fill_normal_bf16(e.q, n, 1, e.stream);
-  fill_normal_bf16(e.k, n, 2, e.stream);
-  fill_normal_bf16(e.v, n, 3, e.stream);
+  setup_fwd_tuning(e, argc, argv);
   for (bool causal : {false, true}) {
     sweep<64>(e, causal);
     sweep<128>(e, causal);
