@@ -276,19 +276,10 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
                                [&](float (&s)[kMTiles][kNTiles][4]) {
                                  const int col0 = n * kBlockN;
                                  if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN,
-                                                          seq.seqlen_k) != sched::TileKind::kFull) {
-#pragma unroll
-                                   for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-                                     for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-                                       for (int e = 0; e < 4; ++e) {
-                                         const int i = row0 + warp_row + 16 * mt + g + (e / 2) * 8;
-                                         const int jcol = col0 + 8 * j + 2 * t + (e % 2);
-                                         const bool visible = jcol < seq.seqlen_k && band.visible(i, jcol);
-                                         s[mt][j][e] = visible ? s[mt][j][e] : -INFINITY;
-                                       }
-                                 }
+                                                          seq.seqlen_k) != sched::TileKind::kFull)
+                                   mask_scores(s, row0 + warp_row + g, col0 + 2 * t, [&](int, int, int i, int j) {
+                                     return j < seq.seqlen_k && band.visible(i, j);
+                                   });
                                });
     }
   }
