@@ -60,12 +60,7 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
   if (P.num_m_blocks > 0)
     hopper_dq_convert_kernel<Cfg, T><<<dim3(P.num_m_blocks, p.heads, p.batch), Cfg::kConsumerWGs * 128, 0, stream>>>(P);
-  if (p.group > 1) {
-    const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
-    dim3 grid(rows_k, p.heads_kv, p.batch);
-    portable::bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
-    portable::bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
-  }
+  portable::launch_bwd_dkv_convert<T>(P, stream);
   return detail::cuda_status(cudaGetLastError(), "hopper backward launch");
 }
 

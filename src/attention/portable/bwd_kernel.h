@@ -378,6 +378,18 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
   }
 }
 
+// GQA: dK and dV from their fp32 accumulators (summed over the q heads of a kv head) to the
+// output dtype; without GQA the kernels wrote them directly. Shared by every backward kernel.
+template <typename T>
+void launch_bwd_dkv_convert(const BwdKernelParams& P, Stream stream) {
+  const detail::FwdKernelParams& p = P.fwd;
+  if (p.group <= 1) return;
+  const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
+  dim3 grid(rows_k, p.heads_kv, p.batch);
+  bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
+  bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
+}
+
 template <typename Cfg, typename T>
 Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
@@ -397,12 +409,7 @@ Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(launch_bwd_dsinks(P, stream));
   const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
   bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
-  if (p.group > 1) {
-    const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
-    dim3 grid(rows_k, p.heads_kv, p.batch);
-    bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
-    bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
-  }
+  launch_bwd_dkv_convert<T>(P, stream);
   return detail::cuda_status(cudaGetLastError(), "portable backward launch");
 }
 
