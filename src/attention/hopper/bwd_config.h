@@ -11,13 +11,8 @@
 
 namespace flare::hopper {
 
-#ifndef FLARE_HOPPER_BWD_POLY
-#define FLARE_HOPPER_BWD_POLY 0
-#endif
-
-template <int kHeadDim_, int kStages_ = 2, int kExp2PolyEvery_ = FLARE_HOPPER_BWD_POLY>
+template <int kHeadDim_, int kStages_ = 2>
 struct HopperBwdConfig {
-  static constexpr int kExp2PolyEvery = kExp2PolyEvery_;  // 0: every exp2 on the exp2 unit
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;   // query rows per step
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup

@@ -169,11 +169,9 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   }
 }
 
-// Producer warp 1: adds each step's dQ tile into dq_accum, one bulk reduction per row.
+// Producer warp 1 (one thread): adds each step's dQ tile into dq_accum with one bulk reduction.
 template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
-                                             int lane) {
-  using L = BwdLayouts<Cfg, T>;
+__device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   constexpr uint32_t kTileBytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
@@ -181,28 +179,21 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
     int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
     cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
     if (sem != nullptr) {
-      if (lane == 0) {
-        device_sync::wait_for_turn(
-            sem, portable::dq_turn_of(P, t.band, m, t.n, Cfg::kBlockM, Cfg::kBlockN, t.seq.seqlen_q, t.seq.seqlen_k));
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-      }
-      __syncwarp();
+      device_sync::wait_for_turn(
+          sem, portable::dq_turn_of(P, t.band, m, t.n, Cfg::kBlockM, Cfg::kBlockN, t.seq.seqlen_q, t.seq.seqlen_k));
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
-    if (lane == 0) {
-      float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
-      if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq.data(), kTileBytes);
-      sm90::bulk_commit_group();
-    }
+    float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
+    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq.data(), kTileBytes);
+    sm90::bulk_commit_group();
     if (sem != nullptr) {
       sm90::bulk_wait_all();  // the adds are performed before the turn passes on
       __threadfence();
-      __syncwarp();
-      if (lane == 0) device_sync::pass_turn(sem);
+      device_sync::pass_turn(sem);
     } else {
       sm90::bulk_wait_read_all();
-      __syncwarp();
     }
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
   }
 }
 
@@ -285,11 +276,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         CUTE_UNROLL
         for (int i = 0; i < kN; ++i) {
           const int q_local = get<1>(s_coord(i));
-          const float x = fmaf(s_acc(i), p.scale_log2, -lse_log2[q_local]);
-          // Every kExp2PolyEvery-th pair on the FMA pipe: the exp2 unit is the P phase's limit.
-          float pv = (Cfg::kExp2PolyEvery > 0 && (i / 2) % (Cfg::kExp2PolyEvery > 0 ? Cfg::kExp2PolyEvery : 1) == 0)
-                         ? exp2_poly(x)
-                         : fast_exp2(x);
+          float pv = fast_exp2(fmaf(s_acc(i), p.scale_log2, -lse_log2[q_local]));
           if constexpr (decltype(masked)::value) {
             const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
             pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
@@ -410,7 +397,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       }
     }
 #else
-    if (warp == 1) bwd_write_dq<Cfg, T>(hp, sm, tile, threadIdx.x % 32);
+    if (warp == 1 && cute::elect_one_sync()) bwd_write_dq<Cfg, T>(hp, sm, tile);
 #endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
