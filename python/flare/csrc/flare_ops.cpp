@@ -166,6 +166,12 @@ std::vector<int64_t> lse_shape(const at::Tensor& q, bool varlen) {
   return {};  // not reached
 }
 
+// `t` (named `name`) must have q's dtype.
+void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "argument '", name, "': dtype ", t.scalar_type(),
+                   " differs from q's ", q.scalar_type());
+}
+
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& cu_q,
                             const OptTensor& cu_k, const OptTensor& sinks) {
   const at::Device device = q.device();
@@ -176,10 +182,8 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   check_cuda(cu_k, "cu_seqlens_k", device);
   check_cuda(sinks, "sinks", device);
   check_half(q, "q");
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "argument 'k': dtype ", k.scalar_type(),
-                   " differs from q's ", q.scalar_type());
-  TORCH_CHECK_TYPE(v.scalar_type() == q.scalar_type(), "argument 'v': dtype ", v.scalar_type(),
-                   " differs from q's ", q.scalar_type());
+  check_same_dtype(k, "k", q);
+  check_same_dtype(v, "v", q);
   check_int32(cu_q, "cu_seqlens_q");
   check_int32(cu_k, "cu_seqlens_k");
   if (sinks.has_value())
@@ -193,6 +197,26 @@ flare::MaskParams mask_params(bool causal, int64_t window_left, int64_t window_r
   m.window_left = static_cast<int>(window_left);
   m.window_right = causal ? 0 : static_cast<int>(window_right);
   return m;
+}
+
+// The fields the attention forward and backward share: inputs, output, lengths, scalars, mask.
+template <typename Params>
+void fill_attention_args(Params& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const OptTensor& cu_seqlens_q, const OptTensor& cu_seqlens_k,
+                         int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, double softcap, bool causal,
+                         int64_t window_left, int64_t window_right) {
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.out = view(out, "out");
+  p.cu_seqlens_q = view(cu_seqlens_q, "cu_seqlens_q");
+  p.cu_seqlens_k = view(cu_seqlens_k, "cu_seqlens_k");
+  p.max_seqlen_q = static_cast<int>(max_seqlen_q);
+  p.max_seqlen_k = static_cast<int>(max_seqlen_k);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.mask = mask_params(causal, window_left, window_right);
+  p.stream = current_stream(q.device());
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -209,20 +233,10 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
   at::Tensor lse = empty_cuda(lse_shape(q, varlen), at::kFloat, q.device());
 
   flare::AttentionForwardParams p;
-  p.q = view(q, "q");
-  p.k = view(k, "k");
-  p.v = view(v, "v");
-  p.out = view(out, "out");
+  fill_attention_args(p, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
+                      causal, window_left, window_right);
   p.lse = view(lse, "lse");
-  p.cu_seqlens_q = view(cu_seqlens_q, "cu_seqlens_q");
-  p.cu_seqlens_k = view(cu_seqlens_k, "cu_seqlens_k");
-  p.max_seqlen_q = static_cast<int>(max_seqlen_q);
-  p.max_seqlen_k = static_cast<int>(max_seqlen_k);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softcap = static_cast<float>(softcap);
   p.sinks = view(sinks, "sinks");
-  p.mask = mask_params(causal, window_left, window_right);
-  p.stream = current_stream(q.device());
   throw_if_error(flare::attention_forward(p), kAttentionNames);
   return {out, lse};
 }
@@ -245,10 +259,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   at::Tensor dsinks = sinks.has_value() ? empty_like_cuda(*sinks) : empty_cuda({0}, at::kFloat, q.device());
 
   flare::AttentionBackwardParams p;
-  p.q = view(q, "q");
-  p.k = view(k, "k");
-  p.v = view(v, "v");
-  p.out = view(out, "out");
+  fill_attention_args(p, q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
+                      causal, window_left, window_right);
   p.dout = view(dout, "dout");
   const at::Tensor lse_c = lse.contiguous();
   p.lse = view(lse_c, "lse");
@@ -259,15 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     p.sinks = view(*sinks, "sinks");
     p.dsinks = view(dsinks, "dsinks");
   }
-  p.cu_seqlens_q = view(cu_seqlens_q, "cu_seqlens_q");
-  p.cu_seqlens_k = view(cu_seqlens_k, "cu_seqlens_k");
-  p.max_seqlen_q = static_cast<int>(max_seqlen_q);
-  p.max_seqlen_k = static_cast<int>(max_seqlen_k);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softcap = static_cast<float>(softcap);
-  p.mask = mask_params(causal, window_left, window_right);
   p.deterministic = deterministic;
-  p.stream = current_stream(q.device());
   std::size_t bytes = 0;
   throw_if_error(flare::attention_backward_workspace_size(p, &bytes), kAttentionNames);
   const at::Tensor workspace = workspace_tensor(bytes, q.device());
@@ -389,10 +393,8 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tens
   check_cuda(page_table, "block_table", device);
   check_cuda(workspace, "workspace", device);
   check_half(q_in, "q");
-  TORCH_CHECK_TYPE(k_cache.scalar_type() == q_in.scalar_type(), "argument 'k_cache': dtype ",
-                   k_cache.scalar_type(), " differs from q's ", q_in.scalar_type());
-  TORCH_CHECK_TYPE(v_cache.scalar_type() == q_in.scalar_type(), "argument 'v_cache': dtype ",
-                   v_cache.scalar_type(), " differs from q's ", q_in.scalar_type());
+  check_same_dtype(k_cache, "k_cache", q_in);
+  check_same_dtype(v_cache, "v_cache", q_in);
   check_int32(cache_seqlens, "cache_seqlens");
   check_int32(page_table, "block_table");
   TORCH_CHECK_VALUE(q_in.dim() == 4, "argument 'q': expected rank 4 [batch, q_len, heads, head_dim], got rank ",
