@@ -72,11 +72,32 @@ struct BackwardPlan {
   bool hopper = false;  // the Hopper kernel, else the portable one
 };
 
+// The block-sparse backward runs on the portable kernel, walking the mask's transposed lists (per
+// kv block, the q blocks that see it), so those must be given; as in the forward, no varlen.
+Status check_block_sparse_backward(const AttentionBackwardParams& p, const detail::AttentionShape& shape) {
+  if (shape.varlen)
+    return Status::NotSupported("block_mask: block-sparse attention with varlen sequences (cu_seqlens) is not supported");
+  if (p.backend == Backend::kHopper)
+    return Status::NotSupported("backend: the Hopper backward has no block-sparse mask yet (use kAuto or kPortable)");
+  if (p.deterministic)
+    return Status::NotSupported(
+        "deterministic: the deterministic block-sparse backward is not built yet (its dQ order is planned by "
+        "src/block_sparse/dq_write_order.h); use deterministic = false");
+  const detail::BlockMaskProblem problem{shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k};
+  detail::BlockMaskShape mask_shape;
+  FLARE_RETURN_IF_ERROR(detail::validate_block_mask(*p.block_mask, problem, DeviceKind::kCUDA, &mask_shape));
+  if (!mask_shape.has_transposed_lists)
+    return Status::InvalidArgument("block_mask.q_num_blocks",
+                                   "the backward needs the transposed lists (q_num_blocks, q_indices, and "
+                                   "full_q_num_blocks, full_q_indices with full blocks): build the mask with them");
+  return Status::Ok();
+}
+
 Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
   FLARE_RETURN_IF_ERROR(detail::validate_attention_backward(p, DeviceKind::kCUDA, &plan->shape));
-  if (p.block_mask != nullptr) return Status::NotSupported("block-sparse attention backward is not built yet");
   if (p.backend == Backend::kReference)
     return Status::NotSupported("backend: the attention backward has no reference kernel (the CPU oracle is flare::ref)");
+  if (p.block_mask != nullptr) FLARE_RETURN_IF_ERROR(check_block_sparse_backward(p, plan->shape));
   plan->blocks = portable::portable_bwd_blocks(plan->shape.head_dim);
   if (plan->blocks.head_dim == 0)
     return Status::NotSupported("head dim " + std::to_string(plan->shape.head_dim) +
@@ -130,11 +151,17 @@ Status attention_backward(const AttentionBackwardParams& params) {
     const detail::BwdKernelParams k = detail::make_bwd_kernel_params(
         params, detail::make_fwd_kernel_params(detail::forward_view(params), plan.shape), plan.shape, l, ws,
         plan.blocks.block_m, plan.blocks.block_n);
+    if (params.block_mask != nullptr) {
+      const block_sparse::BlockSparseParams bs =
+          block_sparse::make_block_sparse_params(*params.block_mask, plan.shape.seqlen_q, plan.shape.seqlen_k);
+      st = portable::portable_attention_backward_sparse(k, bs, params.q.dtype, params.stream);
+    } else {
 #ifdef FLARE_WITH_HOPPER
-    if (plan.hopper) st = hopper::hopper_attention_backward(k, params.q.dtype, params.stream);
-    else
+      if (plan.hopper) st = hopper::hopper_attention_backward(k, params.q.dtype, params.stream);
+      else
 #endif
-      st = portable::portable_attention_backward(k, params.q.dtype, params.stream);
+        st = portable::portable_attention_backward(k, params.q.dtype, params.stream);
+    }
   }
   if (owned) {
     Status freed = detail::cuda_status(cudaFreeAsync(ws, params.stream), "backward workspace free");

@@ -49,6 +49,8 @@ BlockSparseParams make_block_sparse_params(const BlockMask& mask, int seqlen_q, 
   BlockSparseParams p;
   p.partial_kv = list_params(mask.kv_num_blocks, mask.kv_indices);
   p.full_kv = list_params(mask.full_kv_num_blocks, mask.full_kv_indices);
+  p.partial_q = list_params(mask.q_num_blocks, mask.q_indices);
+  p.full_q = list_params(mask.full_q_num_blocks, mask.full_q_indices);
   p.q_block_size = mask.q_block_size;
   p.kv_block_size = mask.kv_block_size;
   p.num_q_blocks = (seqlen_q + mask.q_block_size - 1) / mask.q_block_size;

@@ -1,6 +1,7 @@
 // Block-sparse masks as the kernels see them: the lists' device pointers with broadcast dims
 // folded into zero strides, and the element predicates of partial blocks. Host views become
-// these once (make_block_sparse_params); the forward kernel and the GPU builder read them.
+// these once (make_block_sparse_params); the forward and backward kernels and the GPU builder
+// read them.
 #pragma once
 
 #include <cstdint>
@@ -83,7 +84,8 @@ struct BlockListParams {
 };
 
 struct BlockSparseParams {
-  BlockListParams partial_kv, full_kv;  // per q block (forward)
+  BlockListParams partial_kv, full_kv;  // per q block: the kv blocks it sees (forward)
+  BlockListParams partial_q, full_q;    // per kv block: the q blocks that see it (backward; absent if not given)
   int q_block_size = 128, kv_block_size = 128;
   int num_q_blocks = 0, num_kv_blocks = 0;
   ElementMaskParams element;

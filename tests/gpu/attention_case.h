@@ -182,7 +182,8 @@ class AttnProblem {
     return p;
   }
 
-  void run_backward_oracle() {
+  // block_mask: a block-sparse mask's CPU views (the oracle composes it with the dense mask).
+  void run_backward_oracle(const BlockMask* block_mask = nullptr) {
     auto grads = [&](ref::HostTensor& dq, ref::HostTensor& dk, ref::HostTensor& dv, ref::HostTensor& ds, bool emulate) {
       dq.reset(DType::kFloat64, q_shape);
       dk.reset(DType::kFloat64, k_shape);
@@ -199,6 +200,7 @@ class AttnProblem {
       p.dk = dk;
       p.dv = dv;
       fill_common_host(p);
+      p.block_mask = block_mask;
       if (c_.sinks) {
         ds.reset(DType::kFloat64, {c_.heads});
         p.dsinks = ds;

@@ -1,5 +1,5 @@
-// Block-sparse attention on the GPU: the portable block-sparse forward against the CPU oracle
-// (reference/attention_ref.h, which reads the same BlockMask) over host-built masks of every
+// Block-sparse attention on the GPU: the portable block-sparse forward and backward against the
+// CPU oracle (reference/attention_ref.h, which reads the same BlockMask) over host-built masks of every
 // kind (random block kinds, causal, sliding window, documents, prefix-LM, bit-packed), head dims
 // 64/128, GQA, sequence lengths off the block grid, broadcast batch/head dims and block sizes that
 // are not the kernel's tiles; the GPU builder (include/flare/block_mask.h) against the host
@@ -378,6 +378,163 @@ TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
   EXPECT_EQ(attention_forward(p).code(), StatusCode::kNotSupported);
 }
 
+// ---- the backward against the oracle -------------------------------------------------------------
+
+// The GPU forward (for out and the LSE), then the backward on kAuto (the Hopper backward refuses
+// block masks, so this is the portable kernel) with dq, dk, dv poisoned, against the oracle's
+// backward over the same mask.
+void run_sparse_backward(const SparseCase& c) {
+  SCOPED_TRACE(c.name() + " | backward");
+  if (!instantiated(c.attn)) {
+    std::printf("skipped (dtype not instantiated in this build): %s\n", c.name().c_str());
+    return;
+  }
+  SparseMask mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+  AttnProblem prob(c.attn);
+  AttentionForwardParams f = prob.forward_params(Backend::kPortable);
+  f.block_mask = &mask.device_view;
+  Status s = attention_forward(f);
+  ASSERT_TRUE(s.ok()) << s.message();
+  AttentionBackwardParams p = prob.backward_params(Backend::kAuto, /*deterministic=*/false);
+  p.block_mask = &mask.device_view;
+  s = attention_backward(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_NO_FATAL_FAILURE(prob.run_backward_oracle(&mask.host_view));
+  prob.check_backward();
+}
+
+TEST(BlockSparseBackward, EveryMaskKind) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 11000;
+  for (int d : {64, 128})
+    for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+      if (reduced() && (d == 64 || k % 2)) continue;
+      run_sparse_backward(base_case(static_cast<MaskKind>(k), d, seed++));
+    }
+}
+
+TEST(BlockSparseBackward, ShapesGqaAndBlockSizes) {
+  FLARE_REQUIRE_GPU();
+  struct Shape {
+    int sq, sk, heads, heads_kv, q_block, kv_block, head_dim;
+    DType dtype;
+  };
+  // Lengths off the block grid, seqlen_q != seqlen_k, MHA (dK/dV stored directly) and MQA/GQA
+  // (through the fp32 accumulators), blocks of 64 and 128, blocks smaller than the kernel's
+  // tiles (q 16 < 32 rows, kv 48 < 128 keys) and larger (kv 256: two key tiles), fp16.
+  const Shape shapes[] = {{1, 1, 2, 1, 128, 128, 128, DType::kBFloat16},
+                          {17, 200, 4, 1, 128, 128, 64, DType::kFloat16},
+                          {257, 129, 8, 2, 128, 128, 128, DType::kBFloat16},
+                          {385, 385, 4, 4, 64, 64, 128, DType::kFloat16},
+                          {300, 300, 2, 2, 64, 128, 64, DType::kBFloat16},
+                          {200, 333, 6, 3, 16, 48, 128, DType::kBFloat16},
+                          {500, 260, 2, 1, 256, 128, 64, DType::kBFloat16},
+                          {130, 650, 4, 2, 128, 256, 128, DType::kFloat16},
+                          {333, 333, 2, 2, 96, 80, 128, DType::kBFloat16}};
+  uint64_t seed = 12000;
+  int i = 0;
+  for (const Shape& sh : shapes) {
+    if (reduced() && i++ % 3) continue;
+    SparseCase c = base_case(static_cast<MaskKind>(seed % static_cast<int>(MaskKind::kCount)), sh.head_dim, seed);
+    c.attn.seqlen_q = sh.sq;
+    c.attn.seqlen_k = sh.sk;
+    c.attn.heads = sh.heads;
+    c.attn.heads_kv = sh.heads_kv;
+    c.attn.dtype = sh.dtype;
+    c.q_block = sh.q_block;
+    c.kv_block = sh.kv_block;
+    ++seed;
+    run_sparse_backward(c);
+  }
+}
+
+TEST(BlockSparseBackward, EveryMaskKindFp16Blocks64) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 13000;
+  for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+    if (reduced() && k % 2) continue;
+    SparseCase c = base_case(static_cast<MaskKind>(k), k % 2 ? 64 : 128, seed++);
+    c.attn.dtype = DType::kFloat16;
+    c.attn.seqlen_q = 250;
+    c.attn.seqlen_k = 310;
+    c.q_block = c.kv_block = 64;
+    run_sparse_backward(c);
+  }
+}
+
+TEST(BlockSparseBackward, BroadcastDenseMaskSoftcapSinks) {
+  FLARE_REQUIRE_GPU();
+  SparseCase c = base_case(MaskKind::kBits, 128, 14000);
+  c.broadcast_batch = c.broadcast_heads = true;
+  run_sparse_backward(c);
+  c = base_case(MaskKind::kDocuments, 128, 14001);
+  c.attn.mask.causal = true;
+  run_sparse_backward(c);
+  c = base_case(MaskKind::kRandomBlocks, 64, 14002);
+  c.attn.mask.window_left = 100;
+  c.attn.softcap = 30.f;
+  c.attn.sinks = true;
+  run_sparse_backward(c);
+}
+
+TEST(BlockSparseBackward, EmptyMaskWritesZeroGradients) {
+  FLARE_REQUIRE_GPU();
+  // Every block empty: no query sees any key, so dQ, dK and dV are 0 everywhere (over poison).
+  SparseCase c = base_case(MaskKind::kRandomBlocks, 128, 15000);
+  c.attn.heads_kv = c.attn.heads;  // dK/dV stored directly by the kernel, not converted
+  SparseMask mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+  for (std::unique_ptr<IntTensor>& t : mask.lists) {
+    std::memset(t->data(), 0, t->host.nbytes());
+    t->upload();
+  }
+  AttnProblem prob(c.attn);
+  AttentionForwardParams f = prob.forward_params(Backend::kPortable);
+  f.block_mask = &mask.device_view;
+  ASSERT_TRUE(attention_forward(f).ok());
+  AttentionBackwardParams p = prob.backward_params(Backend::kPortable, false);
+  p.block_mask = &mask.device_view;
+  const Status s = attention_backward(p);
+  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  prob.download_grads();
+  for (const ref::HostTensor* t : {&prob.dq_host, &prob.dk_host, &prob.dv_host})
+    for (int64_t i = 0; i < t->numel(); ++i) ASSERT_EQ(t->get(i), 0.0) << i;
+}
+
+TEST(BlockSparseBackward, RejectsWhatItDoesNotRun) {
+  FLARE_REQUIRE_GPU();
+  SparseCase c = base_case(MaskKind::kCausal, 128, 16000);
+  SparseMask mask;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+  AttnProblem prob(c.attn);
+  ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kPortable)).ok());
+  AttentionBackwardParams p = prob.backward_params(Backend::kPortable, false);
+  // Without the transposed lists the backward has nothing to walk.
+  BlockMask forward_only = mask.device_view;
+  forward_only.q_num_blocks = forward_only.q_indices = TensorView{};
+  forward_only.full_q_num_blocks = forward_only.full_q_indices = TensorView{};
+  p.block_mask = &forward_only;
+  Status s = attention_backward(p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("q_num_blocks"), std::string::npos) << s.message();
+  std::size_t bytes = 0;
+  EXPECT_EQ(attention_backward_workspace_size(p, &bytes).code(), StatusCode::kInvalidArgument);
+  p.block_mask = &mask.host_view;  // CPU views on the GPU op
+  EXPECT_EQ(attention_backward(p).code(), StatusCode::kInvalidArgument);
+  p.block_mask = &mask.device_view;
+  p.deterministic = true;
+  s = attention_backward(p);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+  p.deterministic = false;
+  p.backend = Backend::kHopper;
+  EXPECT_EQ(attention_backward(p).code(), StatusCode::kNotSupported);
+  p.backend = Backend::kReference;
+  EXPECT_EQ(attention_backward(p).code(), StatusCode::kNotSupported);
+}
+
 // ---- the GPU builder against the host builder ----------------------------------------------------
 
 struct GpuBuilt {
@@ -556,6 +713,27 @@ TEST(BlockSparseFuzz, ForwardAgainstTheOracle) {
     const SparseCase c = random_case(rng, seed + static_cast<uint64_t>(i));
     SCOPED_TRACE("fuzzer seed " + std::to_string(seed) + " case " + std::to_string(i));
     run_sparse_forward(c);
+    if (::testing::Test::HasFailure()) {
+      std::printf("first failure: seed %llu case %d: %s\n", static_cast<unsigned long long>(seed), i,
+                  c.name().c_str());
+      break;
+    }
+  }
+}
+
+TEST(BlockSparseFuzz, BackwardAgainstTheOracle) {
+  FLARE_REQUIRE_GPU();
+  const uint64_t seed = env_or("FLARE_BLOCK_SPARSE_SEED",
+                               static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  const int cases = static_cast<int>(env_or("FLARE_BLOCK_SPARSE_CASES", reduced() ? 10 : 150));
+  std::printf("block-sparse backward fuzzer: seed %llu, %d cases (FLARE_BLOCK_SPARSE_SEED=%llu replays)\n",
+              static_cast<unsigned long long>(seed), cases, static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < cases; ++i) {
+    const SparseCase c = random_case(rng, seed + static_cast<uint64_t>(i));
+    SCOPED_TRACE("fuzzer seed " + std::to_string(seed) + " case " + std::to_string(i));
+    run_sparse_backward(c);
     if (::testing::Test::HasFailure()) {
       std::printf("first failure: seed %llu case %d: %s\n", static_cast<unsigned long long>(seed), i,
                   c.name().c_str());

@@ -12,6 +12,8 @@
 namespace flare::hopper {
 
 Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim) {
+  if (p.block_mask != nullptr)
+    return Status::NotSupported("block_mask: the Hopper backward has no block-sparse mask (the portable one serves it)");
   FLARE_RETURN_IF_ERROR(check_sm90());
   if (head_dim == 0 || head_dim > kHopperBwdMaxHeadDim)
     return Status::NotSupported("head dim: the Hopper backward serves head dims up to " +

@@ -8,8 +8,8 @@ namespace flare::hopper {
 template <int kHeadDim, typename T>
 Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream);
 
-// Ok when the Hopper backward can run this problem (sm_90, head dim <= 128, no soft-capping,
-// TMA-addressable operands), else why not. `head_dim` is the instantiated one.
+// Ok when the Hopper backward can run this problem (sm_90, head dim <= 128, no soft-capping, no
+// block mask, TMA-addressable operands), else why not. `head_dim` is the instantiated one.
 Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim);
 
 // Query rows per step and keys per CTA (they size the workspace).

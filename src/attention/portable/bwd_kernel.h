@@ -73,21 +73,72 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
   return descending_kv_order(P) ? kv.last - 1 - n : n - kv.first;
 }
 
-// What the element loops need to know about a (query block, key rows) tile.
-struct ElementCtx {
-  const sched::Band* band;
+// The pieces of a (key block, query block) step that the dense kernel below and the
+// block-sparse kernel (bwd_sparse_kernel.h) share: the query block's loads, S^T and dP^T, the
+// probabilities and score gradients, the dK/dV accumulation, the dQ product and its reduction,
+// and the dK/dV epilogue.
+
+// Query rows [row0, row_end) of Q, dO, the LSE and dpsum into pipeline stage `stage`; the rest
+// of the kBlockM rows zero-filled (Q = dO = 0 and lse = dpsum = 0 give dS = 0 and P dO = 0).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_load_q_block(BwdSmem<Cfg, T>& sm, int stage, const BwdKernelParams& P,
+                                                 const T* q_g, const T* do_g, const float* lse_g,
+                                                 const float* dpsum_g, int row0, int row_end) {
+  constexpr int kBlockM = Cfg::kBlockM, kHeadDim = Cfg::kHeadDim, kStride = Cfg::kRowStride;
+  const detail::FwdKernelParams& p = P.fwd;
+  const int rows = row_end - row0;
+  load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q[stage], q_g + row0 * p.q_str.row, p.q_str.row, rows, p.head_dim);
+  load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.dout[stage], do_g + row0 * P.dout_str.row, P.dout_str.row, rows,
+                                                       p.head_dim);
+  for (int i = threadIdx.x; i < kBlockM; i += Cfg::kThreads) {
+    const bool valid = i < rows;
+    cp_async_4(&sm.lse[stage][i], lse_g + (valid ? row0 + i : 0), valid);
+    cp_async_4(&sm.dpsum[stage][i], dpsum_g + (valid ? row0 + i : 0), valid);
+  }
+}
+
+// S^T = K Q^T and dP^T = V dO^T for this warp's 16 key rows (from kv_row of the key block).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_scores(const T* k_s, const T* v_s, const T* q_s, const T* do_s, int kv_row,
+                                           int lane, float (&s)[Cfg::kBlockM / 8][4],
+                                           float (&dp)[Cfg::kBlockM / 8][4]) {
+  constexpr int kQTiles = Cfg::kBlockM / 8, kKSteps = Cfg::kHeadDim / 16, kStride = Cfg::kRowStride;
+#pragma unroll
+  for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t ak[4], av[4];
+    ldmatrix_x4(ak, k_s + (kv_row + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
+    ldmatrix_x4(av, v_s + (kv_row + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
+#pragma unroll
+    for (int jp = 0; jp < kQTiles / 2; ++jp) {
+      const int off = (16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks + ((lane / 8) % 2) * 8;
+      uint32_t bq[4], bo[4];
+      ldmatrix_x4(bq, q_s + off);
+      ldmatrix_x4(bo, do_s + off);
+      mma_16x8x16<T>(s[2 * jp], ak, bq[0], bq[1]);
+      mma_16x8x16<T>(s[2 * jp + 1], ak, bq[2], bq[3]);
+      mma_16x8x16<T>(dp[2 * jp], av, bo[0], bo[1]);
+      mma_16x8x16<T>(dp[2 * jp + 1], av, bo[2], bo[3]);
+    }
+  }
+}
+
+// The query block's statistics as this thread's element loops read them.
+struct QueryStats {
   const float* lse;    // per query column of the block (natural log)
   const float* dpsum;
-  int row0, key0;      // first query row of the block, first key row of the warp
-  int seqlen_q, seqlen_k;
-  int g, t;            // lane coordinates in the MMA fragment
+  int t;               // lane coordinate in the MMA fragment
 };
 
 // s (S^T accumulators) becomes P^T and dp (dP^T) becomes dS^T (w.r.t. the scaled, pre-cap
-// scores). Element e of tile j: key row key0 + g + 8 * (e / 2), query column 8j + 2t + e % 2.
-template <bool kSoftcap, int kQTiles>
-__device__ __forceinline__ void probs_and_grads(const detail::FwdKernelParams& p, const ElementCtx& c, bool partial,
-                                                float (&s)[kQTiles][4], float (&dp)[kQTiles][4]) {
+// scores); mask(s) (the caller's masking, or nothing) runs on P^T. Element e of
+// tile j: key row g + 8 * (e / 2) of the warp, query column 8j + 2t + e % 2 of the block.
+template <bool kSoftcap, int kQTiles, typename MaskProbs>
+__device__ __forceinline__ void probs_and_grads(const detail::FwdKernelParams& p, const QueryStats& c,
+                                                float (&s)[kQTiles][4], float (&dp)[kQTiles][4], MaskProbs&& mask) {
   constexpr float kLog2e = static_cast<float>(M_LOG2E);
   float cap_grad[kSoftcap ? kQTiles : 1][4];
   if constexpr (kSoftcap) {
@@ -110,16 +161,7 @@ __device__ __forceinline__ void probs_and_grads(const detail::FwdKernelParams& p
   for (int j = 0; j < kQTiles; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(fmaf(-c.lse[8 * j + 2 * c.t + (e % 2)], kLog2e, s[j][e]));
-  if (partial) {
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = c.row0 + 8 * j + 2 * c.t + (e % 2), key = c.key0 + c.g + 8 * (e / 2);
-        const bool visible = qi < c.seqlen_q && key < c.seqlen_k && c.band->visible(qi, key);
-        s[j][e] = visible ? s[j][e] : 0.f;
-      }
-  }
+  mask(s);
 #pragma unroll
   for (int j = 0; j < kQTiles; ++j)
 #pragma unroll
@@ -130,12 +172,127 @@ __device__ __forceinline__ void probs_and_grads(const detail::FwdKernelParams& p
     }
 }
 
+// dV += P^T dO and dK += dS^T Q over this warp's columns; dS^T to shared memory (ds_s) for the
+// dQ product.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_accumulate_dkv(const float (&s)[Cfg::kBlockM / 8][4],
+                                                   const float (&dp)[Cfg::kBlockM / 8][4], const T* q_s,
+                                                   const T* do_s, T* ds_s, int kv_row, int dkv_col, int part,
+                                                   int lane, float (&dk)[Cfg::kDkvCols / 8][4],
+                                                   float (&dv)[Cfg::kDkvCols / 8][4]) {
+  constexpr int kBlockM = Cfg::kBlockM, kDkvTiles = Cfg::kDkvCols / 8;
+  constexpr int kStride = Cfg::kRowStride, kDsStride = Cfg::kDsStride;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int ks = 0; ks < kBlockM / 16; ++ks) {
+    uint32_t ap[4], ads[4];
+    accum_to_a<T>(s[2 * ks], s[2 * ks + 1], ap);
+    accum_to_a<T>(dp[2 * ks], dp[2 * ks + 1], ads);
+#pragma unroll
+    for (int cp = 0; cp < kDkvTiles / 2; ++cp) {
+      const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dkv_col + 16 * cp + (lane / 16) * 8;
+      uint32_t bo[4], bq[4];
+      ldmatrix_x4_trans(bo, do_s + off);
+      ldmatrix_x4_trans(bq, q_s + off);
+      mma_16x8x16<T>(dv[2 * cp], ap, bo[0], bo[1]);
+      mma_16x8x16<T>(dv[2 * cp + 1], ap, bo[2], bo[3]);
+      mma_16x8x16<T>(dk[2 * cp], ads, bq[0], bq[1]);
+      mma_16x8x16<T>(dk[2 * cp + 1], ads, bq[2], bq[3]);
+    }
+    if (part == 0) {  // one writer per key row
+      *reinterpret_cast<uint32_t*>(ds_s + (kv_row + g) * kDsStride + 16 * ks + 2 * t) = ads[0];
+      *reinterpret_cast<uint32_t*>(ds_s + (kv_row + g + 8) * kDsStride + 16 * ks + 2 * t) = ads[1];
+      *reinterpret_cast<uint32_t*>(ds_s + (kv_row + g) * kDsStride + 16 * ks + 8 + 2 * t) = ads[2];
+      *reinterpret_cast<uint32_t*>(ds_s + (kv_row + g + 8) * kDsStride + 16 * ks + 8 + 2 * t) = ads[3];
+    }
+  }
+}
+
+// Where a warp's share of the dQ product sits in the query block: 16 rows x kDqCols columns.
+template <typename Cfg>
+struct DqPart {
+  int row, col;
+  __device__ __forceinline__ explicit DqPart(int warp)
+      : row(16 * (warp % Cfg::kDqMTiles)), col((warp / Cfg::kDqMTiles) * Cfg::kDqCols) {}
+};
+
+// dQ (this warp's part) = dS K, with dS^T staged in ds_s (after a barrier).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_dq_product(const T* ds_s, const T* k_s, DqPart<Cfg> part, int lane,
+                                               float (&dq)[Cfg::kDqCols / 8][4]) {
+  constexpr int kBlockN = Cfg::kBlockN, kDqTiles = Cfg::kDqCols / 8;
+  constexpr int kStride = Cfg::kRowStride, kDsStride = Cfg::kDsStride;
+#pragma unroll
+  for (int c = 0; c < kDqTiles; ++c) dq[c][0] = dq[c][1] = dq[c][2] = dq[c][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kBlockN / 16; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4_trans(a, ds_s + (16 * ks + lane % 8 + (lane / 16) * 8) * kDsStride + part.row + ((lane / 8) % 2) * 8);
+#pragma unroll
+    for (int cp = 0; cp < kDqTiles / 2; ++cp) {
+      uint32_t bk[4];
+      ldmatrix_x4_trans(bk, k_s + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + part.col + 16 * cp +
+                                (lane / 16) * 8);
+      mma_16x8x16<T>(dq[2 * cp], a, bk[0], bk[1]);
+      mma_16x8x16<T>(dq[2 * cp + 1], a, bk[2], bk[3]);
+    }
+  }
+}
+
+// Adds the warp's dQ part (scaled) of query rows [row0, row_end) into the fp32 accumulator.
+template <typename Cfg>
+__device__ __forceinline__ void bwd_add_dq(const BwdKernelParams& P, const detail::SeqInfo& seq, int b, int h,
+                                           int row0, int row_end, DqPart<Cfg> part, int lane,
+                                           const float (&dq)[Cfg::kDqCols / 8][4]) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int c = 0; c < Cfg::kDqCols / 8; ++c)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // columns col, col + 1 of row i: one 8-byte reduction
+      const int i = row0 + part.row + g + 8 * r, col = part.col + 8 * c + 2 * t;
+      if (i >= row_end || col >= p.head_dim) continue;
+      float* dst = P.dq_accum + (detail::accum_row(p, b, seq.q_start, i, p.seqlen_q) * p.heads + h) * p.head_dim + col;
+      const float v0 = dq[c][2 * r] * p.scale, v1 = dq[c][2 * r + 1] * p.scale;
+      red_add_f32x2(dst, v0, v1);  // in turn order when deterministic: the fence orders CTAs' reductions
+    }
+}
+
+// dK (scaled) and dV of keys [col0, col0 + keys): written directly without GQA, else added into
+// fp32 accumulators.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_store_dkv(const BwdKernelParams& P, const detail::SeqInfo& seq, int b, int hk,
+                                              int col0, int keys, int kv_row, int dkv_col, int lane,
+                                              const float (&dk)[Cfg::kDkvCols / 8][4],
+                                              const float (&dv)[Cfg::kDkvCols / 8][4]) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const bool gqa = p.group > 1;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int c = 0; c < Cfg::kDkvCols / 8; ++c)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = kv_row + g + 8 * r, col = dkv_col + 8 * c + 2 * t;
+      if (key >= keys || col >= p.head_dim) continue;
+      const float k0 = dk[c][2 * r] * p.scale, k1 = dk[c][2 * r + 1] * p.scale;
+      const float v0 = dv[c][2 * r], v1 = dv[c][2 * r + 1];
+      if (!gqa) {
+        T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0 + key, hk) + col;
+        T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, b, seq.k_start + col0 + key, hk) + col;
+        *reinterpret_cast<uint32_t*>(dkp) = ElemTraits<T>::pack(k0, k1);
+        *reinterpret_cast<uint32_t*>(dvp) = ElemTraits<T>::pack(v0, v1);
+      } else {
+        const int64_t off = (detail::accum_row(p, b, seq.k_start, col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
+        red_add_f32x2(P.dk_accum + off, k0, k1);
+        red_add_f32x2(P.dv_accum + off, v0, v1);
+      }
+    }
+}
+
 template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKernelParams P) {
-  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
-  constexpr int kStride = Cfg::kRowStride, kDsStride = Cfg::kDsStride;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kQTiles = kBlockM / 8;          // n-tiles of S^T (query columns)
-  constexpr int kKSteps = kHeadDim / 16;
   constexpr int kDkvTiles = Cfg::kDkvCols / 8;  // n-tiles of this warp's dK/dV columns
   constexpr int kDqTiles = Cfg::kDqCols / 8;
   const detail::FwdKernelParams& p = P.fwd;
@@ -165,14 +322,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
       sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
 
   auto load_q_block = [&](int m, int stage) {
-    const int r0 = m * kBlockM, rows = seq.seqlen_q - r0;
-    load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q[stage], q_g + r0 * p.q_str.row, p.q_str.row, rows, p.head_dim);
-    load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.dout[stage], do_g + r0 * P.dout_str.row, P.dout_str.row, rows, p.head_dim);
-    for (int i = threadIdx.x; i < kBlockM; i += Cfg::kThreads) {
-      const bool valid = r0 + i < seq.seqlen_q;
-      cp_async_4(&sm.lse[stage][i], lse_g + (valid ? r0 + i : 0), valid);
-      cp_async_4(&sm.dpsum[stage][i], dpsum_g + (valid ? r0 + i : 0), valid);
-    }
+    bwd_load_q_block<Cfg, T>(sm, stage, P, q_g, do_g, lse_g, dpsum_g, m * kBlockM, seq.seqlen_q);
   };
 
   float dk[kDkvTiles][4], dv[kDkvTiles][4];
@@ -184,8 +334,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   if (mrange.first < mrange.last) {
     const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
     const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
-    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
-    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
+    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
     load_q_block(mrange.first, 0);
     cp_async_commit();
   }
@@ -200,120 +350,46 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
     const T* sq = sm.q[stage];
     const T* sdo = sm.dout[stage];
 
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 key rows.
     float s[kQTiles][4], dp[kQTiles][4];
-#pragma unroll
-    for (int j = 0; j < kQTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t ak[4], av[4];
-      ldmatrix_x4(ak, sm.k + (kv_row + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
-      ldmatrix_x4(av, sm.v + (kv_row + lane % 16) * kStride + 16 * ks + (lane / 16) * 8);
-#pragma unroll
-      for (int jp = 0; jp < kQTiles / 2; ++jp) {
-        const int off = (16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks + ((lane / 8) % 2) * 8;
-        uint32_t bq[4], bo[4];
-        ldmatrix_x4(bq, sq + off);
-        ldmatrix_x4(bo, sdo + off);
-        mma_16x8x16<T>(s[2 * jp], ak, bq[0], bq[1]);
-        mma_16x8x16<T>(s[2 * jp + 1], ak, bq[2], bq[3]);
-        mma_16x8x16<T>(dp[2 * jp], av, bo[0], bo[1]);
-        mma_16x8x16<T>(dp[2 * jp + 1], av, bo[2], bo[3]);
-      }
-    }
+    bwd_scores<Cfg, T>(sm.k, sm.v, sq, sdo, kv_row, lane, s, dp);
 
     // P^T and dS^T: branch-free element loops, one variant per soft-capping mode.
     const bool partial = row0 + kBlockM > seq.seqlen_q ||
                          sched::classify_tile(band, row0, min(seq.seqlen_q, row0 + kBlockM), col0, col0 + kBlockN,
                                               seq.seqlen_k) != sched::TileKind::kFull;
-    const ElementCtx ctx{&band, sm.lse[stage], sm.dpsum[stage], row0, col0 + kv_row, seq.seqlen_q, seq.seqlen_k, g, t};
-    if (p.softcap > 0.f) probs_and_grads<true, kQTiles>(p, ctx, partial, s, dp);
-    else probs_and_grads<false, kQTiles>(p, ctx, partial, s, dp);
+    const QueryStats stats{sm.lse[stage], sm.dpsum[stage], t};
+    // The loop written out here, not through a helper: at the 255-register ceiling the helper's
+    // form cost 16 bytes of spills (ptxas, sm_80 and sm_90, d128).
+    auto mask = [&](float (&s)[kQTiles][4]) {
+      if (!partial) return;
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = row0 + 8 * j + 2 * t + (e % 2), key = col0 + kv_row + g + 8 * (e / 2);
+          const bool visible = qi < seq.seqlen_q && key < seq.seqlen_k && band.visible(qi, key);
+          s[j][e] = visible ? s[j][e] : 0.f;
+        }
+    };
+    if (p.softcap > 0.f) probs_and_grads<true, kQTiles>(p, stats, s, dp, mask);
+    else probs_and_grads<false, kQTiles>(p, stats, s, dp, mask);
 
-    // dV += P^T dO and dK += dS^T Q over this warp's columns.
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks) {
-      uint32_t ap[4], ads[4];
-      accum_to_a<T>(s[2 * ks], s[2 * ks + 1], ap);
-      accum_to_a<T>(dp[2 * ks], dp[2 * ks + 1], ads);
-#pragma unroll
-      for (int cp = 0; cp < kDkvTiles / 2; ++cp) {
-        const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dkv_col + 16 * cp + (lane / 16) * 8;
-        uint32_t bo[4], bq[4];
-        ldmatrix_x4_trans(bo, sdo + off);
-        ldmatrix_x4_trans(bq, sq + off);
-        mma_16x8x16<T>(dv[2 * cp], ap, bo[0], bo[1]);
-        mma_16x8x16<T>(dv[2 * cp + 1], ap, bo[2], bo[3]);
-        mma_16x8x16<T>(dk[2 * cp], ads, bq[0], bq[1]);
-        mma_16x8x16<T>(dk[2 * cp + 1], ads, bq[2], bq[3]);
-      }
-      if (part == 0) {  // dS^T to shared memory for the dQ product (one writer per key row)
-        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g) * kDsStride + 16 * ks + 2 * t) = ads[0];
-        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g + 8) * kDsStride + 16 * ks + 2 * t) = ads[1];
-        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g) * kDsStride + 16 * ks + 8 + 2 * t) = ads[2];
-        *reinterpret_cast<uint32_t*>(sm.ds + (kv_row + g + 8) * kDsStride + 16 * ks + 8 + 2 * t) = ads[3];
-      }
-    }
+    bwd_accumulate_dkv<Cfg, T>(s, dp, sq, sdo, sm.ds, kv_row, dkv_col, part, lane, dk, dv);
     __syncthreads();
 
-    // dQ (this warp's 16 query rows x kDqCols columns) = dS K, added into the fp32 accumulator.
-    const int dq_row = 16 * (warp % Cfg::kDqMTiles), dq_col = (warp / Cfg::kDqMTiles) * Cfg::kDqCols;
+    const DqPart<Cfg> dq_part(warp);
     float dq[kDqTiles][4];
-#pragma unroll
-    for (int c = 0; c < kDqTiles; ++c) dq[c][0] = dq[c][1] = dq[c][2] = dq[c][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, sm.ds + (16 * ks + lane % 8 + (lane / 16) * 8) * kDsStride + dq_row + ((lane / 8) % 2) * 8);
-#pragma unroll
-      for (int cp = 0; cp < kDqTiles / 2; ++cp) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, sm.k + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dq_col + 16 * cp +
-                                  (lane / 16) * 8);
-        mma_16x8x16<T>(dq[2 * cp], a, bk[0], bk[1]);
-        mma_16x8x16<T>(dq[2 * cp + 1], a, bk[2], bk[3]);
-      }
-    }
+    bwd_dq_product<Cfg, T>(sm.ds, sm.k, dq_part, lane, dq);
     int* sem = P.deterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
     if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
-#pragma unroll
-    for (int c = 0; c < kDqTiles; ++c)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // columns col, col + 1 of row i: one 8-byte reduction
-        const int i = row0 + dq_row + g + 8 * r, col = dq_col + 8 * c + 2 * t;
-        if (i >= seq.seqlen_q || col >= p.head_dim) continue;
-        float* dst = P.dq_accum + (detail::accum_row(p, b, seq.q_start, i, p.seqlen_q) * p.heads + h) * p.head_dim + col;
-        const float v0 = dq[c][2 * r] * p.scale, v1 = dq[c][2 * r + 1] * p.scale;
-        red_add_f32x2(dst, v0, v1);  // in turn order when deterministic: the fence orders CTAs' reductions
-      }
+    bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, dq_part, lane, dq);
     if (sem) pass_turn(sem);
   }
 
-  // dK (scaled) and dV: written directly without GQA, else added into fp32 accumulators.
   const bool gqa = p.group > 1;
   int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
   if (sem) wait_turn(sem, h % p.group);
-#pragma unroll
-  for (int c = 0; c < kDkvTiles; ++c)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = kv_row + g + 8 * r, col = dkv_col + 8 * c + 2 * t;
-      if (key >= keys || col >= p.head_dim) continue;
-      const float k0 = dk[c][2 * r] * p.scale, k1 = dk[c][2 * r + 1] * p.scale;
-      const float v0 = dv[c][2 * r], v1 = dv[c][2 * r + 1];
-      if (!gqa) {
-        T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0 + key, hk) + col;
-        T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, b, seq.k_start + col0 + key, hk) + col;
-        *reinterpret_cast<uint32_t*>(dkp) = ElemTraits<T>::pack(k0, k1);
-        *reinterpret_cast<uint32_t*>(dvp) = ElemTraits<T>::pack(v0, v1);
-      } else {
-        const int64_t off = (detail::accum_row(p, b, seq.k_start, col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
-        red_add_f32x2(P.dk_accum + off, k0, k1);
-        red_add_f32x2(P.dv_accum + off, v0, v1);
-      }
-    }
+  bwd_store_dkv<Cfg, T>(P, seq, b, hk, col0, keys, kv_row, dkv_col, lane, dk, dv);
   if (sem) pass_turn(sem);
 }
 
@@ -390,6 +466,26 @@ void launch_bwd_dkv_convert(const BwdKernelParams& P, Stream stream) {
   bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
 }
 
+// The launches around the main kernel, shared with the block-sparse backward: dpsum before it,
+// dsinks and the conversions of the fp32 accumulators after it.
+template <typename T>
+void launch_bwd_dpsum(const BwdKernelParams& P, Stream stream) {
+  const detail::FwdKernelParams& p = P.fwd;
+  if (p.seqlen_q > 0) {
+    dim3 grid((p.seqlen_q + 7) / 8, p.heads, p.batch);
+    bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
+  }
+}
+template <typename T>
+Status launch_bwd_finish(const BwdKernelParams& P, Stream stream) {
+  const detail::FwdKernelParams& p = P.fwd;
+  if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(launch_bwd_dsinks(P, stream));
+  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
+  bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
+  launch_bwd_dkv_convert<T>(P, stream);
+  return Status::Ok();
+}
+
 template <typename Cfg, typename T>
 Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
@@ -398,18 +494,12 @@ Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   auto kernel = portable_bwd_kernel<Cfg, T>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward: shared memory attribute");
-  if (p.seqlen_q > 0) {
-    dim3 grid((p.seqlen_q + 7) / 8, p.heads, p.batch);
-    bwd_dpsum_kernel<T><<<grid, 256, 0, stream>>>(P);
-  }
+  launch_bwd_dpsum<T>(P, stream);
   if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
     dim3 grid(P.num_n_blocks, p.heads, p.batch);
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
   }
-  if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(launch_bwd_dsinks(P, stream));
-  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
-  bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
-  launch_bwd_dkv_convert<T>(P, stream);
+  FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
   return detail::cuda_status(cudaGetLastError(), "portable backward launch");
 }
 

@@ -2,11 +2,16 @@
 #pragma once
 
 #include "src/attention/bwd_params.h"
+#include "src/block_sparse/block_sparse_params.h"
 
 namespace flare::portable {
 
 template <int kHeadDim, typename T>
 Status launch_portable_bwd(const detail::BwdKernelParams& p, Stream stream);
+
+template <int kHeadDim, typename T>
+Status launch_portable_bwd_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                  Stream stream);
 
 // The block sizes the backward uses for a head dim (they size the semaphore workspace).
 struct BwdBlocks {
@@ -15,5 +20,8 @@ struct BwdBlocks {
 BwdBlocks portable_bwd_blocks(int head_dim);
 
 Status portable_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream);
+// The same for the block-sparse backward (bwd_sparse_kernel.h; ordinary mode only).
+Status portable_attention_backward_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                          DType dtype, Stream stream);
 
 }  // namespace flare::portable

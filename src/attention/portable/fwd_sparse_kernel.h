@@ -11,61 +11,10 @@
 #pragma once
 
 #include "src/attention/portable/fwd_kernel.h"
+#include "src/attention/portable/sparse_block_walk.h"
 #include "src/block_sparse/block_sparse_params.h"
 
 namespace flare::portable {
-
-// Where a q tile is in its block's kernel tiles: list position (partial blocks first, then
-// full), the kv block there, and the kernel tile inside it.
-struct SparseTileCursor {
-  int pos = 0;
-  int block = -1;  // -1: past the end
-  int sub = 0;
-};
-
-// The lists of one (b, h, q block) and their walk.
-struct SparseKvWalk {
-  const int32_t* partial;
-  const int32_t* full;
-  int num_partial, num_total;
-  int kv_block_size, num_kv_blocks, seqlen_k;
-
-  __device__ __forceinline__ int block_at(int pos) const {
-    return pos < num_partial ? partial[pos] : full[pos - num_partial];
-  }
-  // The first listed block at or after `pos` that is in range (device lists are not validated).
-  __device__ __forceinline__ void settle(SparseTileCursor& c) const {
-    for (; c.pos < num_total; ++c.pos) {
-      const int n = block_at(c.pos);
-      if (n >= 0 && n < num_kv_blocks) {
-        c.block = n;
-        return;
-      }
-    }
-    c.block = -1;
-  }
-  __device__ __forceinline__ SparseTileCursor begin() const {
-    SparseTileCursor c;
-    settle(c);
-    return c;
-  }
-  __device__ __forceinline__ int block_end(int n) const {
-    return min((n + 1) * kv_block_size, seqlen_k);
-  }
-  template <int kBlockN>
-  __device__ __forceinline__ int tile_col(const SparseTileCursor& c) const {
-    return c.block * kv_block_size + c.sub * kBlockN;
-  }
-  template <int kBlockN>
-  __device__ __forceinline__ void advance(SparseTileCursor& c) const {
-    ++c.sub;
-    if (tile_col<kBlockN>(c) >= block_end(c.block)) {
-      c.sub = 0;
-      ++c.pos;
-      settle(c);
-    }
-  }
-};
 
 template <typename Cfg, typename T>
 __device__ __forceinline__ void fwd_sparse_tile(const FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
@@ -90,14 +39,8 @@ __device__ __forceinline__ void fwd_sparse_tile(const FwdKernelParams& p, const 
   const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start, hk);
   const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start, hk);
 
-  SparseKvWalk walk;
-  walk.num_partial = bs.partial_kv.count(b, h, m, bs.num_kv_blocks);
-  walk.num_total = walk.num_partial + bs.full_kv.count(b, h, m, bs.num_kv_blocks);
-  walk.partial = bs.partial_kv.counts ? bs.partial_kv.row(b, h, m) : nullptr;
-  walk.full = bs.full_kv.counts ? bs.full_kv.row(b, h, m) : nullptr;
-  walk.kv_block_size = bs.kv_block_size;
-  walk.num_kv_blocks = bs.num_kv_blocks;
-  walk.seqlen_k = seq.seqlen_k;
+  const SparseBlockWalk walk = SparseBlockWalk::of(bs.partial_kv, bs.full_kv, b, h, m, bs.kv_block_size,
+                                                   bs.num_kv_blocks, seq.seqlen_k);
 
   const sched::Band band = detail::band_of(p, seq);  // a dense mask given with the block mask
   const block_sparse::ElementMaskParams& el = bs.element;
@@ -111,7 +54,7 @@ __device__ __forceinline__ void fwd_sparse_tile(const FwdKernelParams& p, const 
   // A kernel tile: kBlockN keys from `col`, of which those before `col_end` (the block's end)
   // are loaded; the rest are zero-filled and masked.
   auto load_kv = [&](const SparseTileCursor& c, int stage) {
-    const int col = walk.tile_col<kBlockN>(c);
+    const int col = walk.tile_start<kBlockN>(c);
     const int valid_rows = walk.block_end(c.block) - col;
     load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k[stage], k_g + col * p.k_str.row, p.k_str.row,
                                                          valid_rows, p.head_dim);
@@ -141,9 +84,9 @@ __device__ __forceinline__ void fwd_sparse_tile(const FwdKernelParams& p, const 
       }
       cp_async_commit();
 
-      const int col0 = walk.tile_col<kBlockN>(cur);
+      const int col0 = walk.tile_start<kBlockN>(cur);
       const int col_end = walk.block_end(cur.block);
-      const bool partial = cur.pos < walk.num_partial;
+      const bool partial = walk.in_partial(cur);
       fwd_attend_block<Cfg, T>(p, sm.q, sm.k[stage], sm.v[stage], warp_row, lane, score_scale, o, st,
                                [&](float (&s)[kMTiles][kNTiles][4]) {
         // A full block's tile needs no mask unless it crosses the block's end or the dense band.

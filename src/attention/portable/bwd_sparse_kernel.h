@@ -1,0 +1,176 @@
+// Portable block-sparse attention backward (sm_80+): the dense backward's step functions
+// (bwd_kernel.h: query block loads, S^T and dP^T, P^T and dS^T, dK/dV accumulation, the dQ product
+// and reduction, the dK/dV epilogue) walking a block mask's TRANSPOSED lists instead of a band.
+//
+// A CTA owns kBlockN keys inside one mask kv block (a kv block of kv_block_size keys is
+// ceil(kv_block_size / kBlockN) CTAs; a smaller one leaves the CTA's extra key rows zero). It
+// walks the kv block's PARTIAL q blocks, applying the element predicate, then its FULL ones,
+// without it; each mask q block is ceil(q_block_size / kBlockM) query tiles. Rows past a q
+// block's end (or seqlen_q) and keys past the kv block's end (or seqlen_k) are masked, and a
+// dense mask (params.mask) given with the block mask is applied on top, as the oracle composes
+// them. dQ is added with atomics (red.global); the deterministic order (dq_write_order.h) is not
+// built yet.
+#pragma once
+
+#include "src/attention/portable/bwd_kernel.h"
+#include "src/attention/portable/sparse_block_walk.h"
+#include "src/block_sparse/block_sparse_params.h"
+
+namespace flare::portable {
+
+// Sets the probabilities of the elements `visible(query, key)` rejects to 0. Element e of tile
+// j: query row0 + 8j + 2t + e % 2 (row0: the query tile's first row), key key0 + g + 8 * (e / 2)
+// (key0: the warp's first key).
+template <int kQTiles, typename Visible>
+__device__ __forceinline__ void mask_probs(float (&s)[kQTiles][4], int row0, int key0, int g, int t,
+                                           Visible&& visible) {
+#pragma unroll
+  for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int qi = row0 + 8 * j + 2 * t + (e % 2), key = key0 + g + 8 * (e / 2);
+      s[j][e] = visible(qi, key) ? s[j][e] : 0.f;
+    }
+}
+
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    portable_bwd_sparse_kernel(const BwdKernelParams P, const block_sparse::BlockSparseParams bs) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  constexpr int kQTiles = kBlockM / 8;
+  constexpr int kDkvTiles = Cfg::kDkvCols / 8;
+  constexpr int kDqTiles = Cfg::kDqCols / 8;
+  const detail::FwdKernelParams& p = P.fwd;
+
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int tiles_per_kv_block = (bs.kv_block_size + kBlockN - 1) / kBlockN;
+  const int n = blockIdx.x / tiles_per_kv_block;  // the mask's kv block
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int col0 = n * bs.kv_block_size + (blockIdx.x % tiles_per_kv_block) * kBlockN;  // first key of this CTA
+  const int col_end = min((n + 1) * bs.kv_block_size, seq.seqlen_k);                  // the kv block's end
+  if (col0 >= col_end) return;
+  const int keys = min(kBlockN, col_end - col0);
+  const int hk = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int row_group = warp / Cfg::kColSplit, part = warp % Cfg::kColSplit;
+  const int kv_row = 16 * row_group;
+  const int dkv_col = part * Cfg::kDkvCols;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<BwdSmem<Cfg, T>*>(smem_raw);
+
+  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h);
+  const T* do_g = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h);
+  const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+  const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+
+  const SparseBlockWalk walk =
+      SparseBlockWalk::of(bs.partial_q, bs.full_q, b, h, n, bs.q_block_size, bs.num_q_blocks, seq.seqlen_q);
+  const sched::Band band = detail::band_of(p, seq);  // a dense mask given with the block mask
+  const block_sparse::ElementMaskParams& el = bs.element;
+
+  // A query tile: kBlockM rows from walk.tile_start, of which those before the q block's end are
+  // loaded.
+  auto load_q_tile = [&](const SparseTileCursor& c, int stage) {
+    const int row0 = walk.tile_start<kBlockM>(c);
+    bwd_load_q_block<Cfg, T>(sm, stage, P, q_g, do_g, lse_g, dpsum_g, row0, min(row0 + kBlockM, walk.block_end(c.block)));
+  };
+
+  float dk[kDkvTiles][4], dv[kDkvTiles][4];
+#pragma unroll
+  for (int c = 0; c < kDkvTiles; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[c][e] = dv[c][e] = 0.f;
+
+  SparseTileCursor cur = walk.begin();
+  SparseTileCursor next = cur;  // the next tile to load
+  if (cur.block >= 0) {
+    const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
+    const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
+    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
+    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    load_q_tile(next, 0);
+    cp_async_commit();
+    walk.advance<kBlockM>(next);
+  }
+
+  for (int it = 0; cur.block >= 0; ++it) {
+    const int stage = it & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // tile `cur` landed; the previous tile's readers of ds and the other stage are done
+    if (next.block >= 0) load_q_tile(next, stage ^ 1);
+    cp_async_commit();
+    const T* sq = sm.q[stage];
+    const T* sdo = sm.dout[stage];
+    const int row0 = walk.tile_start<kBlockM>(cur);
+    const int row_end = min(row0 + kBlockM, walk.block_end(cur.block));
+
+    float s[kQTiles][4], dp[kQTiles][4];
+    bwd_scores<Cfg, T>(sm.k, sm.v, sq, sdo, kv_row, lane, s, dp);
+
+    const bool partial_block = walk.in_partial(cur);
+    // A full block's tile needs no mask unless it crosses the blocks' ends or the dense band.
+    const bool tile_full = !partial_block && row0 + kBlockM <= row_end && col0 + kBlockN <= col_end &&
+                           sched::classify_tile(band, row0, row_end, col0, col0 + kBlockN, col_end) ==
+                               sched::TileKind::kFull;
+    const QueryStats stats{sm.lse[stage], sm.dpsum[stage], t};
+    auto mask = [&](float (&s)[kQTiles][4]) {
+      if (tile_full) return;
+      if (!partial_block) {
+        mask_probs(s, row0, col0 + kv_row, g, t, [&](int qi, int key) {
+          return qi < row_end && key < col_end && band.visible(qi, key);
+        });
+        return;
+      }
+      // Partial: the element predicate too (the structural interval, then the lookups).
+      mask_probs(s, row0, col0 + kv_row, g, t, [&](int qi, int key) {
+        return qi < row_end && key < col_end && band.visible(qi, key) && el.visible(b, h, qi, key);
+      });
+    };
+    if (p.softcap > 0.f) probs_and_grads<true, kQTiles>(p, stats, s, dp, mask);
+    else probs_and_grads<false, kQTiles>(p, stats, s, dp, mask);
+
+    bwd_accumulate_dkv<Cfg, T>(s, dp, sq, sdo, sm.ds, kv_row, dkv_col, part, lane, dk, dv);
+    __syncthreads();
+
+    const DqPart<Cfg> dq_part(warp);
+    float dq[kDqTiles][4];
+    bwd_dq_product<Cfg, T>(sm.ds, sm.k, dq_part, lane, dq);
+    bwd_add_dq<Cfg>(P, seq, b, h, row0, row_end, dq_part, lane, dq);
+
+    cur = next;
+    if (next.block >= 0) walk.advance<kBlockM>(next);
+  }
+
+  bwd_store_dkv<Cfg, T>(P, seq, b, hk, col0, keys, kv_row, dkv_col, lane, dk, dv);
+}
+
+// dpsum, then one CTA per (kernel key tile, head, batch) (the hardware's block scheduler balances
+// the uneven lists), then dsinks and the conversions. Ordinary (atomic dQ) mode only: the caller
+// refuses `deterministic`.
+template <typename Cfg, typename T>
+Status launch_portable_bwd_sparse_cfg(const BwdKernelParams& P, const block_sparse::BlockSparseParams& bs,
+                                      Stream stream) {
+  const detail::FwdKernelParams& p = P.fwd;
+  constexpr int kSmem = bwd_smem_bytes<Cfg, T>();
+  auto kernel = portable_bwd_sparse_kernel<Cfg, T>;
+  static const cudaError_t attr = prepare_smem(kernel, kSmem);
+  if (attr != cudaSuccess) return detail::cuda_status(attr, "portable block-sparse backward: shared memory attribute");
+  if (p.batch == 0 || p.heads == 0) return Status::Ok();
+  launch_bwd_dpsum<T>(P, stream);
+  if (p.seqlen_k > 0 && bs.num_kv_blocks > 0) {
+    const int tiles_per_kv_block = (bs.kv_block_size + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    const dim3 grid(bs.num_kv_blocks * tiles_per_kv_block, p.heads, p.batch);
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P, bs);
+  }
+  FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
+  return detail::cuda_status(cudaGetLastError(), "portable block-sparse backward launch");
+}
+
+template <int kHeadDim, typename T>
+Status launch_portable_bwd_sparse(const BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                  Stream stream) {
+  return launch_portable_bwd_sparse_cfg<typename BwdConfigFor<kHeadDim>::type, T>(p, bs, stream);
+}
+
+}  // namespace flare::portable
