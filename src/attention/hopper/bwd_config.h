@@ -11,6 +11,13 @@
 
 namespace flare::hopper {
 
+// Deterministic dQ turns: 0 = tile order (every kv block walks its query blocks ascending, turns
+// in tile order: deadlock-free on any residency); 1 = rotated walks where every kv block sees every
+// query block (dq_turns.h kAuto; needs a round of CTAs resident together). 1 is untested on a GPU.
+#ifndef FLARE_HOPPER_BWD_ROTATE
+#define FLARE_HOPPER_BWD_ROTATE 0
+#endif
+
 template <int kHeadDim_, int kStages_ = 2>
 struct HopperBwdConfig {
   static constexpr int kHeadDim = kHeadDim_;

@@ -17,8 +17,8 @@
 // dQ goes to a shared fp32 tile; warp 1 of the producer warpgroup adds it into dq_accum with bulk
 // reductions (cp.reduce.async.bulk, one per row), so the consumers never wait on global memory.
 // In deterministic mode that warp waits for the query block's turn (a semaphore per (sequence,
-// head, query block), the portable backward's turn order) and hands the turn on once its adds are
-// complete. dK (scaled) and dV leave registers at the end: stored, or added into fp32 accumulators
+// head, query block); turns and walks from src/scheduling/dq_turns.h, the grid in its tile order)
+// and hands the turn on once its adds are complete. dK (scaled) and dV leave registers at the end: stored, or added into fp32 accumulators
 // under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
 // dsinks and the dQ conversion are the portable backward's.
 #pragma once
@@ -43,6 +43,7 @@
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/bulk_copy.h"
 #include "src/common/turn_semaphore.h"
+#include "src/scheduling/dq_turns.h"
 
 // Experiments (wrong results; timing only): 1 = no exp2/mask/dpsum in P and dS, 2 = no dQ GEMM
 // and no dQ adds, 3 = no dK/dV GEMMs.
@@ -61,6 +62,9 @@ struct HopperBwdParams {
   typename L::TmaStats tma_stats;
   GShape shape_q, shape_k;
   typename L::StatsShape shape_stats;
+  // Query-block walks and dQ turns (src/scheduling/dq_turns.h) with this kernel's 64 x 128 tiles;
+  // in deterministic mode also the tile order of the 1D grid (head-major, kv blocks descending).
+  sched::DqPlan plan;
 };
 
 template <typename Cfg, typename T>
@@ -87,21 +91,29 @@ struct BwdTile {
   detail::SeqInfo seq;
   sched::Band band;
   int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
-  sched::BlockRange mrange;  // query blocks that see any of the keys
+  sched::DqWalk walk;  // the query blocks that see any of the keys, in visiting order
+  __device__ __forceinline__ int steps() const { return walk.count; }
+  __device__ __forceinline__ int m_at(int step) const { return sched::q_block_at(walk, step); }
 };
 
-template <typename Cfg>
-__device__ __forceinline__ BwdTile bwd_tile_of(const detail::BwdKernelParams& P, int x, int h, int b) {
+// Ordinary mode: the 3D grid (kv block, head, sequence). Deterministic: a 1D grid in the plan's
+// tile order, which CTAs start in, as the turn order's deadlock freedom assumes.
+template <typename Cfg, typename T>
+__device__ __forceinline__ BwdTile bwd_tile_of(const HopperBwdParams<Cfg, T>& hp) {
+  const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   BwdTile t;
-  t.seq = detail::seq_info(p, b);
+  if (P.deterministic) {
+    const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
+    t.n = c.block, t.h = c.head, t.b = c.batch;
+  } else {
+    t.n = blockIdx.x, t.h = blockIdx.y, t.b = blockIdx.z;
+  }
+  t.seq = detail::seq_info(p, t.b);
   t.band = detail::band_of(p, t.seq);
-  t.n = portable::kv_block_of(P, x);
-  t.h = h;
-  t.b = b;
   t.col0 = t.n * Cfg::kBlockN;
   t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
-  if (t.keys > 0) t.mrange = sched::q_block_range(t.band, t.col0, t.col0 + t.keys, t.seq.seqlen_q, Cfg::kBlockM);
+  if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
   return t;
 }
 
@@ -159,7 +171,8 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
   copy(hp.tma_v.with(sm.kv_full), v_part.partition_S(gV), v_part.partition_D(sV));
   RingPos pos;
-  for (int m = t.mrange.first; m < t.mrange.last; ++m) {
+  for (int step = 0; step < t.steps(); ++step) {
+    const int m = t.m_at(step);
     uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes + L::kStatsBytes);
     copy(hp.tma_q.with(bar), q_src(_, _, _, m), q_dst(_, _, _, pos.index));
     copy(hp.tma_do.with(bar), do_src(_, _, _, m), do_dst(_, _, _, pos.index));
@@ -175,12 +188,19 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   constexpr uint32_t kTileBytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
-  for (int m = t.mrange.first, it = 0; m < t.mrange.last; ++m, ++it) {
+  for (int it = 0; it < t.steps(); ++it) {
+    const int m = t.m_at(it);
     int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
     cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
     if (sem != nullptr) {
-      device_sync::wait_for_turn(
-          sem, portable::dq_turn_of(P, t.band, m, t.n, Cfg::kBlockM, Cfg::kBlockN, t.seq.seqlen_q, t.seq.seqlen_k));
+      const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
+      int turn;
+      if constexpr (FLARE_HOPPER_BWD_ROTATE) {
+        turn = sched::dq_turn(hp.plan, dq_seq, t.b, t.h, t.n, m);
+      } else {  // tile order: the rank among the touching kv blocks, descending (dq_turn without rotation)
+        turn = sched::kv_blocks_touching(hp.plan, dq_seq, m).last - 1 - t.n;
+      }
+      device_sync::wait_for_turn(sem, turn);
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
     float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
@@ -255,10 +275,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   clear(dk_acc);
   constexpr int kN = decltype(size(s_acc))::value;  // S^T elements a thread holds
 
-  if (t.mrange.first < t.mrange.last) {
+  if (t.steps() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos pos;
-    for (int m = t.mrange.first, it = 0; m < t.mrange.last; ++m, ++it) {
+    for (int it = 0; it < t.steps(); ++it) {
+      const int m = t.m_at(it);
       const int q0 = m * Cfg::kBlockM;
       const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];
       const float* dpsum = lse_log2 + Cfg::kBlockM;
@@ -384,14 +405,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  const BwdTile tile = bwd_tile_of<Cfg>(hp.p, blockIdx.x, blockIdx.y, blockIdx.z);
+  const BwdTile tile = bwd_tile_of<Cfg, T>(hp);
   if (tile.keys <= 0) return;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (warp == 0 && tile.mrange.first < tile.mrange.last && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);
+    if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);
 #if FLARE_HOPPER_BWD_EXPERIMENT == 2
     if (warp == 1) {  // releases the dQ tile without adding it
-      for (int it = 0; it < tile.mrange.last - tile.mrange.first; ++it) {
+      for (int it = 0; it < tile.steps(); ++it) {
         cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
         if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
       }

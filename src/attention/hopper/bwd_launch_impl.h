@@ -6,6 +6,7 @@
 #include "src/attention/hopper/bwd_launch.h"
 #include "src/attention/hopper/fwd_launch_impl.h"
 #include "src/attention/portable/bwd_kernel.h"
+#include "src/common/device_facts.h"
 
 namespace flare::hopper {
 
@@ -50,11 +51,17 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
                              Shape<typename L::BN, typename L::HD>{}, _1{});
     hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.v, hp.shape_k, v_stride), typename L::SmemK{},
                              Shape<typename L::BN, typename L::HD>{}, _1{});
+    // Walks and turns; the deterministic grid follows the plan's tile order, one CTA per SM
+    // resident (the rotation's rounds must not exceed that).
+    const detail::DeviceFacts facts = detail::current_device_facts();
+    hp.plan = sched::make_dq_plan(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                  int64_t{facts.l2_bytes} / 2, facts.num_sms,
+                                  FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto : sched::DqScheme::kTileOrder);
     const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks;
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
-    const dim3 grid(P.num_n_blocks, p.heads, p.batch);
+    const dim3 grid = P.deterministic ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
