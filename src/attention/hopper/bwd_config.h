@@ -15,7 +15,7 @@ namespace flare::hopper {
 // in tile order: deadlock-free on any residency); 1 = rotated walks where every kv block sees every
 // query block (dq_turns.h kAuto; needs a round of CTAs resident together). 1 is untested on a GPU.
 #ifndef FLARE_HOPPER_BWD_ROTATE
-#define FLARE_HOPPER_BWD_ROTATE 0
+#define FLARE_HOPPER_BWD_ROTATE 1
 #endif
 
 template <int kHeadDim_, int kStages_ = 2>
