@@ -206,14 +206,14 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
     float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
     if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq.data(), kTileBytes);
     sm90::bulk_commit_group();
+    // The tile is free once read: the consumers go on with the next step while the add completes.
+    sm90::bulk_wait_read_all();
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
     if (sem != nullptr) {
       sm90::bulk_wait_all();  // the adds are performed before the turn passes on
       __threadfence();
       device_sync::pass_turn(sem);
-    } else {
-      sm90::bulk_wait_read_all();
     }
-    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
   }
 }
 
