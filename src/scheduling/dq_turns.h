@@ -191,6 +191,48 @@ FLARE_HD int dq_turn(const DqPlan& p, const DqSequence& s, int b, int h, int n, 
   return in_round_begin + (j >= wrap ? j - wrap : in_round - wrap + j);
 }
 
+// A tile's dQ turns, for a writer that asks once per step: what dq_turn computes from the tile
+// alone (its rank among the touching tiles, its residency round) is done once here. Rotated
+// rectangles, where the touching tiles are the same for every q-block, need one modulo per step;
+// tile order needs the touching range's end. Only for plans that rotate rectangles alone
+// (kAuto, kTileOrder): rotated staircases (kDiagonal) take dq_turn.
+struct DqTurnCursor {
+  int b = 0, h = 0, n = 0;
+  bool rect = false;          // rotated rectangle: the fields below hold
+  int in_round_begin = 0;     // touching positions of earlier rounds
+  int in_round = 0;           // touching positions in n's round
+  int j = 0;                  // n's position within its round
+  int lead_position = 0;      // n' of the round's first position: T = (m - lead_position) mod Q
+};
+
+FLARE_HD DqTurnCursor dq_turn_cursor(const DqPlan& p, const DqSequence& s, int b, int h, int n) {
+  DqTurnCursor c;
+  c.b = b, c.h = h, c.n = n;
+  if (!s.rotate || !is_rectangle(p, s)) return c;
+  const int count = s.num_kv_blocks;
+  const int position = count - 1 - n;
+  TileCoord leader;
+  leader.batch = b, leader.head = h, leader.block = count - 1;
+  const int first_index = tile_index_of(p.order, leader);
+  const int round_begin = (first_index + position) / p.round_tiles * p.round_tiles;
+  c.in_round_begin = order_detail::max_int(0, round_begin - first_index);
+  const int in_round_end = order_detail::min_int(count, round_begin + p.round_tiles - first_index);
+  c.in_round = in_round_end - c.in_round_begin;
+  c.j = position - c.in_round_begin;
+  c.lead_position = count - 1 - c.in_round_begin;
+  c.rect = true;
+  return c;
+}
+
+// Equals dq_turn(p, s, c.b, c.h, c.n, m) when p.scheme is not kDiagonal.
+FLARE_HD int dq_turn_at(const DqTurnCursor& c, const DqPlan& p, const DqSequence& s, int m) {
+  if (!c.rect) return kv_blocks_touching(p, s, m).last - 1 - c.n;
+  const int t0 = positive_mod(m - c.lead_position, s.period);
+  if (t0 + c.in_round <= s.period) return c.in_round_begin + c.j;
+  const int wrap = s.period - t0;
+  return c.in_round_begin + (c.j >= wrap ? c.j - wrap : c.in_round - wrap + c.j);
+}
+
 // GQA: dK/dV of kv head h / group are summed over its q-heads in q-head order. The semaphore
 // (b, kv head, n) counts finished adds; tile (b, h, n) adds when it equals dkv_turn and the final
 // value is the group size. Each q-head's tile of an existing kv block takes its turn, even when

@@ -69,6 +69,8 @@ void check_sequence(const DqPlan& p, int b, int h, int seqlen_q, int seqlen_k) {
     ASSERT_EQ(dq_num_turns(p, s, m), (int)keyed.size()) << "m=" << m;
     for (int k = 0; k < (int)keyed.size(); ++k) {
       const int n = std::get<2>(keyed[k]);
+      if (p.scheme != DqScheme::kDiagonal)
+        ASSERT_EQ(dq_turn_at(dq_turn_cursor(p, s, b, h, n), p, s, m), k) << "cursor, m=" << m << " n=" << n;
       ASSERT_EQ(dq_turn(p, s, b, h, n, m), k) << "m=" << m << " n=" << n << " sq=" << seqlen_q << " sk=" << seqlen_k
                                               << " round=" << p.round_tiles;
     }

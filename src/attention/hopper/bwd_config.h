@@ -13,9 +13,15 @@ namespace flare::hopper {
 
 // Deterministic dQ turns: 0 = tile order (every kv block walks its query blocks ascending, turns
 // in tile order: deadlock-free on any residency); 1 = rotated walks where every kv block sees every
-// query block (dq_turns.h kAuto; needs a round of CTAs resident together). 1 is untested on a GPU.
+// query block (dq_turns.h kAuto; needs a round of CTAs resident together).
 #ifndef FLARE_HOPPER_BWD_ROTATE
-#define FLARE_HOPPER_BWD_ROTATE 1
+#define FLARE_HOPPER_BWD_ROTATE 0
+#endif
+
+// dQ tiles in shared memory: 2 lets the consumers write a step's tile while the writer still waits
+// for the previous one's turn (deterministic mode) or add.
+#ifndef FLARE_HOPPER_BWD_DQ_BUFS
+#define FLARE_HOPPER_BWD_DQ_BUFS 1
 #endif
 
 template <int kHeadDim_, int kStages_ = 2>
@@ -23,6 +29,7 @@ struct HopperBwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;   // query rows per step
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kDqBufs = FLARE_HOPPER_BWD_DQ_BUFS;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);

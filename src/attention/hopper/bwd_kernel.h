@@ -75,11 +75,11 @@ struct BwdSmem {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> dout;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds[2];
-  cute::array_aligned<float, Cfg::kBlockM * Cfg::kHeadDim, 128> dq;  // this step's dQ tile, fp32, thread order
+  cute::array_aligned<float, Cfg::kBlockM * Cfg::kHeadDim, 128> dq[Cfg::kDqBufs];  // step it's dQ tile in dq[it % kDqBufs], fp32, thread order
   cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
   uint64_t kv_full;
   StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q, dO and the row statistics of one query block
-  uint64_t dq_full, dq_empty;            // the dQ tile: written by the 8 consumer warps / read by the bulk adds
+  uint64_t dq_full[Cfg::kDqBufs], dq_empty[Cfg::kDqBufs];  // a dQ tile: written by the 8 consumer warps / read by the bulk adds
 };
 
 template <typename Cfg, typename T>
@@ -188,27 +188,23 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   constexpr uint32_t kTileBytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
+  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
+  const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   for (int it = 0; it < t.steps(); ++it) {
     const int m = t.m_at(it);
     int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
-    cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
+    const int buf = it % Cfg::kDqBufs;
+    cutlass::arch::ClusterBarrier::wait(&sm.dq_full[buf], (it / Cfg::kDqBufs) & 1);
     if (sem != nullptr) {
-      const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
-      int turn;
-      if constexpr (FLARE_HOPPER_BWD_ROTATE) {
-        turn = sched::dq_turn(hp.plan, dq_seq, t.b, t.h, t.n, m);
-      } else {  // tile order: the rank among the touching kv blocks, descending (dq_turn without rotation)
-        turn = sched::kv_blocks_touching(hp.plan, dq_seq, m).last - 1 - t.n;
-      }
-      device_sync::wait_for_turn(sem, turn);
+      device_sync::wait_for_turn(sem, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
     float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
-    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq.data(), kTileBytes);
+    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq[buf].data(), kTileBytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();
-    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[buf]);
     if (sem != nullptr) {
       sm90::bulk_wait_all();  // the adds are performed before the turn passes on
       __threadfence();
@@ -348,14 +344,15 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
 
       // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
       // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
-      if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty, (it - 1) & 1);
+      const int buf = it % Cfg::kDqBufs;
+      if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
       CUTE_UNROLL
       for (int i = 0; i < size(dq_acc); i += 4)
-        *reinterpret_cast<float4*>(&sm.dq[hopper_dq_tile_offset<Cfg>(ct, i)]) =
+        *reinterpret_cast<float4*>(&sm.dq[buf][hopper_dq_tile_offset<Cfg>(ct, i)]) =
             make_float4(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale, dq_acc(i + 2) * p.scale, dq_acc(i + 3) * p.scale);
       sm90::fence_proxy_async_shared();
       __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full);
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[buf]);
     }
   }
 
@@ -400,8 +397,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
     sm.qdo_ring.init(4 * Cfg::kConsumerWGs);
-    cutlass::arch::ClusterBarrier::init(&sm.dq_full, 4 * Cfg::kConsumerWGs);
-    cutlass::arch::ClusterBarrier::init(&sm.dq_empty, 1);
+    for (int i = 0; i < Cfg::kDqBufs; ++i) {
+      cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4 * Cfg::kConsumerWGs);
+      cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -413,8 +412,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 #if FLARE_HOPPER_BWD_EXPERIMENT == 2
     if (warp == 1) {  // releases the dQ tile without adding it
       for (int it = 0; it < tile.steps(); ++it) {
-        cutlass::arch::ClusterBarrier::wait(&sm.dq_full, it & 1);
-        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty);
+        const int buf = it % Cfg::kDqBufs;
+        cutlass::arch::ClusterBarrier::wait(&sm.dq_full[buf], (it / Cfg::kDqBufs) & 1);
+        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[buf]);
       }
     }
 #else
