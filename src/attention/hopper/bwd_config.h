@@ -15,7 +15,7 @@ namespace flare::hopper {
 // in tile order: deadlock-free on any residency); 1 = rotated walks where every kv block sees every
 // query block (dq_turns.h kAuto; needs a round of CTAs resident together).
 #ifndef FLARE_HOPPER_BWD_ROTATE
-#define FLARE_HOPPER_BWD_ROTATE 0
+#define FLARE_HOPPER_BWD_ROTATE 1
 #endif
 
 // dQ tiles in shared memory: 2 lets the consumers write a step's tile while the writer still waits
