@@ -380,6 +380,41 @@ py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
   return d;
 }
 
+// The plan depends on the shapes only; a decode loop asks for the same one every step. The last
+// shapes seen (per thread) and their plan are kept, so a repeated call skips the validation pass
+// and the planner (decode_run validates every call anyway). The table pointer is part of the key:
+// loading a table re-plans.
+struct DecodePlanMemo {
+  std::array<int64_t, 16> dims{};
+  const void* table = nullptr;
+  bool valid = false;
+  flare::DecodePlan plan;
+};
+
+flare::DecodePlan memoized_plan(const flare::DecodeParams& p, const OptTensor& page_table, int64_t num_splits,
+                                int device) {
+  thread_local DecodePlanMemo memo;
+  const auto table = tuning_table();
+  std::array<int64_t, 16> dims{};
+  for (int i = 0; i < 4; ++i) dims[i] = p.q.shape[i], dims[4 + i] = p.k_cache.shape[i];
+  dims[8] = page_table.has_value() ? page_table->size(0) : -1;
+  dims[9] = page_table.has_value() ? page_table->size(1) : -1;
+  dims[10] = p.window_left;
+  dims[11] = static_cast<int64_t>(p.q.dtype);
+  dims[12] = num_splits;
+  dims[13] = device;
+  dims[14] = p.causal;
+  dims[15] = p.v_cache.shape[3];
+  if (memo.valid && memo.dims == dims && memo.table == table.get()) return memo.plan;
+  flare::DecodeShapeKey key;
+  throw_if_error(flare::decode_shape_key(p, &key), kDecodeNames);
+  memo.plan = plan_for(key, num_splits, device);
+  memo.dims = dims;
+  memo.table = table.get();
+  memo.valid = true;
+  return memo.plan;
+}
+
 std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
                                           const OptTensor& page_table, const OptTensor& workspace,
@@ -418,9 +453,7 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tens
   p.window_left = static_cast<int>(window_left);
   p.stream = current_stream(device);
 
-  flare::DecodeShapeKey key;
-  throw_if_error(flare::decode_shape_key(p, &key), kDecodeNames);
-  const flare::DecodePlan plan = plan_for(key, num_splits, device.index());
+  const flare::DecodePlan plan = memoized_plan(p, page_table, num_splits, device.index());
   void* ws = nullptr;
   std::size_t ws_bytes = 0;
   at::Tensor owned;
