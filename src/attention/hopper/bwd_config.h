@@ -18,8 +18,8 @@ namespace flare::hopper {
 #define FLARE_HOPPER_BWD_ROTATE 1
 #endif
 
-// dQ tiles in shared memory: 2 lets the consumers write a step's tile while the writer still waits
-// for the previous one's turn (deterministic mode) or add.
+// dQ tiles in shared memory, each with its own writer thread: 2 keeps two adds (and in
+// deterministic mode two turn handoffs) in flight; at most 3 (producer warps 1-3).
 #ifndef FLARE_HOPPER_BWD_DQ_BUFS
 #define FLARE_HOPPER_BWD_DQ_BUFS 1
 #endif
@@ -30,6 +30,7 @@ struct HopperBwdConfig {
   static constexpr int kBlockM = 64;   // query rows per step
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
   static constexpr int kDqBufs = FLARE_HOPPER_BWD_DQ_BUFS;
+  static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one writer warp per dQ tile: producer warps 1-3");
   static constexpr int kConsumerWGs = 2;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);

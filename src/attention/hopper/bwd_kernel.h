@@ -182,18 +182,20 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   }
 }
 
-// Producer warp 1 (one thread): adds each step's dQ tile into dq_accum with one bulk reduction.
+// A dQ writer (one thread of producer warp 1 + buf): adds the dQ tiles of steps buf, buf + kDqBufs,
+// ... into dq_accum, one bulk reduction each. With two tiles, two writers keep two adds (and, in
+// deterministic mode, their turn handoffs) in flight.
 template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
+__device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
+                                             int buf) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   constexpr uint32_t kTileBytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
-  for (int it = 0; it < t.steps(); ++it) {
+  for (int it = buf; it < t.steps(); it += Cfg::kDqBufs) {
     const int m = t.m_at(it);
     int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
-    const int buf = it % Cfg::kDqBufs;
     cutlass::arch::ClusterBarrier::wait(&sm.dq_full[buf], (it / Cfg::kDqBufs) & 1);
     if (sem != nullptr) {
       device_sync::wait_for_turn(sem, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
@@ -418,7 +420,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       }
     }
 #else
-    if (warp == 1 && cute::elect_one_sync()) bwd_write_dq<Cfg, T>(hp, sm, tile);
+    if (warp >= 1 && warp <= Cfg::kDqBufs && cute::elect_one_sync()) bwd_write_dq<Cfg, T>(hp, sm, tile, warp - 1);
 #endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
