@@ -21,7 +21,7 @@ namespace flare::hopper {
 // dQ tiles in shared memory, each with its own writer thread: 2 keeps two adds (and in
 // deterministic mode two turn handoffs) in flight; at most 3 (producer warps 1-3).
 #ifndef FLARE_HOPPER_BWD_DQ_BUFS
-#define FLARE_HOPPER_BWD_DQ_BUFS 1
+#define FLARE_HOPPER_BWD_DQ_BUFS 2
 #endif
 
 template <int kHeadDim_, int kStages_ = 2>
