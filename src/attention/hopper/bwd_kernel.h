@@ -14,12 +14,13 @@
 //     dQ[:, half w] = dS K[:, half w]                  (wgmma, shared x shared, both warpgroups'
 //                                                       keys)
 //
-// dQ goes to a shared fp32 tile; warp 1 of the producer warpgroup adds it into dq_accum with bulk
-// reductions (cp.reduce.async.bulk, one per row), so the consumers never wait on global memory.
-// In deterministic mode that warp waits for the query block's turn (a semaphore per (sequence,
-// head, query block); turns and walks from src/scheduling/dq_turns.h, the grid in its tile order)
-// and hands the turn on once its adds are complete. dK (scaled) and dV leave registers at the end: stored, or added into fp32 accumulators
-// under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
+// dQ goes to a shared fp32 tile (kDqBufs of them, alternating by step); one thread of producer
+// warp 1 + (step mod kDqBufs) adds it into dq_accum with one bulk reduction (cp.reduce.async.bulk),
+// so the consumers never wait on global memory. In deterministic mode that writer waits for the
+// query block's turn (a semaphore per (sequence, head, query block); turns and walks from
+// src/scheduling/dq_turns.h, the grid in its tile order) and hands the turn on once its add is
+// complete; two writers keep two such handoffs in flight. dK (scaled) and dV leave registers at
+// the end: stored, or added into fp32 accumulators under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
 // dsinks and the dQ conversion are the portable backward's.
 #pragma once
 
