@@ -108,7 +108,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     if (hop.ok()) {
       plan->hopper = true;
       plan->blocks.block_m = hopper::kHopperBwdBlockM;
-      plan->blocks.block_n = hopper::kHopperBwdBlockN;
+      plan->blocks.block_n = hopper::hopper_bwd_block_n(plan->blocks.head_dim);
     } else if (p.backend == Backend::kHopper) {
       return hop;
     }
@@ -118,7 +118,8 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
 #endif
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
-                                              plan->hopper ? plan->blocks.head_dim : 0);
+                                              plan->hopper ? plan->blocks.head_dim : 0,
+                                              plan->hopper ? hopper::hopper_bwd_dq_chains(plan->blocks.head_dim) : 1);
   return Status::Ok();
 }
 

@@ -8,7 +8,7 @@ std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 }  // namespace
 
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
-                                        int hopper_head_dim) {
+                                        int hopper_head_dim, int dq_chains) {
   BwdWorkspaceLayout l;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
@@ -33,7 +33,7 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
   }
   if (deterministic) {
     const std::size_t m_blocks = (s.seqlen_q + block_m - 1) / block_m, n_blocks = (s.seqlen_k + block_n - 1) / block_n;
-    l.dq_semaphore = take(std::size_t{1} * s.batch * s.heads * m_blocks * sizeof(int));
+    l.dq_semaphore = take(std::size_t{1} * s.batch * s.heads * m_blocks * dq_chains * sizeof(int));
     l.dkv_semaphore = take(std::size_t{1} * s.batch * s.heads_kv * n_blocks * sizeof(int));
   }
   l.total = at;

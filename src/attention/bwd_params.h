@@ -72,9 +72,10 @@ struct BwdWorkspaceLayout {
 };
 
 // `hopper_head_dim` > 0: the Hopper kernel's layout (its padded row statistics and dQ tiles, for
-// that instantiated head dim; block_m must be kRowStatsBlockM).
+// that instantiated head dim; block_m must be kRowStatsBlockM). `dq_chains`: dQ semaphores per
+// query block (independent turn chains of its parts).
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
-                                        int hopper_head_dim = 0);
+                                        int hopper_head_dim = 0, int dq_chains = 1);
 
 // The forward's view of a backward call: the same inputs, mask and scalars.
 AttentionForwardParams forward_view(const AttentionBackwardParams& b);

@@ -1,7 +1,7 @@
 // The Hopper attention backward against the CPU oracle, ordinary and deterministic: head dims up to
-// 128, every mask, GQA/MQA, seqlen_q != seqlen_k, varlen with empty and one-token sequences,
-// attention sinks; the deterministic mode's bitwise reproducibility. (Soft-capping and head dims
-// above 128 run the portable backward: test_attention_backward.)
+// 128 and 256 (the split tiling), every mask, GQA/MQA, seqlen_q != seqlen_k, varlen with empty and
+// one-token sequences, attention sinks; the deterministic mode's bitwise reproducibility.
+// (Soft-capping and other head dims run the portable backward: test_attention_backward.)
 // FLARE_TEST_REDUCED=1 runs a small subset.
 #include <gtest/gtest.h>
 
@@ -34,8 +34,11 @@ void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backe
 TEST(HopperBackward, Sweep) {
   FLARE_REQUIRE_HOPPER();
   uint64_t seed = 6000;
-  for (int d : {64, 80, 96, 128})
+  for (int d : {64, 80, 96, 128, 256})
     for (int li = 0; li < kBackwardSweepCases; ++li) {
+#ifndef FLARE_HAS_HEAD_DIM_256
+      if (d == 256) continue;
+#endif
       if (reduced() && li != 2) continue;
       run_backward(backward_sweep_case(d, li, seed++), li % 3 == 0);
     }
@@ -52,6 +55,24 @@ TEST(HopperBackward, MasksAndRatios) {
       }
 }
 
+#ifdef FLARE_HAS_HEAD_DIM_256
+// Head dim 256 runs the split tiling (64 keys a CTA, the head dim halved between warpgroups).
+TEST(HopperBackward, HeadDim256MasksRatiosSinksVarlen) {
+  FLARE_REQUIRE_HOPPER();
+  uint64_t seed = 6800;
+  for (const MaskParams& m : kSweepMasks)
+    for (int ratio : {1, 4}) {
+      AttnCase c = mask_ratio_case(m, ratio, seed++);
+      c.head_dim = 256;
+      c.dtype = ratio == 4 ? DType::kFloat16 : DType::kBFloat16;
+      run_backward(c, ratio == 4);
+      if (reduced()) return;
+    }
+  run_backward(varlen_sinks_case(256, 2, MaskParams{true, -1, -1}, 6900), true);
+  run_backward(varlen_sinks_case(256, 4, MaskParams{false, 50, 10}, 6901), false);
+}
+#endif
+
 TEST(HopperBackward, SinksVarlen) {
   FLARE_REQUIRE_HOPPER();
   for (int d : {64, 128}) {
@@ -63,20 +84,25 @@ TEST(HopperBackward, SinksVarlen) {
 
 TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
   FLARE_REQUIRE_HOPPER();
-  // The last two have more tiles than the H100 holds at once (4 x 16 heads x 32 kv blocks): the
-  // rotated walks' residency rounds and several tiles per semaphore in flight.
+  // Some have more tiles than the H100 holds at once (4 x 16 heads x 32 kv blocks at d128): the
+  // rotated walks' residency rounds and several tiles per semaphore in flight. Head dim 256 runs the
+  // split tiling, whose dQ halves have a turn chain each.
   struct Det {
     MaskParams mask;
-    int ratio, seqlen, heads, batch;
+    int head_dim, ratio, seqlen, heads, batch;
   };
-  for (const Det& d : {Det{MaskParams{}, 1, 1000, 8, 2}, Det{MaskParams{true, -1, -1}, 4, 1000, 8, 2},
-                       Det{MaskParams{false, 300, 0}, 2, 1000, 8, 2}, Det{MaskParams{}, 1, 4096, 16, 4},
-                       Det{MaskParams{true, -1, -1}, 2, 4096, 16, 4}}) {
+  for (const Det& d : {Det{MaskParams{}, 128, 1, 1000, 8, 2}, Det{MaskParams{true, -1, -1}, 128, 4, 1000, 8, 2},
+                       Det{MaskParams{false, 300, 0}, 64, 2, 1000, 8, 2}, Det{MaskParams{}, 128, 1, 4096, 16, 4},
+                       Det{MaskParams{true, -1, -1}, 64, 2, 4096, 16, 4}, Det{MaskParams{}, 256, 3, 2000, 6, 2},
+                       Det{MaskParams{true, -1, -1}, 256, 1, 3000, 8, 2}}) {
     if (reduced() && d.seqlen > 1000) continue;
+#ifndef FLARE_HAS_HEAD_DIM_256
+    if (d.head_dim == 256) continue;
+#endif
     const MaskParams mask = d.mask;
     const int ratio = d.ratio;
     AttnCase c;
-    c.head_dim = ratio == 2 ? 64 : 128;
+    c.head_dim = d.head_dim;
     c.seqlen_q = c.seqlen_k = d.seqlen;
     c.heads = d.heads;
     c.heads_kv = d.heads / ratio;
@@ -89,16 +115,16 @@ TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
 
 TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {
   FLARE_REQUIRE_HOPPER();
-#ifndef FLARE_HAS_HEAD_DIM_256
-  GTEST_SKIP() << "head dim 256 is not instantiated in this build";
+#ifndef FLARE_HAS_HEAD_DIM_192
+  GTEST_SKIP() << "head dim 192 is not instantiated in this build";
 #endif
   AttnCase c;
-  c.head_dim = 256;
+  c.head_dim = 192;
   c.seqlen_q = c.seqlen_k = 64;
   AttnProblem prob(c);
   ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kAuto)).ok());
   AttentionBackwardParams forced = prob.backward_params(Backend::kHopper, false);
-  EXPECT_FALSE(attention_backward(forced).ok()) << "head dim 256 is not the Hopper backward's";
+  EXPECT_FALSE(attention_backward(forced).ok()) << "head dim 192 is not the Hopper backward's";
   AttentionBackwardParams automatic = prob.backward_params(Backend::kAuto, true);
   EXPECT_TRUE(attention_backward(automatic).ok()) << "kAuto runs the portable backward for it";
 }

@@ -3,10 +3,13 @@
 // A CTA owns kBlockN = 128 keys of one (sequence, q head): a producer warpgroup (TMA) and two
 // consumer warpgroups of 64 keys each, which hold their keys' dK and dV in registers while the
 // query blocks (kBlockM = 64 rows of Q and dO, kStages deep) stream past. dK and dV take
-// 2 x head_dim / 2 registers a thread, so this tiling serves head dims up to 128; larger ones run
-// the portable backward.
+// 2 x head_dim / 2 registers a thread, so this tiling serves head dims up to 128; larger ones take
+// HopperBwdSplitConfig below.
 #pragma once
 
+#include <type_traits>
+
+#include "src/attention/bwd_params.h"
 #include "src/attention/hopper/register_split.h"
 
 namespace flare::hopper {
@@ -26,6 +29,7 @@ namespace flare::hopper {
 
 template <int kHeadDim_, int kStages_ = 2>
 struct HopperBwdConfig {
+  static constexpr bool kSplitHeadDim = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 64;   // query rows per step
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
@@ -37,8 +41,45 @@ struct HopperBwdConfig {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
+  // Element i of consumer thread ct's dQ fragment in its 64-row tile (16-byte groups, thread order).
+  static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
+    return detail::hopper_dq_tile_offset(kConsumerWGs * 128, ct, i);
+  }
 };
 
-inline constexpr int kHopperBwdMaxHeadDim = 128;
+// Head dims above 128 (docs/hopper_bwd_d256.md): a CTA owns 64 keys and its two consumer
+// warpgroups split the head dim: warpgroup 0 forms S^T and P^T, warpgroup 1 dP^T and dS^T, and
+// each keeps its half of dK, dV and dQ. Q rides a ring of kStages stages (with the row
+// statistics), dO a ring of one; the dQ tile goes out in two halves through one shared buffer,
+// each half with its own writer and, when deterministic, its own turn chain.
+template <int kHeadDim_, int kStages_ = 2>
+struct HopperBwdSplitConfig {
+  static constexpr bool kSplitHeadDim = true;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;  // query rows per step
+  static constexpr int kBlockN = 64;  // keys per CTA, shared by both consumer warpgroups
+  static constexpr int kDqBufs = 2;   // dQ halves (one shared buffer), one writer each
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (kConsumerWGs + 1);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
+  // Half w (warpgroup w's columns) of a 64-row tile, each half in its 128 threads' order.
+  static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
+    return (ct / 128) * kBlockM * (kHeadDim / 2) + detail::hopper_dq_tile_offset(128, ct % 128, i);
+  }
+};
+
+// The instantiated head dims it serves: up to 128 (64 keys a warpgroup) and 256 (split; 192 would
+// split an MN-major swizzle atom of K^T at column 96).
+constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_dim <= 128 || head_dim == 256); }
+template <int kHeadDim>
+using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>, HopperBwdConfig<kHeadDim>>;
+
+inline constexpr int kHopperBwdMaxHeadDim = 256;
+// Keys per CTA and dQ turn chains per 64-row query block (the split tiling's halves have one each).
+constexpr int hopper_bwd_block_n(int head_dim) { return head_dim > 128 ? 64 : 128; }
+constexpr int hopper_bwd_dq_chains(int head_dim) { return head_dim > 128 ? 2 : 1; }
 
 }  // namespace flare::hopper

@@ -15,9 +15,9 @@ Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim) {
   if (p.block_mask != nullptr)
     return Status::NotSupported("block_mask: the Hopper backward has no block-sparse mask (the portable one serves it)");
   FLARE_RETURN_IF_ERROR(check_sm90());
-  if (head_dim == 0 || head_dim > kHopperBwdMaxHeadDim)
-    return Status::NotSupported("head dim: the Hopper backward serves head dims up to " +
-                                std::to_string(kHopperBwdMaxHeadDim));
+  if (!hopper_bwd_serves(head_dim))
+    return Status::NotSupported("head dim: the Hopper backward serves head dims up to 128 and 256, not " +
+                                std::to_string(head_dim));
   if (p.softcap > 0.f) return Status::NotSupported("softcap: the Hopper backward does not soft-cap yet");
   const bool varlen = p.cu_seqlens_q.data != nullptr;
   FLARE_RETURN_IF_ERROR(check_tma_operand("q", p.q.data, detail::row_strides(p.q, varlen), varlen));

@@ -36,6 +36,7 @@
 #include "src/attention/bwd_params.h"
 #include "src/attention/hopper/bwd_config.h"
 #include "src/attention/hopper/bwd_layouts.h"
+#include "src/attention/hopper/bwd_split_layouts.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/smem_struct.h"
 #include "src/attention/hopper/stage_ring.h"
@@ -99,8 +100,8 @@ struct BwdTile {
 
 // Ordinary mode: the 3D grid (kv block, head, sequence). Deterministic: a 1D grid in the plan's
 // tile order, which CTAs start in, as the turn order's deadlock freedom assumes.
-template <typename Cfg, typename T>
-__device__ __forceinline__ BwdTile bwd_tile_of(const HopperBwdParams<Cfg, T>& hp) {
+template <typename Cfg, typename Params>
+__device__ __forceinline__ BwdTile bwd_tile_of(const Params& hp) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   BwdTile t;
@@ -123,7 +124,7 @@ __device__ __forceinline__ BwdTile bwd_tile_of(const HopperBwdParams<Cfg, T>& hp
 // hopper_dq_convert_kernel maps it back to (row, column).
 template <typename Cfg>
 __device__ __forceinline__ int hopper_dq_tile_offset(int ct, int i) {
-  return detail::hopper_dq_tile_offset(Cfg::kConsumerWGs * 128, ct, i);
+  return Cfg::dq_tile_offset(ct, i);
 }
 // Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
 template <typename Cfg>
@@ -183,31 +184,44 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   }
 }
 
-// A dQ writer (one thread of producer warp 1 + buf): adds the dQ tiles of steps buf, buf + kDqBufs,
-// ... into dq_accum, one bulk reduction each. With two tiles, two writers keep two adds (and, in
+// One dQ writer's share: the steps it adds (first, first + stride, ...), the shared tile it reads,
+// the barrier the consumers fill it on and the one it frees it on, where in the 64-row dq_accum
+// tile its part goes, and (deterministic) its turn chain among `chains` per query block.
+struct DqWriterPart {
+  const float* smem;
+  uint64_t* full;
+  uint64_t* empty;
+  int first_step = 0, step_stride = 1;
+  int tile_offset = 0;
+  uint32_t bytes = 0;
+  int chain = 0, chains = 1;
+};
+
+// A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
+// dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
 // deterministic mode, their turn handoffs) in flight.
-template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
-                                             int buf) {
+template <typename Cfg, typename Params>
+__device__ __forceinline__ void bwd_write_dq(const Params& hp, const BwdTile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
-  constexpr uint32_t kTileBytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
-  for (int it = buf; it < t.steps(); it += Cfg::kDqBufs) {
+  for (int it = part.first_step, k = 0; it < t.steps(); it += part.step_stride, ++k) {
     const int m = t.m_at(it);
-    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m : nullptr;
-    cutlass::arch::ClusterBarrier::wait(&sm.dq_full[buf], (it / Cfg::kDqBufs) & 1);
+    int* sem = P.deterministic
+                   ? P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m) * part.chains + part.chain
+                   : nullptr;
+    cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
     if (sem != nullptr) {
       device_sync::wait_for_turn(sem, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
     float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
-    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, sm.dq[buf].data(), kTileBytes);
+    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + part.tile_offset, part.smem, part.bytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();
-    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[buf]);
+    cutlass::arch::ClusterBarrier::arrive(part.empty);
     if (sem != nullptr) {
       sm90::bulk_wait_all();  // the adds are performed before the turn passes on
       __threadfence();
@@ -216,8 +230,46 @@ __device__ __forceinline__ void bwd_write_dq(const HopperBwdParams<Cfg, T>& hp, 
   }
 }
 
-// Both consumer warpgroups (256 threads) at named barrier 1.
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// dK (scaled) and dV from the consumers' registers: stored, or added into the fp32 accumulators
+// under GQA (in q-head order, one turn per head of the group, when deterministic). ct: the
+// consumer thread (0..255); dkv_coord: the (key, column) of each accumulator element.
+template <typename Cfg, typename T, typename AccK, typename AccV, typename Coord>
+__device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, const BwdTile& t, const AccK& dk_acc,
+                                              const AccV& dv_acc, const Coord& dkv_coord, int ct) {
+  using namespace cute;
+  const detail::FwdKernelParams& p = P.fwd;
+  const bool gqa = p.group > 1;
+  const int hk = t.h / p.group;
+  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{t.b} * p.heads_kv + hk) * P.num_n_blocks + t.n : nullptr;
+  if (sem != nullptr) {
+    if (ct == 0) device_sync::wait_for_turn(sem, t.h % p.group);
+    consumers_sync();
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(dk_acc); i += 2) {
+    const int key = get<0>(dkv_coord(i)), col = get<1>(dkv_coord(i));
+    if (key >= t.keys || col >= p.head_dim) continue;
+    const float k0 = dk_acc(i) * p.scale, k1 = dk_acc(i + 1) * p.scale;
+    const float v0 = dv_acc(i), v1 = dv_acc(i + 1);
+    if (!gqa) {
+      T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
+      T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
+      *reinterpret_cast<uint32_t*>(dkp) = portable::ElemTraits<T>::pack(k0, k1);
+      *reinterpret_cast<uint32_t*>(dvp) = portable::ElemTraits<T>::pack(v0, v1);
+    } else {
+      const int64_t off = (detail::accum_row(p, t.b, t.seq.k_start, t.col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
+      portable::red_add_f32x2(P.dk_accum + off, k0, k1);
+      portable::red_add_f32x2(P.dv_accum + off, v0, v1);
+    }
+  }
+  if (sem != nullptr) {
+    __threadfence();
+    consumers_sync();
+    if (ct == 0) device_sync::pass_turn(sem);
+  }
+}
 
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
@@ -359,37 +411,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
     }
   }
 
-  // dK (scaled) and dV: stored, or added into the fp32 accumulators under GQA (in q-head order,
-  // one turn per head of the group, when deterministic).
-  const bool gqa = p.group > 1;
-  const int hk = t.h / p.group;
-  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{t.b} * p.heads_kv + hk) * P.num_n_blocks + t.n : nullptr;
-  if (sem != nullptr) {
-    if (ct == 0) device_sync::wait_for_turn(sem, t.h % p.group);
-    consumers_sync();
-  }
-  CUTE_UNROLL
-  for (int i = 0; i < size(dk_acc); i += 2) {
-    const int key = get<0>(dkv_coord(i)), col = get<1>(dkv_coord(i));
-    if (key >= t.keys || col >= p.head_dim) continue;
-    const float k0 = dk_acc(i) * p.scale, k1 = dk_acc(i + 1) * p.scale;
-    const float v0 = dv_acc(i), v1 = dv_acc(i + 1);
-    if (!gqa) {
-      T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
-      T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, t.b, t.seq.k_start + t.col0 + key, hk) + col;
-      *reinterpret_cast<uint32_t*>(dkp) = portable::ElemTraits<T>::pack(k0, k1);
-      *reinterpret_cast<uint32_t*>(dvp) = portable::ElemTraits<T>::pack(v0, v1);
-    } else {
-      const int64_t off = (detail::accum_row(p, t.b, t.seq.k_start, t.col0 + key, p.seqlen_k) * p.heads_kv + hk) * p.head_dim + col;
-      portable::red_add_f32x2(P.dk_accum + off, k0, k1);
-      portable::red_add_f32x2(P.dv_accum + off, v0, v1);
-    }
-  }
-  if (sem != nullptr) {
-    __threadfence();
-    consumers_sync();
-    if (ct == 0) device_sync::pass_turn(sem);
-  }
+  bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
 
 template <typename Cfg, typename T>
@@ -407,7 +429,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  const BwdTile tile = bwd_tile_of<Cfg, T>(hp);
+  const BwdTile tile = bwd_tile_of<Cfg>(hp);
   if (tile.keys <= 0) return;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
@@ -421,7 +443,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       }
     }
 #else
-    if (warp >= 1 && warp <= Cfg::kDqBufs && cute::elect_one_sync()) bwd_write_dq<Cfg, T>(hp, sm, tile, warp - 1);
+    if (warp >= 1 && warp <= Cfg::kDqBufs && cute::elect_one_sync()) {
+      const int buf = warp - 1;
+      DqWriterPart part;
+      part.smem = sm.dq[buf].data();
+      part.full = &sm.dq_full[buf];
+      part.empty = &sm.dq_empty[buf];
+      part.first_step = buf;
+      part.step_stride = Cfg::kDqBufs;
+      part.bytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
+      bwd_write_dq<Cfg>(hp, tile, part);
+    }
 #endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -435,7 +467,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_kernel(const detail::BwdKernelParams P) {
   using namespace cute;
-  using L = BwdLayouts<Cfg, T>;
+  using L = BwdLayoutsFor<Cfg, T>;
   const detail::FwdKernelParams& p = P.fwd;
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z, ct = threadIdx.x;
   const detail::SeqInfo seq = detail::seq_info(p, b);

@@ -2,18 +2,19 @@
 #pragma once
 
 #include "src/attention/bwd_params.h"
+#include "src/attention/hopper/bwd_config.h"
 
 namespace flare::hopper {
 
 template <int kHeadDim, typename T>
 Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream);
 
-// Ok when the Hopper backward can run this problem (sm_90, head dim <= 128, no soft-capping, no
+// Ok when the Hopper backward can run this problem (sm_90, head dim <= 256, no soft-capping, no
 // block mask, TMA-addressable operands), else why not. `head_dim` is the instantiated one.
 Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim);
 
-// Query rows per step and keys per CTA (they size the workspace).
-inline constexpr int kHopperBwdBlockM = 64, kHopperBwdBlockN = 128;
+// Query rows per step (keys per CTA: hopper_bwd_block_n in bwd_config.h; they size the workspace).
+inline constexpr int kHopperBwdBlockM = 64;
 
 Status hopper_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream);
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "src/attention/hopper/bwd_kernel.h"
+#include "src/attention/hopper/bwd_split_kernel.h"
 #include "src/attention/hopper/bwd_launch.h"
 #include "src/attention/hopper/fwd_launch_impl.h"
 #include "src/attention/portable/bwd_kernel.h"
@@ -16,9 +17,21 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
   using L = BwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = P.fwd;
   if (p.batch == 0 || p.heads == 0) return Status::Ok();
-  constexpr int kSmem = hopper_bwd_smem_bytes<Cfg, T>();
+  constexpr int kSmem = [] {
+    if constexpr (Cfg::kSplitHeadDim) {
+      return hopper_bwd_split_smem_bytes<Cfg, T>();
+    } else {
+      return hopper_bwd_smem_bytes<Cfg, T>();
+    }
+  }();
   static_assert(kSmem <= 227 * 1024, "the Hopper backward's shared memory exceeds an H100 CTA's 227 KB");
-  auto kernel = hopper_bwd_kernel<Cfg, T>;
+  auto kernel = [] {
+    if constexpr (Cfg::kSplitHeadDim) {
+      return hopper_bwd_split_kernel<Cfg, T>;
+    } else {
+      return hopper_bwd_kernel<Cfg, T>;
+    }
+  }();
   static const cudaError_t attr = [&] {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) (void)cudaGetLastError();
@@ -73,13 +86,13 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream) {
 
 template <int kHeadDim, typename T>
 Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream) {
-  if constexpr (kHeadDim > kHopperBwdMaxHeadDim) {
+  if constexpr (!hopper_bwd_serves(kHeadDim)) {
     (void)p;
     (void)stream;
-    return Status::NotSupported("head dim " + std::to_string(kHeadDim) + ": the Hopper backward serves head dims up to " +
-                                std::to_string(kHopperBwdMaxHeadDim));
+    return Status::NotSupported("head dim " + std::to_string(kHeadDim) +
+                                ": the Hopper backward serves head dims up to 128 and 256");
   } else {
-    return launch_hopper_bwd_cfg<HopperBwdConfig<kHeadDim>, T>(p, stream);
+    return launch_hopper_bwd_cfg<HopperBwdConfigFor<kHeadDim>, T>(p, stream);
   }
 }
 

@@ -1,0 +1,296 @@
+// Hopper attention backward for head dims above 128 (HopperBwdSplitConfig, sm_90a).
+//
+// A CTA owns 64 keys of one (sequence, q head). Their dK and dV (64 x 256 each) do not fit one
+// warpgroup's registers, so the two consumer warpgroups split the head dim and the work of a
+// query block of 64 rows (docs/hopper_bwd_d256.md):
+//
+//     warpgroup 0                                 warpgroup 1
+//     S^T = K Q^T                                 dP^T = V dO^T                  (wgmma, k = head dim)
+//     P^T = exp2(S^T scale log2e - LSE log2e)     waits for P^T
+//       -> shared memory (stmatrix)  ---------->  P^T <- shared memory (ldmatrix)
+//                                                 dS^T = P^T (dP^T - rowsum(dO o O))
+//                                    <----------    -> shared memory (stmatrix)
+//     dV[:, half w] += P^T dO[:, half w]          (wgmma, P^T from registers, both)
+//     dK[:, half w] += dS^T Q[:, half w]          (wgmma, dS^T from shared memory, both)
+//     dQ[:, half w]  = dS K[:, half w]            (wgmma, both)
+//
+// Q (with the row statistics) rides a ring of kStages stages and dO a ring of one, released as
+// soon as both dV GEMMs are done. The dQ halves go out through one 32 KB shared buffer in turn,
+// warpgroup 0's then warpgroup 1's, each added by its own writer thread (producer warps 1 and 2)
+// and, in deterministic mode, ordered by its own semaphore per query block. The producer, the
+// writers, the tile walk and the dK/dV epilogue are the d <= 128 kernel's (bwd_kernel.h).
+#pragma once
+
+#include "src/attention/hopper/bwd_kernel.h"
+
+namespace flare::hopper {
+
+template <typename Cfg, typename T>
+struct BwdSplitSmem {
+  using L = BwdSplitLayouts<Cfg, T>;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemK>, 1024> k;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemK>, 1024> v;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDO>, 1024> dout;
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> p;   // P^T, as dS^T
+  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds;
+  cute::array_aligned<float, Cfg::kBlockM * Cfg::kHeadDim / 2, 128> dq;  // one half of a step's dQ tile
+  cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
+  uint64_t kv_full;
+  StageBarriers<Cfg::kStages> q_ring;  // Q and the row statistics of one query block
+  StageBarriers<1> do_ring;            // dO of one query block
+  uint64_t dq_full[2];                 // half w written (warpgroup w's 4 warps)
+  uint64_t dq_empty[2];                // the buffer free for warpgroup w (writer 1 - w has read its half)
+};
+
+template <typename Cfg, typename T>
+constexpr int hopper_bwd_split_smem_bytes() {
+  return static_cast<int>(sizeof(BwdSplitSmem<Cfg, T>)) + 1024;
+}
+
+// Named barriers between the two consumer warpgroups (1 is consumers_sync).
+inline constexpr int kBarPReady = 2, kBarDsReady = 3;
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+
+// Producer warp 0 (one thread): K and V once, then per query block Q with its statistics (ring of
+// kStages) and dO (ring of one).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
+                                                  const BwdTile& t) {
+  using namespace cute;
+  using L = BwdSplitLayouts<Cfg, T>;
+  const detail::FwdKernelParams& p = hp.p.fwd;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int hk = t.h / p.group, bt = varlen ? 0 : t.b;
+  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
+  Tensor mDO = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_do.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
+  Tensor mK = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_k.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
+  Tensor mV = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_v.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
+  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));  // (BM, HD, m)
+  Tensor gDO = local_tile(mDO, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));
+  Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
+  Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDO{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
+  auto q_part = hp.tma_q.get_slice(_0{});
+  auto do_part = hp.tma_do.get_slice(_0{});
+  auto k_part = hp.tma_k.get_slice(_0{});
+  auto v_part = hp.tma_v.get_slice(_0{});
+  Tensor q_src = q_part.partition_S(gQ);
+  Tensor q_dst = q_part.partition_D(sQ);
+  Tensor do_src = do_part.partition_S(gDO);
+  Tensor do_dst = do_part.partition_D(sDO);
+  auto stats_part = hp.tma_stats.get_slice(_0{});
+  Tensor stats_src = stats_part.partition_S(
+      local_tile(hp.tma_stats.get_tma_tensor(hp.shape_stats), Shape<typename L::StatsBlock, _1>{}, make_coord(_0{}, _)));
+  const int stats_block0 = (t.b * p.heads + t.h) * hp.p.num_m_blocks;
+
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
+  copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
+  copy(hp.tma_v.with(sm.kv_full), v_part.partition_S(gV), v_part.partition_D(sV));
+  RingPos qpos, dpos;
+  for (int step = 0; step < t.steps(); ++step) {
+    const int m = t.m_at(step);
+    uint64_t& qbar = sm.q_ring.acquire(qpos, L::kQBytes + L::kStatsBytes);
+    copy(hp.tma_q.with(qbar), q_src(_, _, _, m), q_dst(_, _, _, qpos.index));
+    copy(hp.tma_stats.with(qbar), stats_src(_, _, _, stats_block0 + m),
+         stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[qpos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
+    qpos.template advance<Cfg::kStages>();
+    uint64_t& dbar = sm.do_ring.acquire(dpos, L::kQBytes);
+    copy(hp.tma_do.with(dbar), do_src(_, _, _, m), do_dst);
+    dpos.template advance<1>();
+  }
+}
+
+// Consumer thread ct (0..255; warpgroup w = ct / 128).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
+                                                  const BwdTile& t, int ct) {
+  using namespace cute;
+  using L = BwdSplitLayouts<Cfg, T>;
+  using Elem = typename L::Elem;
+  const detail::BwdKernelParams& P = hp.p;
+  const detail::FwdKernelParams& p = P.fwd;
+  const int lane = ct % 32, w = ct / 128, wct = ct % 128;
+
+  typename L::MmaSdP mma_sdp;
+  typename L::MmaDV mma_dv;
+  typename L::MmaDK mma_dk;
+  typename L::MmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(wct);
+  auto thr_dv = mma_dv.get_thread_slice(ct);
+  auto thr_dk = mma_dk.get_thread_slice(ct);
+  auto thr_dq = mma_dq.get_thread_slice(ct);
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDO{});
+  Tensor sQt = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQt{});
+  Tensor sDOt = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDOt{});
+  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
+  Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
+  Tensor sKt = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(sm.p.data()), typename L::SmemDSt{});
+  Tensor sDSt = make_tensor(make_smem_ptr(sm.ds.data()), typename L::SmemDSt{});
+  Tensor sDS = make_tensor(make_smem_ptr(sm.ds.data()), typename L::SmemDS{});
+
+  // Warpgroup 0: S^T from K and Q; warpgroup 1: dP^T from V and dO. Same tiling, other operands.
+  Tensor kv_frag = thr_sdp.partition_fragment_A(w == 0 ? sK : sV);
+  Tensor q_frag = thr_sdp.partition_fragment_B(sQ);  // (.., stage)
+  Tensor do_frag = thr_sdp.partition_fragment_B(sDO);
+  Tensor dot_frag = thr_dv.partition_fragment_B(sDOt);
+  Tensor qt_frag = thr_dk.partition_fragment_B(sQt);
+  Tensor kt_frag = thr_dq.partition_fragment_B(sKt);
+  Tensor dst_desc = thr_dk.partition_fragment_A(sDSt);
+  Tensor ds_desc = thr_dq.partition_fragment_A(sDS);
+
+  Tensor sdp_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
+  Tensor dv_acc = partition_fragment_C(mma_dv, Shape<typename L::BN, typename L::HD>{});
+  Tensor dk_acc = partition_fragment_C(mma_dk, Shape<typename L::BN, typename L::HD>{});
+  Tensor dq_acc = partition_fragment_C(mma_dq, Shape<typename L::BM, typename L::HD>{});
+  Tensor p_frag = make_tensor<Elem>(partition_shape_A(mma_dv, Shape<typename L::BN, typename L::BM>{}));
+  static_assert(decltype(size(sdp_acc))::value == decltype(size(p_frag))::value, "P^T mirrors S^T element for element");
+  // P^T and dS^T leave registers through stmatrix (8 keys of 8 consecutive query rows: 16 bytes of
+  // the q-contiguous tile); warpgroup 1 reads P^T back with ldmatrix into the same fragment layout.
+  auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Elem>{}, mma_sdp);
+  auto s2r = make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Elem>{}, mma_sdp);
+  auto thr_r2s = r2s.get_thread_slice(wct);
+  auto thr_s2r = s2r.get_thread_slice(wct);
+  Tensor ew_reg = make_tensor<Elem>(shape(sdp_acc));  // P^T (warpgroup 0) or dS^T (warpgroup 1), rounded
+  Tensor s_coord = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
+  Tensor dq_coord = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
+  Tensor dkv_coord = thr_dv.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::HD>{}));
+  clear(dv_acc);
+  clear(dk_acc);
+  constexpr int kN = decltype(size(sdp_acc))::value;
+
+  if (t.steps() > 0) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
+    RingPos qpos, dpos;
+    for (int it = 0; it < t.steps(); ++it) {
+      const int m = t.m_at(it);
+      const int q0 = m * Cfg::kBlockM;
+      const float* lse_log2 = &sm.stats[qpos.index * 2 * Cfg::kBlockM];
+      const float* dpsum = lse_log2 + Cfg::kBlockM;
+      sm.q_ring.wait_full(qpos);
+      sm.do_ring.wait_full(dpos);
+      if (w == 0) {
+        wg_gemm<true>(mma_sdp, kv_frag, q_frag(_, _, _, qpos.index), sdp_acc);
+      } else {
+        wg_gemm<true>(mma_sdp, kv_frag, do_frag, sdp_acc);
+      }
+      wg_wait<0>(sdp_acc);
+
+      if (w == 0) {
+        // P^T, masked on the partial tiles (rows past the sequence have LSE = +inf: P = 0),
+        // rounded once: dV's operand here and dS^T's factor in warpgroup 1.
+        const bool partial = sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN,
+                                                  t.seq.seqlen_k) != sched::TileKind::kFull;
+        auto probs = [&](auto masked) {
+          CUTE_UNROLL
+          for (int i = 0; i < kN; ++i) {
+            const int q_local = get<1>(s_coord(i));
+            float pv = fast_exp2(fmaf(sdp_acc(i), p.scale_log2, -lse_log2[q_local]));
+            if constexpr (decltype(masked)::value) {
+              const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
+              pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
+            }
+            ew_reg(i) = static_cast<Elem>(pv);
+          }
+        };
+        if (partial) {
+          probs(std::true_type{});
+        } else {
+          probs(std::false_type{});
+        }
+        copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sPt));
+        named_arrive(kBarPReady);
+        CUTE_UNROLL
+        for (int i = 0; i < kN; ++i) p_frag(i) = ew_reg(i);
+      } else {
+        named_sync(kBarPReady);
+        copy(s2r, thr_s2r.partition_S(sPt), thr_s2r.retile_D(ew_reg));
+        CUTE_UNROLL
+        for (int i = 0; i < kN; ++i) {
+          p_frag(i) = ew_reg(i);
+          ew_reg(i) = static_cast<Elem>(static_cast<float>(ew_reg(i)) * (sdp_acc(i) - dpsum[get<1>(s_coord(i))]));
+        }
+        copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sDSt));
+        cutlass::arch::fence_view_async_shared();
+        named_arrive(kBarDsReady);
+      }
+      wg_gemm<false>(mma_dv, p_frag, dot_frag, dv_acc);
+      if (w == 0) named_sync(kBarDsReady);  // dS^T is in shared memory
+      wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, qpos.index), dk_acc);
+      wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
+      wg_wait<2>(dv_acc);  // dV done: dO is free
+      __syncwarp();
+      if (lane == 0) sm.do_ring.release(dpos);
+      dpos.template advance<1>();
+      wg_wait<0>(dq_acc);
+      cute::warpgroup_fence_operand(dv_acc);
+      cute::warpgroup_fence_operand(dk_acc);
+      __syncwarp();
+      if (lane == 0) sm.q_ring.release(qpos);
+      qpos.template advance<Cfg::kStages>();
+
+      // dQ half w (scaled) into the shared buffer once the other half's writer has read it.
+      if (w == 1) {
+        cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[1], it & 1);
+      } else if (it > 0) {
+        cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[0], (it - 1) & 1);
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(dq_acc); i += 4)
+        *reinterpret_cast<float4*>(&sm.dq[detail::hopper_dq_tile_offset(128, wct, i)]) =
+            make_float4(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale, dq_acc(i + 2) * p.scale, dq_acc(i + 3) * p.scale);
+      sm90::fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
+    }
+  }
+  bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
+}
+
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    hopper_bwd_split_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
+  extern __shared__ unsigned char smem_raw[];
+  auto& sm = smem_struct<BwdSplitSmem<Cfg, T>>(smem_raw);
+  const int warp = threadIdx.x / 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
+    sm.q_ring.init(4 * Cfg::kConsumerWGs);
+    sm.do_ring.init(4 * Cfg::kConsumerWGs);
+    for (int i = 0; i < 2; ++i) {
+      cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4);
+      cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const BwdTile tile = bwd_tile_of<Cfg>(hp);
+  if (tile.keys <= 0) return;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_split_produce<Cfg, T>(hp, sm, tile);
+    if ((warp == 1 || warp == 2) && cute::elect_one_sync()) {
+      const int half = warp - 1;
+      DqWriterPart part;
+      part.smem = sm.dq.data();
+      part.full = &sm.dq_full[half];
+      part.empty = &sm.dq_empty[1 - half];  // half 0 read: warpgroup 1 may write; half 1 read: warpgroup 0
+      part.tile_offset = half * Cfg::kBlockM * (Cfg::kHeadDim / 2);
+      part.bytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
+      part.chain = half;
+      part.chains = 2;
+      bwd_write_dq<Cfg>(hp, tile, part);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    bwd_split_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
+  }
+}
+
+}  // namespace flare::hopper
