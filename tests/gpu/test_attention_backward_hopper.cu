@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <vector>
 
 #include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
@@ -113,20 +114,36 @@ TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
   }
 }
 
+// Outside its scope (soft-capping; head dims other than <= 128 and 256) a forced Hopper backward
+// refuses with a reason and kAuto runs the portable one, whose result is checked.
 TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {
   FLARE_REQUIRE_HOPPER();
-#ifndef FLARE_HAS_HEAD_DIM_192
-  GTEST_SKIP() << "head dim 192 is not instantiated in this build";
+  std::vector<AttnCase> cases;
+  AttnCase capped;
+  capped.head_dim = 128;
+  capped.seqlen_q = capped.seqlen_k = 100;
+  capped.softcap = 30.f;
+  cases.push_back(capped);
+#ifdef FLARE_HAS_HEAD_DIM_192
+  AttnCase d192;
+  d192.head_dim = 192;
+  d192.seqlen_q = d192.seqlen_k = 64;
+  cases.push_back(d192);
 #endif
-  AttnCase c;
-  c.head_dim = 192;
-  c.seqlen_q = c.seqlen_k = 64;
-  AttnProblem prob(c);
-  ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kAuto)).ok());
-  AttentionBackwardParams forced = prob.backward_params(Backend::kHopper, false);
-  EXPECT_FALSE(attention_backward(forced).ok()) << "head dim 192 is not the Hopper backward's";
-  AttentionBackwardParams automatic = prob.backward_params(Backend::kAuto, true);
-  EXPECT_TRUE(attention_backward(automatic).ok()) << "kAuto runs the portable backward for it";
+  for (const AttnCase& c : cases) {
+    SCOPED_TRACE(c.name());
+    AttnProblem prob(c);
+    ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kAuto)).ok());
+    AttentionBackwardParams forced = prob.backward_params(Backend::kHopper, false);
+    const Status refused = attention_backward(forced);
+    EXPECT_EQ(refused.code(), StatusCode::kNotSupported) << refused.message();
+    AttentionBackwardParams automatic = prob.backward_params(Backend::kAuto, true);
+    prob.run_backward_oracle();
+    const Status ran = attention_backward(automatic);
+    ASSERT_TRUE(ran.ok()) << ran.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_backward();
+  }
 }
 #endif
 
