@@ -48,8 +48,9 @@ constexpr int hopper_bwd_split_smem_bytes() {
   return static_cast<int>(sizeof(BwdSplitSmem<Cfg, T>)) + 1024;
 }
 
-// Named barriers between the two consumer warpgroups (1 is consumers_sync).
-inline constexpr int kBarPReady = 2, kBarDsReady = 3;
+// Named barriers between the two consumer warpgroups (1 is consumers_sync): P^T and dS^T in shared
+// memory; warpgroup w's dQ half stored (the buffer's next user is the other warpgroup).
+inline constexpr int kBarPReady = 2, kBarDsReady = 3, kBarDqStored0 = 4, kBarDqStored1 = 5;
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
@@ -235,11 +236,15 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       if (lane == 0) sm.q_ring.release(qpos);
       qpos.template advance<Cfg::kStages>();
 
-      // dQ half w (scaled) into the shared buffer once the other half's writer has read it.
+      // dQ half w (scaled) into the shared buffer once the other half's writer has read it. The
+      // named barrier orders the two warpgroups' stores to the buffer directly as well (the
+      // mbarrier chain through the writer already does; racecheck does not follow it).
       if (w == 1) {
         cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[1], it & 1);
+        named_sync(kBarDqStored0);
       } else if (it > 0) {
         cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[0], (it - 1) & 1);
+        named_sync(kBarDqStored1);
       }
       CUTE_UNROLL
       for (int i = 0; i < size(dq_acc); i += 4)
@@ -248,7 +253,9 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       sm90::fence_proxy_async_shared();
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
+      named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
     }
+    if (w == 0) named_sync(kBarDqStored1);  // the last step's arrival
   }
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
