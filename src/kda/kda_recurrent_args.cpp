@@ -57,9 +57,11 @@ Status validate_kda_recurrent(const KdaRecurrentParams& p, DeviceKind device, Kd
   FLARE_RETURN_IF_ERROR(validate_kda_forward(inputs, device, &s->base));
   const KdaShape& b = s->base;
   const int64_t N = b.num_seqs;
-  // One CTA per (sequence, value head), on a 32-bit grid.
-  if (N * b.heads_v > std::numeric_limits<int32_t>::max())
-    return Status::InvalidArgument("cu_seqlens", "N x HV = " + str(N * b.heads_v) + " overflows 32-bit indexing");
+  // One CTA per (sequence, value head, slice of at least 16 value columns), on a 32-bit grid.
+  const int64_t ctas = N * b.heads_v * (b.value_dim / 16);
+  if (ctas > std::numeric_limits<int32_t>::max())
+    return Status::InvalidArgument(p.cu_seqlens.defined() ? "cu_seqlens" : "q",
+                                   "N x HV x V / 16 = " + str(ctas) + " overflows the 32-bit grid");
 
   if (p.state.defined()) {
     FLARE_RETURN_IF_ERROR(check_pool(p.state, b, device));
