@@ -115,13 +115,15 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     return o, (final_state if output_final_state else None)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, *,
-                                     ssm_state_indices=None, inplace_final_state=None, num_accepted_tokens=None):
-    """flash-linear-attention's fused_recurrent_gated_delta_rule (forward): g [B, T, HV] one decay
-    per head, or gk [B, T, HV, K] per key channel (KDA); beta [B, T, HV] (None: ones); no gate at
-    all: no decay. The states and the pool work as in fused_recurrent_kda. gv (and g with gk) is
-    not supported."""
+                                     gk=None, gv=None, ssm_state_indices=None, inplace_final_state=None,
+                                     num_accepted_tokens=None):
+    """flash-linear-attention's fused_recurrent_gated_delta_rule (forward), called as its examples
+    and serving engines do, (q, k, v, g, beta, ...): g [B, T, HV] one decay per head, or (keyword)
+    gk [B, T, HV, K] per key channel (KDA); beta [B, T, HV] (None: ones); no gate at all: no decay.
+    The states and the pool work as in fused_recurrent_kda. gv, and g together with gk, are not
+    supported."""
     _checks.unsupported("gv", gv, None, "flare has no per-value-channel decay")
     if g is not None and gk is not None:
         raise NotImplementedError("arguments 'g' and 'gk': flare takes one of the two decays, not both")
