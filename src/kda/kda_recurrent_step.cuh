@@ -60,7 +60,7 @@ struct RecurrentConfig {
 
 template <int K, int BV>
 struct RecurrentSmem {
-  static constexpr int kGroup = 8;
+  static constexpr int kGroup = 8;  // RecurrentConfig::kTokenGroup
   float q[kGroup][K];      // scale * q (after the l2 norm)
   float k[kGroup][K];      // k (after the l2 norm)
   float decay[kGroup][K];  // exp(activated gate), per channel (the same for all channels in GDN)
@@ -192,6 +192,7 @@ __global__ void __launch_bounds__(RecurrentConfig<K, V, BV>::kThreads, Recurrent
     kda_recurrent_step_kernel(const KdaRecurrentArgs a) {
   using C = RecurrentConfig<K, V, BV>;
   constexpr int R = C::kRows, kSlices = V / BV;
+  static_assert(RecurrentSmem<K, BV>::kGroup == C::kTokenGroup, "one staged token group");
   __shared__ __align__(16) RecurrentSmem<K, BV> s;
 
   // CTA (n, hv, slice): consecutive CTAs share a sequence's tokens (and, with GVA, its q and k).
