@@ -62,3 +62,45 @@ Status kda_forward_workspace_size(const KdaForwardParams& params, size_t* bytes)
 Status kda_forward(const KdaForwardParams& params);
 
 }  // namespace flare
+
+// ---- Recurrent step (decode) ------------------------------------------------------------------
+// flash-linear-attention's fused_recurrent_kda / fused_recurrent_gated_delta_rule: a few tokens
+// per sequence applied to fp32 states kept in a pool, for decoding and speculative decoding.
+//
+// q, k [N, Tq, H, K]; v [N, Tq, HV, V]; g [N, Tq, HV, K] (KDA) or [N, Tq, HV] (GDN); beta
+// [N, Tq, HV]; out [N, Tq, HV, V] in q's dtype. Or, with cu_seqlens (int32 / int64 [N + 1] on
+// the device), B = 1 and sequence n owns the packed tokens [cu_seqlens[n], cu_seqlens[n + 1]).
+// Any Tq works; the kernel is built for a few tokens (1-8, e.g. speculative decoding) per
+// sequence, applied while the state stays in registers (long prompts belong to kda_forward).
+//
+// States: `state` is a pool fp32 [P, HV, K, V] ([HV, K, V] dense, any 16-byte-multiple stride
+// between slots). Sequence n starts from slot state_indices[n] (int32 [N]; without it, slot n
+// and P must equal N) and its updated state is written back to that slot IN PLACE, or, when
+// `final_state` (fp32 [N, HV, K, V]) is given, to final_state[n] while the pool is only read.
+// A negative index means no state: the sequence starts from zero and nothing is written back to
+// the pool (final_state[n], when given, still receives its state). An index >= P, which the host
+// cannot check in device memory, is never dereferenced: that sequence's outputs become NaN and
+// nothing is written. Without `state` every sequence starts from zero.
+// Two sequences of one call must not share a pool slot (their updates would race).
+//
+// K and V in {64, 128}; fp16 or bf16 (g and beta fp32 or q's dtype); every KdaOptions field.
+// Nothing is allocated and nothing synchronizes with the host, so a step can be captured in a
+// CUDA graph (indices and cu_seqlens are read on the device).
+namespace flare {
+
+struct KdaRecurrentParams {
+  TensorView q, k, v, g, beta;
+  TensorView A_log;          // fp32 [HV], with options.gate_in_kernel (optional with lower_bound)
+  TensorView dt_bias;        // optional fp32 [HV * K] (KDA) or [HV] (GDN)
+  TensorView cu_seqlens;     // optional
+  TensorView state;          // optional fp32 [P, HV, K, V], updated in place
+  TensorView state_indices;  // optional int32 [N]: the pool slot of each sequence (< 0: none)
+  TensorView final_state;    // optional fp32 [N, HV, K, V]: receives the states instead of the pool
+  TensorView out;            // [N, Tq, HV, V] (or [1, T, HV, V] with cu_seqlens), dtype of q
+  KdaOptions options;
+  Stream stream = nullptr;
+};
+
+Status kda_recurrent_step(const KdaRecurrentParams& params);
+
+}  // namespace flare

@@ -1,6 +1,7 @@
 """flare from PyTorch: FlashAttention's Python API (flash_attn_func, flash_attn_varlen_func,
 flash_attn_with_kvcache), merge_states, and flash-linear-attention's chunk_kda /
-chunk_gated_delta_rule, on flare's CUDA kernels. Every op is a torch.library custom op
+chunk_gated_delta_rule and (decoding) fused_recurrent_kda / fused_recurrent_gated_delta_rule, on
+flare's CUDA kernels. Every op is a torch.library custom op
 (torch.ops.flare.*) with a fake implementation, so torch.compile traces through it, and the
 attention forward has an autograd formula (flare's backward, optionally deterministic).
 
@@ -8,7 +9,7 @@ Build: tools/python-check (README.md, section "Python").
 """
 
 from .flash_attn import flash_attn_func, flash_attn_varlen_func
-from .kda import chunk_gated_delta_rule, chunk_kda
+from .kda import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 from .kvcache import KVCachePlan, flash_attn_with_kvcache, load_decode_tuning_table, merge_states, plan_kvcache
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "fused_recurrent_gated_delta_rule",
+    "fused_recurrent_kda",
     "load_decode_tuning_table",
     "merge_states",
     "plan_kvcache",

@@ -1,8 +1,9 @@
 """The torch.library side of flare's ops: fake (meta) implementations, so torch.compile traces
 through them without running a kernel, and the autograd formula of the attention forward.
 
-The ops themselves (torch.ops.flare.fwd, bwd, merge_states, decode, kda_fwd) are defined and
-implemented in C++ (csrc/flare_ops.cpp); the schemas there are the reference for the arguments.
+The ops themselves (torch.ops.flare.fwd, bwd, merge_states, decode, kda_fwd, kda_recurrent,
+kda_recurrent_inplace) are defined and implemented in C++ (csrc/flare_ops.cpp); the schemas there
+are the reference for the arguments.
 """
 
 import torch
@@ -70,6 +71,25 @@ def _kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     else:
         state = q.new_empty((0,), dtype=_f32)
     return out, state
+
+
+@torch.library.register_fake("flare::kda_recurrent")
+def _kda_recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, qk_l2norm, beta_sigmoid,
+                        allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state):
+    num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+    out = v.new_empty(v.shape, dtype=q.dtype)
+    if output_final_state:
+        state = q.new_empty((num_seqs, v.shape[2], q.shape[3], v.shape[3]), dtype=_f32)
+    else:
+        state = q.new_empty((0,), dtype=_f32)
+    return out, state
+
+
+# Mutates `state` (the pool; declared Tensor(a!) in its schema), returns a new output.
+@torch.library.register_fake("flare::kda_recurrent_inplace")
+def _kda_recurrent_inplace_fake(q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, scale, qk_l2norm,
+                                beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound):
+    return v.new_empty(v.shape, dtype=q.dtype)
 
 
 # ---- autograd: the attention forward's backward is flare::bwd ------------------------------------

@@ -566,6 +566,101 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
   return {out, final_state};
 }
 
+// ---- KDA recurrent step (decode) --------------------------------------------------------------
+
+// flare's names -> the Python API's (flare.fused_recurrent_kda): the pool is FLA's initial_state.
+const Renames kKdaRecurrentNames = {{"options.scale", "scale"},
+                                    {"options.lower_bound", "lower_bound"},
+                                    {"state_indices", "ssm_state_indices"},
+                                    {"state", "initial_state"}};
+
+// One call of flare::kda_recurrent_step. `state` is used as given (never copied): the step
+// updates it in place unless `final_state` is given.
+at::Tensor kda_recurrent_run(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                             const at::Tensor& g_in, const at::Tensor& beta_in, const OptTensor& A_log,
+                             const OptTensor& dt_bias, const OptTensor& state, const OptTensor& state_indices,
+                             const OptTensor& final_state, const OptTensor& cu_seqlens, double scale, bool qk_l2norm,
+                             bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel, double lower_bound) {
+  const at::Device device = q_in.device();
+  for (auto [t, name] : {std::pair{&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}, {&g_in, "g"}, {&beta_in, "beta"}})
+    check_cuda(*t, name, device);
+  check_cuda(A_log, "A_log", device);
+  check_cuda(dt_bias, "dt_bias", device);
+  check_cuda(state, "initial_state", device);
+  check_cuda(state_indices, "ssm_state_indices", device);
+  check_cuda(cu_seqlens, "cu_seqlens", device);
+  check_half(q_in, "q");
+  TORCH_CHECK_VALUE(q_in.dim() == 4 && v_in.dim() == 4,
+                    "arguments 'q' and 'v': expected rank 4 [B, T, H, K] and [B, T, HV, V]");
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  at::Tensor out = empty_cuda(v.sizes(), q.scalar_type(), device);
+
+  flare::KdaRecurrentParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.g = view(g, "g");
+  p.beta = view(beta, "beta");
+  p.A_log = view(A_log, "A_log");
+  p.dt_bias = view(dt_bias, "dt_bias");
+  p.state = view(state, "initial_state");
+  p.state_indices = view(state_indices, "ssm_state_indices");
+  p.final_state = view(final_state, "final_state");
+  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
+  p.out = view(out, "out");
+  p.options.scale = static_cast<float>(scale);
+  p.options.qk_l2norm = qk_l2norm;
+  p.options.beta_sigmoid = beta_sigmoid;
+  p.options.allow_neg_eigval = allow_neg_eigval;
+  p.options.gate_in_kernel = gate_in_kernel;
+  p.options.lower_bound = static_cast<float>(lower_bound);
+  p.stream = current_stream(device);
+  throw_if_error(flare::kda_recurrent_step(p), kKdaRecurrentNames);
+  return out;
+}
+
+// The pool form (FLA's fused_recurrent_kda_fwd with ssm_state_indices / inplace_final_state):
+// `state` [P, HV, K, V] is updated in place; returns the output.
+at::Tensor kda_recurrent_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias,
+                                 const at::Tensor& state, const OptTensor& state_indices, const OptTensor& cu_seqlens,
+                                 double scale, bool qk_l2norm, bool beta_sigmoid, bool allow_neg_eigval,
+                                 bool gate_in_kernel, double lower_bound) {
+  return kda_recurrent_run(q, k, v, g, beta, A_log, dt_bias, state, state_indices, std::nullopt, cu_seqlens, scale,
+                           qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
+}
+
+// The functional form (FLA's fused_recurrent_kda): initial_state [N, HV, K, V] is only read; the
+// final states go to a new tensor (an empty one when not asked for).
+std::tuple<at::Tensor, at::Tensor> kda_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& g, const at::Tensor& beta, const OptTensor& A_log,
+                                                 const OptTensor& dt_bias, const OptTensor& initial_state,
+                                                 const OptTensor& cu_seqlens, double scale, bool qk_l2norm,
+                                                 bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel,
+                                                 double lower_bound, bool output_final_state) {
+  check_cuda(q, "q", q.device());
+  check_cuda(v, "v", q.device());
+  check_cuda(cu_seqlens, "cu_seqlens", q.device());
+  TORCH_CHECK_VALUE(q.dim() == 4 && v.dim() == 4,
+                    "arguments 'q' and 'v': expected rank 4 [B, T, H, K] and [B, T, HV, V]");
+  TORCH_CHECK_VALUE(!cu_seqlens.has_value() || (cu_seqlens->dim() == 1 && cu_seqlens->size(0) >= 2),
+                    "argument 'cu_seqlens': expected shape [N + 1] with N >= 1, got ",
+                    cu_seqlens.has_value() ? cu_seqlens->sizes() : at::IntArrayRef{});
+  const int64_t num_seqs = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : q.size(0);
+  // With an initial state and no final state asked for, the states still need somewhere to go
+  // that is not initial_state.
+  const bool sink = output_final_state || initial_state.has_value();
+  const at::Tensor final_state = sink ? empty_cuda({num_seqs, v.size(2), q.size(3), v.size(3)}, at::kFloat, q.device())
+                                      : empty_cuda({0}, at::kFloat, q.device());
+  const OptTensor h0 = initial_state.has_value() ? OptTensor(initial_state->contiguous()) : std::nullopt;
+  at::Tensor out = kda_recurrent_run(q, k, v, g, beta, A_log, dt_bias, h0, std::nullopt,
+                                     sink ? OptTensor(final_state) : std::nullopt, cu_seqlens, scale, qk_l2norm,
+                                     beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
+  return {out, output_final_state ? final_state : empty_cuda({0}, at::kFloat, q.device())};
+}
+
 }  // namespace
 }  // namespace flare_torch
 
@@ -589,6 +684,15 @@ TORCH_LIBRARY(flare, m) {
       "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool qk_l2norm, bool beta_sigmoid, "
       "bool allow_neg_eigval, bool gate_in_kernel, float lower_bound, bool output_final_state) "
       "-> (Tensor out, Tensor final_state)");
+  m.def(
+      "kda_recurrent_inplace(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor(a!) state, Tensor? state_indices, Tensor? cu_seqlens, float scale, bool qk_l2norm, bool beta_sigmoid, "
+      "bool allow_neg_eigval, bool gate_in_kernel, float lower_bound) -> Tensor out");
+  m.def(
+      "kda_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? cu_seqlens, float scale, bool qk_l2norm, bool beta_sigmoid, "
+      "bool allow_neg_eigval, bool gate_in_kernel, float lower_bound, bool output_final_state) "
+      "-> (Tensor out, Tensor final_state)");
 }
 
 // CPU tensors reach the same functions, which reject them with a ValueError naming the argument
@@ -598,7 +702,9 @@ TORCH_LIBRARY(flare, m) {
   m.impl("bwd", &flare_torch::attention_bwd);             \
   m.impl("merge_states", &flare_torch::merge_states);     \
   m.impl("decode", &flare_torch::decode_op);              \
-  m.impl("kda_fwd", &flare_torch::kda_fwd)
+  m.impl("kda_fwd", &flare_torch::kda_fwd);              \
+  m.impl("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace); \
+  m.impl("kda_recurrent", &flare_torch::kda_recurrent)
 
 TORCH_LIBRARY_IMPL(flare, CUDA, m) { FLARE_TORCH_IMPLS(m); }
 TORCH_LIBRARY_IMPL(flare, CPU, m) { FLARE_TORCH_IMPLS(m); }
@@ -610,6 +716,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &flare_torch::attention_fwd);
   m.def("decode", &flare_torch::decode);
   m.def("merge_states", &flare_torch::merge_states);
+  m.def("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace);
   m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
   m.def("load_decode_tuning_table", &flare_torch::load_decode_tuning_table,
         "Use a measured decode tuning table (bench_decode --tune); an empty path clears it");
