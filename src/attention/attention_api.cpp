@@ -70,6 +70,7 @@ struct BackwardPlan {
   portable::BwdBlocks blocks;
   detail::BwdWorkspaceLayout layout;
   bool hopper = false;  // the Hopper kernel, else the portable one
+  int dq_chains = 1;     // deterministic dQ semaphores per query block
 };
 
 // The block-sparse backward runs on the portable kernel, walking the mask's transposed lists (per
@@ -109,6 +110,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
       plan->hopper = true;
       plan->blocks.block_m = hopper::kHopperBwdBlockM;
       plan->blocks.block_n = hopper::hopper_bwd_block_n(plan->blocks.head_dim);
+      plan->dq_chains = hopper::hopper_bwd_dq_chains(plan->blocks.head_dim);
     } else if (p.backend == Backend::kHopper) {
       return hop;
     }
@@ -118,8 +120,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
 #endif
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
-                                              plan->hopper ? plan->blocks.head_dim : 0,
-                                              plan->hopper ? hopper::hopper_bwd_dq_chains(plan->blocks.head_dim) : 1);
+                                              plan->hopper ? plan->blocks.head_dim : 0, plan->dq_chains);
   return Status::Ok();
 }
 
