@@ -638,7 +638,8 @@ void check_flex_inputs(const at::Tensor& query, const at::Tensor& key, const at:
 at::Tensor flare_layout(const at::Tensor& t) { return t.transpose(1, 2); }
 
 std::tuple<at::Tensor, at::Tensor> flex_fwd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                            FLARE_FLEX_MASK_PARAMS, double scale) {
+                                            FLARE_FLEX_MASK_PARAMS, double scale,
+                                            bool /*deterministic: the backward's*/) {
   const FlexMaskArgs m = FLARE_FLEX_MASK_ARGS;
   check_flex_inputs(query, key, value);
   check_flex_mask(m, query.device());
@@ -758,7 +759,7 @@ TORCH_LIBRARY_IMPL(flare, CPU, m) { FLARE_TORCH_IMPLS(m); }
 
 TORCH_LIBRARY_FRAGMENT(flare, m) {
   m.def("flex_fwd(Tensor query, Tensor key, Tensor value, " FLARE_FLEX_MASK_SCHEMA
-        ", float scale) -> (Tensor out, Tensor lse)");
+        ", float scale, bool deterministic) -> (Tensor out, Tensor lse)");
   m.def("flex_bwd(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, " FLARE_FLEX_MASK_SCHEMA
         ", float scale, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
