@@ -224,10 +224,17 @@ def _convert(block_mask, element):
                     heads=kv[0].shape[1], seq_lengths=(seqlen_q, seqlen_k))
 
 
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot change in place outside
+        return -1         # inference mode)
+
+
 def _stamp(block_mask):
     """What the cached form depends on: the lists (by identity and in-place version), mask_mod,
     BLOCK_SIZE and seq_lengths."""
-    lists = tuple(None if t is None else (id(t), t._version)
+    lists = tuple(None if t is None else (id(t), _version(t))
                   for t in (getattr(block_mask, f) for f in _LIST_FIELDS))
     return lists, id(block_mask.mask_mod), tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths)
 

@@ -533,7 +533,6 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
   return {out, final_state};
 }
 
-
 // ---- flex attention: FlexAttention's layout and block masks -----------------------------------
 //
 // q/k/v come in FlexAttention's [batch, heads, seqlen, head_dim] and reach flare as transposed views
