@@ -236,7 +236,7 @@ def _stamp(block_mask):
     BLOCK_SIZE and seq_lengths."""
     lists = tuple(None if t is None else (id(t), _version(t))
                   for t in (getattr(block_mask, f) for f in _LIST_FIELDS))
-    return lists, id(block_mask.mask_mod), tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths)
+    return lists, id(block_mask.mask_mod), block_mask.BLOCK_SIZE, block_mask.seq_lengths
 
 
 def _is_noop(mask_mod):
