@@ -661,6 +661,182 @@ std::tuple<at::Tensor, at::Tensor> kda_recurrent(const at::Tensor& q, const at::
   return {out, output_final_state ? final_state : empty_cuda({0}, at::kFloat, q.device())};
 }
 
+// ---- flex attention: FlexAttention's layout and block masks -----------------------------------
+//
+// q/k/v come in FlexAttention's [batch, heads, seqlen, head_dim] and reach flare as transposed views
+// ([batch, seqlen, heads, head_dim], no copy); out and the gradients are allocated in FlexAttention's
+// layout, contiguous. The block mask is flare::BlockMask (mask.h) over the BlockMask's own tensors
+// (python/flare/flex.py converts a torch BlockMask into these arguments once and caches them); no
+// kv_num_blocks means no mask (dense attention, every key visible).
+
+// Errors name FlexAttention's arguments and the BlockMask's fields.
+const Renames kFlexNames = {
+    {"q", "query"}, {"k", "key"}, {"v", "value"}, {"softmax_scale", "scale"},
+    {"kv_num_blocks", "block_mask.kv_num_blocks"}, {"kv_indices", "block_mask.kv_indices"},
+    {"full_kv_num_blocks", "block_mask.full_kv_num_blocks"}, {"full_kv_indices", "block_mask.full_kv_indices"},
+    {"q_num_blocks", "block_mask.q_num_blocks"}, {"q_indices", "block_mask.q_indices"},
+    {"full_q_num_blocks", "block_mask.full_q_num_blocks"}, {"full_q_indices", "block_mask.full_q_indices"},
+    {"q_block_size", "block_mask.BLOCK_SIZE"}, {"kv_block_size", "block_mask.BLOCK_SIZE"},
+    {"element.window_left", "element_mask.window_left"}, {"element.window_right", "element_mask.window_right"},
+    {"element.prefix_length", "element_mask.prefix_length"}, {"element.doc_ids_q", "element_mask.doc_ids_q"},
+    {"element.doc_ids_k", "element_mask.doc_ids_k"}, {"element.bits", "element_mask.bits"}};
+
+// The block-mask arguments of flex_fwd and flex_bwd, in schema order (FLARE_FLEX_MASK_SCHEMA).
+struct FlexMaskArgs {
+  const OptTensor &kv_num_blocks, &kv_indices, &full_kv_num_blocks, &full_kv_indices;
+  const OptTensor &q_num_blocks, &q_indices, &full_q_num_blocks, &full_q_indices;
+  int64_t q_block_size, kv_block_size;
+  bool causal;
+  int64_t window_left, window_right, prefix_length;
+  const OptTensor &doc_ids_q, &doc_ids_k, &bits;
+
+  bool sparse() const { return kv_num_blocks.has_value(); }
+};
+
+#define FLARE_FLEX_MASK_PARAMS                                                                                     \
+  const OptTensor &kv_num_blocks, const OptTensor &kv_indices, const OptTensor &full_kv_num_blocks,                \
+      const OptTensor &full_kv_indices, const OptTensor &q_num_blocks, const OptTensor &q_indices,                 \
+      const OptTensor &full_q_num_blocks, const OptTensor &full_q_indices, int64_t q_block_size,                   \
+      int64_t kv_block_size, bool causal, int64_t window_left, int64_t window_right, int64_t prefix_length,        \
+      const OptTensor &doc_ids_q, const OptTensor &doc_ids_k, const OptTensor &bits
+#define FLARE_FLEX_MASK_ARGS                                                                                       \
+  FlexMaskArgs {                                                                                                   \
+    kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,    \
+        full_q_indices, q_block_size, kv_block_size, causal, window_left, window_right, prefix_length, doc_ids_q,  \
+        doc_ids_k, bits                                                                                            \
+  }
+
+// The mask tensors' device and dtype (their shapes and layouts are flare's validate_block_mask's).
+void check_flex_mask(const FlexMaskArgs& m, const at::Device& device) {
+  const std::pair<const OptTensor*, const char*> tensors[] = {
+      {&m.kv_num_blocks, "block_mask.kv_num_blocks"}, {&m.kv_indices, "block_mask.kv_indices"},
+      {&m.full_kv_num_blocks, "block_mask.full_kv_num_blocks"}, {&m.full_kv_indices, "block_mask.full_kv_indices"},
+      {&m.q_num_blocks, "block_mask.q_num_blocks"}, {&m.q_indices, "block_mask.q_indices"},
+      {&m.full_q_num_blocks, "block_mask.full_q_num_blocks"}, {&m.full_q_indices, "block_mask.full_q_indices"},
+      {&m.doc_ids_q, "element_mask.doc_ids_q"}, {&m.doc_ids_k, "element_mask.doc_ids_k"},
+      {&m.bits, "element_mask.bits"}};
+  for (const auto& [t, name] : tensors) {
+    check_cuda(*t, name, device);
+    check_int32(*t, name);
+  }
+  TORCH_CHECK_VALUE(m.sparse() || !(m.kv_indices.has_value() || m.full_kv_num_blocks.has_value() ||
+                                    m.q_num_blocks.has_value() || m.bits.has_value() || m.doc_ids_q.has_value()),
+                    "argument 'block_mask.kv_num_blocks': required with the other block-mask tensors");
+}
+
+// flare's BlockMask over the arguments' memory (valid while they live).
+flare::BlockMask flex_block_mask(const FlexMaskArgs& m) {
+  flare::BlockMask mask;
+  mask.q_block_size = static_cast<int>(m.q_block_size);
+  mask.kv_block_size = static_cast<int>(m.kv_block_size);
+  mask.kv_num_blocks = view(m.kv_num_blocks, "kv_num_blocks");
+  mask.kv_indices = view(m.kv_indices, "kv_indices");
+  mask.full_kv_num_blocks = view(m.full_kv_num_blocks, "full_kv_num_blocks");
+  mask.full_kv_indices = view(m.full_kv_indices, "full_kv_indices");
+  mask.q_num_blocks = view(m.q_num_blocks, "q_num_blocks");
+  mask.q_indices = view(m.q_indices, "q_indices");
+  mask.full_q_num_blocks = view(m.full_q_num_blocks, "full_q_num_blocks");
+  mask.full_q_indices = view(m.full_q_indices, "full_q_indices");
+  flare::ElementMask& e = mask.element;
+  e.causal = m.causal;
+  e.window_left = static_cast<int>(m.window_left);
+  e.window_right = static_cast<int>(m.window_right);
+  e.prefix_length = static_cast<int>(m.prefix_length);
+  e.doc_ids_q = view(m.doc_ids_q, "doc_ids_q");
+  e.doc_ids_k = view(m.doc_ids_k, "doc_ids_k");
+  e.bits = view(m.bits, "bits");
+  return mask;
+}
+
+void check_flex_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+  const at::Device device = query.device();
+  check_cuda(query, "query", device);
+  check_cuda(key, "key", device);
+  check_cuda(value, "value", device);
+  check_half(query, "query");
+  check_same_dtype(key, "key", query);
+  check_same_dtype(value, "value", query);
+  for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}})
+    TORCH_CHECK_VALUE(t->dim() == 4, "argument '", name, "': expected rank 4 [batch, heads, seqlen, head_dim], got rank ",
+                      t->dim());
+}
+
+// FlexAttention's [batch, heads, seqlen, head_dim] as flare's [batch, seqlen, heads, head_dim].
+at::Tensor flare_layout(const at::Tensor& t) { return t.transpose(1, 2); }
+
+std::tuple<at::Tensor, at::Tensor> flex_fwd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                            FLARE_FLEX_MASK_PARAMS, double scale,
+                                            bool /*deterministic: the backward's*/) {
+  const FlexMaskArgs m = FLARE_FLEX_MASK_ARGS;
+  check_flex_inputs(query, key, value);
+  check_flex_mask(m, query.device());
+  const c10::cuda::CUDAGuard guard(query.device());
+  const at::Tensor q = loadable(flare_layout(query)), k = loadable(flare_layout(key)), v = loadable(flare_layout(value));
+  at::Tensor out = empty_cuda({query.size(0), query.size(1), query.size(2), value.size(3)}, query.scalar_type(),
+                              query.device());
+  at::Tensor lse = empty_cuda({query.size(0), query.size(1), query.size(2)}, at::kFloat, query.device());
+  const flare::BlockMask mask = flex_block_mask(m);
+
+  flare::AttentionForwardParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.out = view(flare_layout(out), "out");
+  p.lse = view(lse, "lse");
+  p.softmax_scale = static_cast<float>(scale);
+  p.block_mask = m.sparse() ? &mask : nullptr;
+  p.stream = current_stream(query.device());
+  throw_if_error(flare::attention_forward(p), kFlexNames);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flex_bwd(const at::Tensor& dout_in, const at::Tensor& query,
+                                                        const at::Tensor& key, const at::Tensor& value,
+                                                        const at::Tensor& out_in, const at::Tensor& lse,
+                                                        FLARE_FLEX_MASK_PARAMS, double scale, bool deterministic) {
+  const FlexMaskArgs m = FLARE_FLEX_MASK_ARGS;
+  check_flex_inputs(query, key, value);
+  check_flex_mask(m, query.device());
+  check_cuda(dout_in, "dout", query.device());
+  check_cuda(out_in, "out", query.device());
+  check_cuda(lse, "lse", query.device());
+  const c10::cuda::CUDAGuard guard(query.device());
+  const at::Tensor q = loadable(flare_layout(query)), k = loadable(flare_layout(key)), v = loadable(flare_layout(value));
+  const at::Tensor out = loadable(flare_layout(out_in));
+  const at::Tensor dout = loadable(flare_layout(dout_in.to(query.scalar_type())));
+  const at::Tensor lse_c = lse.contiguous();
+  // Gradients in FlexAttention's layout, contiguous, written through flare-layout views.
+  at::Tensor dq = empty_cuda(query.sizes(), query.scalar_type(), query.device());
+  at::Tensor dk = empty_cuda(key.sizes(), key.scalar_type(), query.device());
+  at::Tensor dv = empty_cuda(value.sizes(), value.scalar_type(), query.device());
+  const flare::BlockMask mask = flex_block_mask(m);
+
+  flare::AttentionBackwardParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.out = view(out, "out");
+  p.dout = view(dout, "dout");
+  p.lse = view(lse_c, "lse");
+  p.dq = view(flare_layout(dq), "dq");
+  p.dk = view(flare_layout(dk), "dk");
+  p.dv = view(flare_layout(dv), "dv");
+  p.softmax_scale = static_cast<float>(scale);
+  p.block_mask = m.sparse() ? &mask : nullptr;
+  p.deterministic = deterministic;
+  p.stream = current_stream(query.device());
+  std::size_t bytes = 0;
+  throw_if_error(flare::attention_backward_workspace_size(p, &bytes), kFlexNames);
+  const at::Tensor workspace = workspace_tensor(bytes, query.device());
+  p.workspace = workspace.data_ptr();
+  p.workspace_bytes = bytes;
+  throw_if_error(flare::attention_backward(p), kFlexNames);
+  return {dq, dk, dv};
+}
+
+#undef FLARE_FLEX_MASK_PARAMS
+#undef FLARE_FLEX_MASK_ARGS
+
 }  // namespace
 }  // namespace flare_torch
 
@@ -709,6 +885,33 @@ TORCH_LIBRARY(flare, m) {
 TORCH_LIBRARY_IMPL(flare, CUDA, m) { FLARE_TORCH_IMPLS(m); }
 TORCH_LIBRARY_IMPL(flare, CPU, m) { FLARE_TORCH_IMPLS(m); }
 
+// ---- flex attention's ops (python/flare/flex.py) ------------------------------------------------
+
+// The block mask as flex_fwd and flex_bwd take it: the BlockMask's lists (all optional: no
+// kv_num_blocks is no mask), its block sizes and the element mask of its partial blocks.
+#define FLARE_FLEX_MASK_SCHEMA                                                                                 \
+  "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, Tensor? full_kv_indices, "           \
+  "Tensor? q_num_blocks, Tensor? q_indices, Tensor? full_q_num_blocks, Tensor? full_q_indices, "               \
+  "int q_block_size, int kv_block_size, bool causal, int window_left, int window_right, int prefix_length, "   \
+  "Tensor? doc_ids_q, Tensor? doc_ids_k, Tensor? bits"
+
+TORCH_LIBRARY_FRAGMENT(flare, m) {
+  m.def("flex_fwd(Tensor query, Tensor key, Tensor value, " FLARE_FLEX_MASK_SCHEMA
+        ", float scale, bool deterministic) -> (Tensor out, Tensor lse)");
+  m.def("flex_bwd(Tensor dout, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, " FLARE_FLEX_MASK_SCHEMA
+        ", float scale, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flare, CUDA, m) {
+  m.impl("flex_fwd", &flare_torch::flex_fwd);
+  m.impl("flex_bwd", &flare_torch::flex_bwd);
+}
+
+TORCH_LIBRARY_IMPL(flare, CPU, m) {
+  m.impl("flex_fwd", &flare_torch::flex_fwd);
+  m.impl("flex_bwd", &flare_torch::flex_bwd);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flare's torch.library ops (torch.ops.flare.*) and host-side planning helpers";
   // The same functions without the dispatcher: the eager fast path of the Python API (plain CUDA
@@ -717,6 +920,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &flare_torch::decode);
   m.def("merge_states", &flare_torch::merge_states);
   m.def("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace);
+  m.def("flex_fwd", &flare_torch::flex_fwd);
   m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
   m.def("load_decode_tuning_table", &flare_torch::load_decode_tuning_table,
         "Use a measured decode tuning table (bench_decode --tune); an empty path clears it");
