@@ -12,7 +12,11 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <execinfo.h>
+
 #include <array>
+#include <csignal>
+#include <cstdlib>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -912,7 +916,20 @@ TORCH_LIBRARY_IMPL(flare, CPU, m) {
   m.impl("flex_bwd", &flare_torch::flex_bwd);
 }
 
+namespace {
+// FLARE_SEGV_BACKTRACE=1: a crash inside the extension prints its native frames (debugging aid;
+// Python's faulthandler shows only the Python ones).
+void print_native_backtrace(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (const char* e = std::getenv("FLARE_SEGV_BACKTRACE"); e != nullptr && e[0] == '1') signal(SIGSEGV, print_native_backtrace);
   m.doc() = "flare's torch.library ops (torch.ops.flare.*) and host-side planning helpers";
   // The same functions without the dispatcher: the eager fast path of the Python API (plain CUDA
   // tensors, no autograd, no tracing, no dispatch mode), which saves the dispatcher's per-call cost.
