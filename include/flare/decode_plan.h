@@ -3,10 +3,12 @@
 // run many times with the plan and a caller-provided workspace: the run allocates nothing, so a
 // decode step can be captured in a CUDA graph and replayed with new cache lengths.
 //
-// Kernels. The standard kernel runs one CTA per (sequence, KV head): the q_len x (heads_q /
-// heads_kv) query rows of that KV head are packed together so K/V are read once. The split-KV
-// kernel runs num_splits CTAs per (sequence, KV head), each over one chunk of keys, writes fp32
-// partial outputs and their log-sum-exps to the workspace, and a combine step merges them by LSE.
+// Kernels. The standard kernel runs one CTA per (sequence, KV head) (the sm_90 engines: per
+// sequence and block of heads_per_cta KV heads): the q_len x (heads_q / heads_kv) query rows of
+// a KV head are packed together so K/V are read once. The split-KV kernel runs num_splits CTAs
+// per (sequence, KV head or head block), each over one chunk of keys, writes fp32 partial outputs
+// and their log-sum-exps to the workspace, and a combine step merges them by LSE: in the kernel
+// (the last CTA of each head block to finish) or in a second kernel (see DecodeCombine).
 //
 // Where a split's keys lie (what the kernels implement). For sequence b with L_b =
 // cache_seqlens[b] keys, the attended span is [span_begin, L_b) with span_begin = 0, or with a
