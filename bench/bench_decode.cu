@@ -3,20 +3,30 @@
 // caches (pages of 16 and 64, scattered by a random page table).
 //
 // Benchmark (default): for each shape, the plan decode_plan() gives with the tuning table (or the
-// heuristic when no table is found), timed under CUDA-graph replay and as plain launches: median,
-// p10-p90 spread and standard deviation after warm-up, L2 flushed before every sample; KV bytes
-// per second against the measured copy bandwidth. Where the heuristic picks another split count
-// its time is printed too. Checks: every plan's output against the standard kernel's (rel L2 error
-// under 1e-2), and each paged output against the contiguous one (same keys, same splits).
+// heuristic when no table is found), run by --engine (default key_groups, the library's default:
+// key-group kernel, in-kernel combine; head_warps and portable run with the combine kernel),
+// timed under CUDA-graph replay and as plain launches: median, p10-p90 spread and standard
+// deviation after warm-up, L2 flushed before every sample; KV bytes per second against the
+// measured copy bandwidth. Where the heuristic picks another split count its time is printed too.
+// Checks: every plan's output against the portable standard kernel's (rel L2 error under 1e-2),
+// and each paged output against the contiguous one (same keys, same splits).
+//
+// --compare: in the same run, per shape, also the previous path (the head-warp kernel of
+// 2026-11-22 with the combine kernel, planned by --baseline-table, default
+// data/decode_tuning_h100_head_warps.txt: the table tuned for it) and, for split plans of the
+// key-group engine, the same plan with the combine kernel (what the in-kernel combine gains) and
+// with prezeroed counters (what the counters' zeroing kernel costs); each checked like the plan.
 //
 // Tuner (--tune PATH): for a grid of shapes (batches 1 to 64, cache lengths 256 to 65536 as powers
-// of two, contiguous and paged), times every candidate of decode_candidates() under CUDA-graph
+// of two, contiguous and paged), times every candidate of decode_candidates() (key_groups: every
+// split count with every heads_per_cta, decode_candidates_with_heads_per_cta) under CUDA-graph
 // replay (L2 flushed), re-times the three fastest and the heuristic's choice with more samples,
 // and writes the winners as a DecodeTuningTable to PATH. A candidate within kTieFraction of the
 // fastest with fewer splits wins (less workspace, less combine work).
 //
-//   bench_decode [--table PATH] [--quick] [--json PATH] [--filter S] [--repeats N] [--warmup N]
-//   bench_decode --tune PATH [--quick]
+//   bench_decode [--table PATH] [--engine E] [--compare] [--baseline-table PATH] [--quick] [--json PATH]
+//                [--filter S] [--repeats N] [--warmup N]
+//   bench_decode --tune PATH [--engine E] [--quick]
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -25,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -44,6 +55,7 @@ constexpr double kMaxRelError = 1e-2;           // vs the standard kernel's outp
 constexpr double kTieFraction = 0.01;           // tuner: within 1 % of the fastest is a tie
 constexpr int64_t kMaxTuneTokens = int64_t{1} << 20;  // tuner: batch x cache length (4 GiB of K/V)
 constexpr const char* kDefaultTable = "data/decode_tuning_h100.txt";
+constexpr const char* kDefaultBaselineTable = "data/decode_tuning_h100_head_warps.txt";
 
 std::vector<int> cache_lengths(int from, int to) {
   std::vector<int> lens;
@@ -155,11 +167,14 @@ class DecodeData {
     reserve_workspace(plan.workspace_bytes);
     check_ok(decode_run(plan, params(out != nullptr ? out : out_, stream), workspace_, workspace_bytes_), "decode_run");
   }
+  // Zeroed when (re)allocated: DecodeCombine::kInKernelPrezeroed needs its counters at 0, and
+  // every complete call of any plan leaves them so.
   void reserve_workspace(std::size_t bytes) {
     if (bytes <= workspace_bytes_) return;
     FLARE_BENCH_CHECK(cudaStreamSynchronize(stream_));
     if (workspace_ != nullptr) FLARE_BENCH_CHECK(cudaFree(workspace_));
     FLARE_BENCH_CHECK(cudaMalloc(&workspace_, bytes));
+    FLARE_BENCH_CHECK(cudaMemset(workspace_, 0, bytes));
     workspace_bytes_ = bytes;
   }
 
@@ -182,7 +197,21 @@ class DecodeData {
 std::string layout_name(int page_size) { return page_size == 0 ? "contiguous" : "page" + std::to_string(page_size); }
 
 std::string plan_name(const DecodePlan& p) {
-  return p.kernel == DecodeKernel::kStandard ? std::string("standard") : "split x" + std::to_string(p.num_splits);
+  std::string name = p.kernel == DecodeKernel::kStandard ? std::string("standard") : "split x" + std::to_string(p.num_splits);
+  if (p.heads_per_cta != 0) name += " h" + std::to_string(p.heads_per_cta);
+  return name;
+}
+
+// The plan as `engine` runs it: the key-group engine with its default combine (in the kernel),
+// the others with the combine kernel.
+DecodePlan with_engine(DecodePlan p, DecodeEngine engine) {
+  p.engine = engine;
+  p.combine = engine == DecodeEngine::kKeyGroups ? DecodeCombine::kInKernel : DecodeCombine::kSeparateKernel;
+  return p;
+}
+
+bool same_launch(const DecodePlan& a, const DecodePlan& b) {
+  return a.num_splits == b.num_splits && a.heads_per_cta == b.heads_per_cta;
 }
 
 Timing time_plan(DecodeData& data, const DecodePlan& plan, TimingOptions options, cudaStream_t stream) {
@@ -215,7 +244,7 @@ const Scored& pick_winner(const std::vector<Scored>& scored) {
   return *chosen;
 }
 
-int tune(const Args& args, const std::string& path, cudaStream_t stream) {
+int tune(const Args& args, const std::string& path, DecodeEngine engine, cudaStream_t stream) {
   const int sms = num_sms();
   const std::vector<int> batches = args.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 2, 4, 8, 16, 32, 64};
   const std::vector<int> lens = args.quick ? std::vector<int>{1024, 16384} : cache_lengths(256, 65536);
@@ -231,21 +260,28 @@ int tune(const Args& args, const std::string& path, cudaStream_t stream) {
         data.use_layout(page_size);
         const DecodeShapeKey key = data.key();
         std::vector<Scored> scored;
-        for (const DecodePlan& plan : decode_candidates(key, sms))
+        const std::vector<DecodePlan> candidates = engine == DecodeEngine::kKeyGroups
+                                                       ? decode_candidates_with_heads_per_cta(key, sms)
+                                                       : decode_candidates(key, sms);
+        for (const DecodePlan& candidate : candidates) {
+          const DecodePlan plan = with_engine(candidate, engine);
           scored.push_back({plan, 1e3 * time_plan(data, plan, first_pass, stream).median_ms});
+        }
         std::sort(scored.begin(), scored.end(), [](const Scored& a, const Scored& b) { return a.us < b.us; });
         DecodePlan heuristic;
         check_ok(decode_plan(key, nullptr, sms, &heuristic), "decode_plan");
+        heuristic = with_engine(heuristic, engine);
         std::vector<Scored> finalists(scored.begin(), scored.begin() + std::min<size_t>(3, scored.size()));
         if (std::none_of(finalists.begin(), finalists.end(),
-                         [&](const Scored& s) { return s.plan.num_splits == heuristic.num_splits; }))
+                         [&](const Scored& s) { return same_launch(s.plan, heuristic); }))
           finalists.push_back({heuristic, 0});
         for (Scored& f : finalists) f.us = 1e3 * time_plan(data, f.plan, final_pass, stream).median_ms;
         const Scored& winner = pick_winner(finalists);
         const double heuristic_us =
             std::find_if(finalists.begin(), finalists.end(),
-                         [&](const Scored& s) { return s.plan.num_splits == heuristic.num_splits; })->us;
-        check_ok(table.insert(key, {winner.plan.kernel, winner.plan.num_splits}), "table insert");
+                         [&](const Scored& s) { return same_launch(s.plan, heuristic); })->us;
+        check_ok(table.insert(key, {winner.plan.kernel, winner.plan.num_splits, winner.plan.heads_per_cta}),
+                 "table insert");
         report.add_row({{"batch", batch}, {"cache", len}, {"layout", layout_name(page_size)},
                         {"candidates", static_cast<int>(scored.size())}, {"winner", plan_name(winner.plan)},
                         {"us", Table::Cell(winner.us, 2)}, {"heuristic", plan_name(heuristic)},
@@ -255,6 +291,7 @@ int tune(const Args& args, const std::string& path, cudaStream_t stream) {
       }
     }
   report.print();
+  std::printf("engine: %s\n", decode_engine_name(engine));
   check_ok(table.save(path), "saving the tuning table");
   std::printf("wrote %zu entries to %s\n", table.size(), path.c_str());
   return 0;
@@ -262,14 +299,15 @@ int tune(const Args& args, const std::string& path, cudaStream_t stream) {
 
 // ---- benchmark ----------------------------------------------------------------------------------
 
-// The table named on the command line, else the shipped one (from the working directory or the
-// source tree); nullptr when none is found, so the heuristic plans.
-const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTable* table) {
+// The table named on the command line, else the shipped one `fallback` (from the working
+// directory or the source tree); nullptr when none is found, so the heuristic plans.
+const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTable* table,
+                                    const char* fallback = kDefaultTable) {
   std::vector<std::string> paths;
   if (!requested.empty()) {
     paths = {requested};
   } else {
-    paths = {kDefaultTable, (std::filesystem::path(__FILE__).parent_path().parent_path() / kDefaultTable).string()};
+    paths = {fallback, (std::filesystem::path(__FILE__).parent_path().parent_path() / fallback).string()};
   }
   for (const std::string& p : paths) {
     if (!std::filesystem::exists(p)) continue;
@@ -278,16 +316,25 @@ const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTa
     return table;
   }
   if (!requested.empty()) check_ok(Status::InvalidArgument("--table", "no file " + requested), "tuning table");
-  std::printf("tuning table: none found (%s): heuristic plans\n", kDefaultTable);
+  std::printf("tuning table: none found (%s): heuristic plans\n", fallback);
   return nullptr;
 }
 
-int benchmark(const Args& args, const std::string& table_path, cudaStream_t stream) {
+struct BenchOptions {
+  std::string table_path, baseline_table_path;
+  DecodeEngine engine = DecodeEngine::kKeyGroups;
+  bool compare = false;
+};
+
+int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream) {
   const int sms = num_sms();
   const double copy_gbps = measure_copy_bandwidth_gbps(stream);
   std::printf("measured copy bandwidth: %.0f GB/s (read + write)\n", copy_gbps);
-  DecodeTuningTable storage;
-  const DecodeTuningTable* table = load_table(table_path, &storage);
+  std::printf("engine: %s\n", decode_engine_name(options.engine));
+  DecodeTuningTable storage, baseline_storage;
+  const DecodeTuningTable* table = load_table(options.table_path, &storage);
+  const DecodeTuningTable* baseline_table =
+      options.compare ? load_table(options.baseline_table_path, &baseline_storage, kDefaultBaselineTable) : nullptr;
   const TimingOptions floor_options{.warmup = 10, .repeats = 50, .flush_l2 = true, .cuda_graph = true};
   const Timing floor = time_kernel([](cudaStream_t s) { empty_kernel<<<1, 32, 0, s>>>(); }, floor_options, stream);
   std::printf("harness floor (an empty kernel, CUDA graph, L2 flushed): %.2f us\n", 1e3 * floor.median_ms);
@@ -313,42 +360,88 @@ int benchmark(const Args& args, const std::string& table_path, cudaStream_t stre
         check_ok(decode_plan(key, table, sms, &plan), "decode_plan");
         check_ok(decode_plan(key, nullptr, sms, &heuristic), "decode_plan");
         check_ok(decode_plan_for_splits(key, 1, &standard), "decode_plan_for_splits");
+        plan = with_engine(plan, options.engine);
+        heuristic = with_engine(heuristic, options.engine);
+        standard = with_engine(standard, DecodeEngine::kPortable);  // the reference: an independent kernel
 
-        // Checks: the standard kernel on contiguous caches is the reference of this shape.
+        // Checks: the portable standard kernel on contiguous caches is the reference of this shape.
         if (page_size == 0) data.run(standard, stream, data.reference_out());
-        FLARE_BENCH_CHECK(cudaMemsetAsync(data.out(), 0xFF, data.out_elems() * kElemBytes, stream));
-        data.run(plan, stream);
-        const ErrorStats err = compare_bf16(data.out(), data.reference_out(), data.out_elems(), stream);
-        const bool ok = err.rel_l2 < kMaxRelError && std::isfinite(err.max_abs);
-        all_ok &= ok;
+        bool row_ok = true;
+        auto check = [&](const DecodePlan& p) {
+          FLARE_BENCH_CHECK(cudaMemsetAsync(data.out(), 0xFF, data.out_elems() * kElemBytes, stream));
+          data.run(p, stream);
+          const ErrorStats err = compare_bf16(data.out(), data.reference_out(), data.out_elems(), stream);
+          const bool ok = err.rel_l2 < kMaxRelError && std::isfinite(err.max_abs);
+          if (!ok) std::printf("CHECK FAILED: %s %s %s %s: rel err %g\n", shape.c_str(), layout_name(page_size).c_str(),
+                               plan_name(p).c_str(), decode_engine_name(p.engine), err.rel_l2);
+          all_ok &= ok;
+          row_ok &= ok;
+          return err.rel_l2;
+        };
+        const double rel_err = check(plan);
 
         const Timing tg = time_plan(data, plan, graph, stream);
         const Timing tp = time_plan(data, plan, plain, stream);
         const double us = 1e3 * tg.median_ms, gb_s = gbps(data.kv_bytes(), tg.median_ms);
         if (page_size == 0) contiguous_us = us;
         double heuristic_us = us;
-        if (heuristic.num_splits != plan.num_splits) heuristic_us = 1e3 * time_plan(data, heuristic, graph, stream).median_ms;
+        if (!same_launch(heuristic, plan)) heuristic_us = 1e3 * time_plan(data, heuristic, graph, stream).median_ms;
 
         const std::string source = plan.source == DecodePlanSource::kTuningTable ? "table" : "heuristic";
-        report.add_row({{"shape", shape}, {"layout", layout_name(page_size)}, {"plan", plan_name(plan)},
-                        {"from", source}, {"graph us", Table::Cell(us, 2)},
-                        {"p10-p90 %", Table::Cell(100 * (tg.p90_ms - tg.p10_ms) / tg.median_ms, 1)},
-                        {"plain us", Table::Cell(1e3 * tp.median_ms, 2)}, {"KV GB/s", Table::Cell(gb_s, 0)},
-                        {"of copy", Table::Cell(gb_s / copy_gbps, 2)},
-                        {"vs contig", Table::Cell(us / contiguous_us, 3)},
-                        {"heuristic", plan_name(heuristic)}, {"heur us", Table::Cell(heuristic_us, 2)},
-                        {"rel err", Table::Cell(err.rel_l2, 5)}, {"check", ok ? "ok" : "FAIL"}});
-        records.push_back(
-            {shape + " " + layout_name(page_size),
-             {{"graph_us", us}, {"graph_p10_us", 1e3 * tg.p10_ms}, {"graph_p90_us", 1e3 * tg.p90_ms},
-              {"graph_stddev_us", 1e3 * tg.stddev_ms}, {"plain_us", 1e3 * tp.median_ms},
-              {"plain_p10_us", 1e3 * tp.p10_ms}, {"plain_p90_us", 1e3 * tp.p90_ms}, {"kv_gbps", gb_s},
-              {"copy_gbps", copy_gbps}, {"fraction_of_copy", gb_s / copy_gbps}, {"num_splits", plan.num_splits},
-              {"heuristic_splits", heuristic.num_splits}, {"heuristic_us", heuristic_us}, {"rel_err", err.rel_l2}},
-             {{"batch", std::to_string(batch)}, {"cache_len", std::to_string(len)},
-              {"layout", layout_name(page_size)}, {"plan_source", source}, {"dtype", "bf16"},
-              {"heads_q", std::to_string(kHeadsQ)}, {"heads_kv", std::to_string(kHeadsKv)},
-              {"head_dim", std::to_string(kHeadDim)}}});
+        std::vector<std::pair<std::string, Table::Cell>> row = {
+            {"shape", shape}, {"layout", layout_name(page_size)}, {"plan", plan_name(plan)}, {"from", source},
+            {"graph us", Table::Cell(us, 2)},
+            {"p10-p90 %", Table::Cell(100 * (tg.p90_ms - tg.p10_ms) / tg.median_ms, 1)},
+            {"plain us", Table::Cell(1e3 * tp.median_ms, 2)}, {"KV GB/s", Table::Cell(gb_s, 0)},
+            {"of copy", Table::Cell(gb_s / copy_gbps, 2)}, {"vs contig", Table::Cell(us / contiguous_us, 3)},
+            {"heuristic", plan_name(heuristic)}, {"heur us", Table::Cell(heuristic_us, 2)},
+            {"rel err", Table::Cell(rel_err, 5)}};
+        std::map<std::string, double> values = {
+            {"graph_us", us}, {"graph_p10_us", 1e3 * tg.p10_ms}, {"graph_p90_us", 1e3 * tg.p90_ms},
+            {"graph_stddev_us", 1e3 * tg.stddev_ms}, {"plain_us", 1e3 * tp.median_ms},
+            {"plain_p10_us", 1e3 * tp.p10_ms}, {"plain_p90_us", 1e3 * tp.p90_ms}, {"kv_gbps", gb_s},
+            {"copy_gbps", copy_gbps}, {"fraction_of_copy", gb_s / copy_gbps}, {"num_splits", plan.num_splits},
+            {"heads_per_cta", plan.heads_per_cta}, {"heuristic_splits", heuristic.num_splits},
+            {"heuristic_us", heuristic_us}, {"rel_err", rel_err}};
+
+        if (options.compare) {
+          // The previous path: the head-warp kernel and the combine kernel, planned by its own table.
+          DecodePlan old;
+          check_ok(decode_plan(key, baseline_table, sms, &old), "decode_plan (baseline)");
+          old = with_engine(old, DecodeEngine::kHeadWarps);
+          check(old);
+          const double old_us = 1e3 * time_plan(data, old, graph, stream).median_ms;
+          row.push_back({"old plan", plan_name(old)});
+          row.push_back({"old us", Table::Cell(old_us, 2)});
+          row.push_back({"old / new", Table::Cell(old_us / us, 2)});
+          values["old_us"] = old_us;
+          values["old_splits"] = old.num_splits;
+          values["speedup_vs_old"] = old_us / us;
+          if (plan.engine == DecodeEngine::kKeyGroups && plan.kernel == DecodeKernel::kSplitKv) {
+            DecodePlan separate = plan, prezeroed = plan;
+            separate.combine = DecodeCombine::kSeparateKernel;
+            prezeroed.combine = DecodeCombine::kInKernelPrezeroed;
+            check(separate);
+            check(prezeroed);
+            const double separate_us = 1e3 * time_plan(data, separate, graph, stream).median_ms;
+            const double prezeroed_us = 1e3 * time_plan(data, prezeroed, graph, stream).median_ms;
+            row.push_back({"comb.kernel us", Table::Cell(separate_us, 2)});
+            row.push_back({"prezeroed us", Table::Cell(prezeroed_us, 2)});
+            values["separate_combine_us"] = separate_us;
+            values["prezeroed_us"] = prezeroed_us;
+          } else {
+            row.push_back({"comb.kernel us", "-"});
+            row.push_back({"prezeroed us", "-"});
+          }
+        }
+        row.push_back({"check", row_ok ? "ok" : "FAIL"});
+        report.add_row(row);
+        records.push_back({shape + " " + layout_name(page_size), values,
+                           {{"batch", std::to_string(batch)}, {"cache_len", std::to_string(len)},
+                            {"layout", layout_name(page_size)}, {"plan_source", source}, {"dtype", "bf16"},
+                            {"engine", decode_engine_name(plan.engine)}, {"combine", decode_combine_name(plan.combine)},
+                            {"heads_q", std::to_string(kHeadsQ)}, {"heads_kv", std::to_string(kHeadsKv)},
+                            {"head_dim", std::to_string(kHeadDim)}}});
         std::fflush(stdout);
       }
     }
@@ -376,14 +469,41 @@ std::string take_path_option(int* argc, char** argv, std::string_view name) {
   return value;
 }
 
+// Removes the flag `name` from argv; whether it was there.
+bool take_flag(int* argc, char** argv, std::string_view name) {
+  bool found = false;
+  int kept = 1;
+  for (int i = 1; i < *argc; ++i) {
+    if (name == argv[i]) {
+      found = true;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  *argc = kept;
+  return found;
+}
+
+DecodeEngine parse_engine(const std::string& name) {
+  if (name.empty()) return DecodeEngine::kKeyGroups;
+  for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
+    if (name == decode_engine_name(e)) return e;
+  std::fprintf(stderr, "--engine: expected key_groups, head_warps or portable, got '%s'\n", name.c_str());
+  std::exit(2);
+}
+
 int run(int argc, char** argv) {
   const std::string tune_path = take_path_option(&argc, argv, "--tune");
-  const std::string table_path = take_path_option(&argc, argv, "--table");
+  BenchOptions options;
+  options.table_path = take_path_option(&argc, argv, "--table");
+  options.baseline_table_path = take_path_option(&argc, argv, "--baseline-table");
+  options.engine = parse_engine(take_path_option(&argc, argv, "--engine"));
+  options.compare = take_flag(&argc, argv, "--compare");
   const Args args = parse_args_or_exit(argc, argv);
   require_cuda_device_or_exit();
   cudaStream_t stream;
   FLARE_BENCH_CHECK(cudaStreamCreate(&stream));
-  return tune_path.empty() ? benchmark(args, table_path, stream) : tune(args, tune_path, stream);
+  return tune_path.empty() ? benchmark(args, options, stream) : tune(args, tune_path, options.engine, stream);
 }
 
 }  // namespace

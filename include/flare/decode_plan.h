@@ -3,10 +3,12 @@
 // run many times with the plan and a caller-provided workspace: the run allocates nothing, so a
 // decode step can be captured in a CUDA graph and replayed with new cache lengths.
 //
-// Kernels. The standard kernel runs one CTA per (sequence, KV head): the q_len x (heads_q /
-// heads_kv) query rows of that KV head are packed together so K/V are read once. The split-KV
-// kernel runs num_splits CTAs per (sequence, KV head), each over one chunk of keys, writes fp32
-// partial outputs and their log-sum-exps to the workspace, and a combine step merges them by LSE.
+// Kernels. The standard kernel runs one CTA per (sequence, KV head) (the sm_90 engines: per
+// sequence and block of heads_per_cta KV heads): the q_len x (heads_q / heads_kv) query rows of
+// a KV head are packed together so K/V are read once. The split-KV kernel runs num_splits CTAs
+// per (sequence, KV head or head block), each over one chunk of keys, writes fp32 partial outputs
+// and their log-sum-exps to the workspace, and a combine step merges them by LSE: in the kernel
+// (the last CTA of each head block to finish) or in a second kernel (see DecodeCombine).
 //
 // Where a split's keys lie (what the kernels implement). For sequence b with L_b =
 // cache_seqlens[b] keys, the attended span is [span_begin, L_b) with span_begin = 0, or with a
@@ -20,11 +22,23 @@
 // (or a window whose origin rounds less) leaves trailing splits empty: such a split writes
 // LSE = -inf and a zero partial output, and the combine gives it weight 0.
 //
-// Workspace (split-KV only; 0 bytes for the standard kernel), fp32, row-major:
-//   partial_out [batch, heads_q, q_len, num_splits, head_dim]   at byte 0
-//   partial_lse [batch, heads_q, q_len, num_splits]            at byte partial_lse_offset
-// so workspace_bytes = batch * heads_q * q_len * num_splits * (head_dim + 1) * 4. head_dim is a
-// multiple of 64, so partial_lse_offset is a multiple of 256 bytes.
+// Workspace (split-KV only; 0 bytes for the standard kernel), row-major:
+//   partial_out fp32 [batch, heads_q, q_len, num_splits, head_dim]   at byte 0
+//   partial_lse fp32 [batch, heads_q, q_len, num_splits]            at byte partial_lse_offset
+//   counters    int32 [batch, heads_kv]                             at byte counters_offset
+// with counters_offset = partial_lse_offset + (the partial_lse bytes rounded up to 16), so
+// workspace_bytes = counters_offset + batch * heads_kv * 4. head_dim is a multiple of 64, so
+// partial_lse_offset is a multiple of 256 bytes. The counters are the in-kernel combine's arrival
+// counters (one per sequence and block of KV heads, see DecodeCombine); the rest is scratch.
+//
+// How a plan runs (engine, combine, heads_per_cta). The defaults are the fastest known; the
+// others stay selectable so that runs can be compared in one process (bench_decode --compare).
+// A plan's engine runs where it applies and the portable kernel elsewhere: the sm_90 engines need
+// sm_90 code on the device, head dim 128 (64 and 256 compile but have not run on a GPU), at most
+// 16 packed query rows per KV head (group x q_len), head slices adjacent in a cache row and
+// 16-byte aligned rows. FLARE_DECODE_PORTABLE=1 in the environment forces the portable kernel and
+// FLARE_DECODE_ENGINE=key_groups|head_warps|portable overrides every plan's engine (both read once
+// per process).
 //
 // Choosing the plan. A tuning table hit wins (its split count is measured on the device, see
 // DecodeTuningTable; `bench_decode --tune PATH` times every decode_candidates() plan of a grid of
@@ -82,6 +96,44 @@ inline constexpr double kDecodeWaveEfficiencySlack = 0.05;
 enum class DecodeKernel : uint8_t { kStandard, kSplitKv };
 const char* decode_kernel_name(DecodeKernel k);  // "standard", "split_kv"
 
+// The kernel family of a plan (see "How a plan runs" above).
+enum class DecodeEngine : uint8_t {
+  // sm_90: a CTA streams whole cache rows of heads_per_cta KV heads by cp.async.bulk, and its 8
+  // consumer warps split them as heads x key groups: each head's 16-key sub-tiles are dealt to
+  // 8 / heads_per_cta warps, merged at the end by their LSE (head dim 256: 4 warps).
+  kKeyGroups,
+  // sm_90, the kernel of 2026-11-22: the same copies, one consumer warp per KV head (CTAs of 1-2
+  // heads with long splits run the portable kernel). Kept for comparisons.
+  kHeadWarps,
+  // mma.sync (sm_80+): one CTA of 4 warps per KV head.
+  kPortable,
+};
+const char* decode_engine_name(DecodeEngine e);  // "key_groups", "head_warps", "portable"
+
+// How split-KV partial states are merged.
+enum class DecodeCombine : uint8_t {
+  // Where the key-group engine runs a split plan: the last CTA of each (sequence, head block) to
+  // finish its split merges all splits' states and writes out / lse. It finds out it is last by an
+  // arrival counter in the workspace (atomically incremented after its states are written), and
+  // resets the counter to 0. A small kernel zeroes the counters first, so any workspace contents
+  // work (the attention kernel is its programmatic dependent and waits for it only before
+  // arriving). Elsewhere (other engines, the portable fallback): as kSeparateKernel.
+  kInKernel,
+  // A second kernel merges the states (a programmatic dependent launch on sm_90).
+  kSeparateKernel,
+  // kInKernel without the zeroing kernel: the counters must be 0 when the call starts. Zero the
+  // workspace once (e.g. cudaMemset(workspace, 0, workspace_bytes)) before the first call; every
+  // call that completes leaves them 0 again (so CUDA-graph replays stay correct). A call that
+  // starts with non-zero counters writes wrong outputs. For callers that own their workspace.
+  kInKernelPrezeroed,
+};
+const char* decode_combine_name(DecodeCombine c);  // "in_kernel", "separate_kernel", "in_kernel_prezeroed"
+
+// KV heads per CTA of the sm_90 engines: at most this many (4 at head dim 256), a power of two
+// dividing heads_kv. 0 in a plan: the engine's own rule (see the launcher).
+inline constexpr int kDecodeMaxHeadsPerCta = 8;
+constexpr int decode_max_heads_per_cta(int head_dim) { return head_dim > 128 ? 4 : kDecodeMaxHeadsPerCta; }
+
 // Everything a plan depends on. Build it by hand (e.g. before the caches exist) or from the
 // params with decode_shape_key().
 struct DecodeShapeKey {
@@ -110,7 +162,12 @@ struct DecodePlan {
   int kv_align = kDecodeKvAlign; // split boundaries are multiples of it: max(page_size, 64)
   std::size_t workspace_bytes = 0;
   std::size_t partial_lse_offset = 0;  // byte offset of partial_lse in the workspace
+  std::size_t counters_offset = 0;     // byte offset of the arrival counters in the workspace
   DecodePlanSource source = DecodePlanSource::kHeuristic;
+  // How it runs; may be edited after planning (check_decode_plan accepts any valid value).
+  DecodeEngine engine = DecodeEngine::kKeyGroups;
+  DecodeCombine combine = DecodeCombine::kInKernel;
+  int heads_per_cta = 0;         // sm_90 engines: 0 (their rule) or a power of two dividing heads_kv
   DecodeShapeKey shape;          // the shape planned for; the run checks its params against it
 };
 
@@ -135,10 +192,12 @@ struct DecodeShapeClass {
 // The class of a valid key (decode_plan validates; this does not).
 DecodeShapeClass decode_shape_class(const DecodeShapeKey& key);
 
-// A measured winner: the standard kernel (num_splits 1) or split-KV with 2..kMaxDecodeSplits.
+// A measured winner: the standard kernel (num_splits 1) or split-KV with 2..kMaxDecodeSplits,
+// and the KV heads per CTA it was timed with (0: the engine's rule).
 struct DecodeTuningEntry {
   DecodeKernel kernel = DecodeKernel::kStandard;
   int num_splits = 1;
+  int heads_per_cta = 0;
   friend bool operator==(const DecodeTuningEntry&, const DecodeTuningEntry&) = default;
 };
 
@@ -150,8 +209,11 @@ struct DecodeTuningEntry {
 //
 // Line 1 names the format and its version. Each other line is one class and its winner, every
 // field exactly once in any order: batch and kv_len are bucket values (powers of two), layout is
-// contiguous or paged, kernel is standard (splits=1) or split_kv (splits 2..128). A malformed file
-// gives InvalidArgument "<source>:<line>: <what is wrong>", and the table is left unchanged.
+// contiguous or paged, kernel is standard (splits=1) or split_kv (splits 2..128). One optional
+// field, heads_per_cta=N (a power of two up to kDecodeMaxHeadsPerCta that divides heads_kv;
+// absent: 0, the engine's rule), is written only when it is not 0, so files without it (tuned
+// before it existed) still load. A malformed file gives InvalidArgument
+// "<source>:<line>: <what is wrong>", and the table is left unchanged.
 class DecodeTuningTable {
  public:
   std::optional<DecodeTuningEntry> lookup(const DecodeShapeKey& key) const;
@@ -182,17 +244,24 @@ Status decode_plan_for_splits(const DecodeShapeKey& key, int num_splits, DecodeP
 // What a GPU tuner times for `key`: the standard kernel, then every distinct fitted split count
 // from 2 up, each split averaging at least kDecodeKvAlign keys, up to kMaxDecodeSplits splits and
 // kDecodeMaxWaves waves of CTAs on num_sms SMs. Includes the heuristic's choice. Empty if the key
-// or num_sms is invalid.
+// or num_sms is invalid. Every plan has heads_per_cta 0.
 std::vector<DecodePlan> decode_candidates(const DecodeShapeKey& key, int num_sms);
 
-// For the run: `plan` was made for `key` (the params' key) and is internally consistent.
+// decode_candidates(key, num_sms), each with every explicit heads_per_cta the sm_90 engines can
+// take for the key (powers of two dividing heads_kv, up to decode_max_heads_per_cta), widest
+// first: what bench_decode --tune times.
+std::vector<DecodePlan> decode_candidates_with_heads_per_cta(const DecodeShapeKey& key, int num_sms);
+
+// For the run: `plan` was made for `key` (the params' key) and is internally consistent, and its
+// engine, combine and heads_per_cta are valid values for the key.
 Status check_decode_plan(const DecodePlan& plan, const DecodeShapeKey& key);
 
 // Runs one decode step on params.stream with `plan` (made for the params' shape: see
 // check_decode_plan). Split-KV plans need `workspace`: device memory of at least
-// plan.workspace_bytes, 16-byte aligned, its contents scratch; the standard kernel needs none
-// (nullptr, 0). Validates, launches, allocates nothing: capturable in a CUDA graph, whose replays
-// read the current cache_seqlens and page_table contents.
+// plan.workspace_bytes, 16-byte aligned, its contents scratch (except the counters under
+// DecodeCombine::kInKernelPrezeroed); the standard kernel needs none (nullptr, 0). Calls sharing a
+// workspace must be ordered (one stream). Validates, launches, allocates nothing: capturable in a
+// CUDA graph, whose replays read the current cache_seqlens and page_table contents.
 Status decode_run(const DecodePlan& plan, const DecodeParams& params, void* workspace, std::size_t workspace_bytes);
 
 // n / (ceil(n / num_sms) * num_sms): the fraction of the launched waves' SM slots in use.

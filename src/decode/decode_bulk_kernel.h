@@ -1,8 +1,9 @@
 // Decode attention on sm_90+: bulk copies (cp.async.bulk, mbarrier completion) of whole cache
 // rows, one CTA for several KV heads of a sequence. Serves the same two plans as
-// decode_kernel.h (standard and split-KV, same key ranges, same workspace layout, same combine);
-// launch_decode_attention (at the end) runs it where it applies (bulk_kernel_applies) and the
-// device runs sm_90 code, else the portable kernel.
+// decode_kernel.h (standard and split-KV, same key ranges, same workspace layout, same combine).
+// DecodeEngine::kHeadWarps: the kernel of 2026-11-22, kept for comparisons with the key-group
+// kernel (decode_key_groups_kernel.h), which replaced it as the default; decode_launch.h
+// dispatches between them.
 //
 // Why. The portable kernel gives each (sequence, KV head) its own CTA: it copies 256-byte rows
 // 16 bytes per thread-instruction through cp.async, at a 2 KB stride, and its 4 warps spend most
@@ -25,13 +26,11 @@
 // keys at or past the sequence's end are zeroed in V (a masked key has P = 0, and 0 x garbage
 // may be NaN) and masked in S.
 //
-// Heads per CTA (launch_decode_attention): the most that fit (8 at head dim 128), halved while
+// Heads per CTA (launch_decode_head_warps): the most that fit (8 at head dim 128), halved while
 // the grid would fill under half the SMs, so small batches with few splits still stream on most
 // SMs; narrow CTAs (1 or 2 heads) with long splits run the portable kernel instead, since one
-// warp per head is slow to walk many keys (see the launcher). Known limit (the next step): that
-// per-warp walk also caps batch 1 on long caches; key groups (8 consumer warps whatever the heads
-// per CTA, each taking every (8 / heads)-th tile of its head, merged at the end as the portable
-// kernel does) would lift it.
+// warp per head is slow to walk many keys (see the launcher). Known limit: that per-warp walk
+// also caps batch 1 on long caches; the key-group kernel lifts it.
 //
 // Shared rows are padded by 16 bytes, so the 8 rows of an ldmatrix fall in distinct bank groups.
 #pragma once
@@ -315,7 +314,7 @@ namespace flare::decode {
 
 // Whether the bulk kernel runs these params: packed rows fit one m-tile, each KV head's slice of
 // a key row is head_dim contiguous elements next to the next head's, and every copy's address and
-// size are 16-byte multiples. (The device must also run sm_90 code: see launch_decode_attention.)
+// size are 16-byte multiples. (The device must also run sm_90 code: see decode_launch.h.)
 template <int kHeadDim, typename T>
 inline bool bulk_kernel_applies(const DecodeKernelParams& p) {
   constexpr int64_t kElemsPer16B = 16 / sizeof(T);
@@ -326,29 +325,24 @@ inline bool bulk_kernel_applies(const DecodeKernelParams& p) {
          p.v_stride_0 % kElemsPer16B == 0 && p.v_stride_tok % kElemsPer16B == 0;
 }
 
-// Launches the standard (num_splits == 1) or the split-KV attention kernel, the bulk one where it
-// applies and the device runs sm_90 code, else the portable one; the combine is the caller's.
-// FLARE_DECODE_PORTABLE=1 in the environment forces the portable kernel (for comparisons).
-// Instantiated once per (head dim, dtype) in its own translation unit
-// (instantiations/decode_kernel.cu.in); decode_kernel.cu sees only extern declarations.
+// Launches this kernel (DecodeEngine::kHeadWarps) for the standard (num_splits == 1) or the
+// split-KV plan; the combine is the caller's. The dispatcher (decode_launch.h) has checked that
+// the device runs sm_90 code and bulk_kernel_applies. Narrow CTAs with long splits run the
+// portable kernel instead (the rule below).
 template <int kHeadDim, typename T>
-Status launch_decode_attention(const DecodeKernelParams& p, cudaStream_t stream) {
+Status launch_decode_head_warps(const DecodeKernelParams& p, cudaStream_t stream) {
   auto standard = decode_bulk_kernel<kHeadDim, T, false>;
   auto split_kv = decode_bulk_kernel<kHeadDim, T, true>;
   // Once per kernel (not a stream operation, so also fine while a graph is being captured).
-  static const bool bulk_ready = [&] {
-    const char* env = std::getenv("FLARE_DECODE_PORTABLE");
-    if (env != nullptr && env[0] == '1') return false;
-    cudaFuncAttributes attributes = {};
-    bool ok = cudaFuncGetAttributes(&attributes, standard) == cudaSuccess && attributes.binaryVersion >= 90 &&
-              cudaFuncSetAttribute(standard, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBudget) ==
-                  cudaSuccess &&
-              cudaFuncSetAttribute(split_kv, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBudget) ==
-                  cudaSuccess;
-    if (!ok) (void)cudaGetLastError();  // e.g. no sm_90 binary for this device: the portable kernel runs
+  static const bool ready = [&] {
+    const bool ok = cudaFuncSetAttribute(standard, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBudget) ==
+                        cudaSuccess &&
+                    cudaFuncSetAttribute(split_kv, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBudget) ==
+                        cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // the portable kernel runs
     return ok;
   }();
-  if (!bulk_ready || !bulk_kernel_applies<kHeadDim, T>(p)) return launch_decode_portable<kHeadDim, T>(p, stream);
+  if (!ready) return launch_decode_portable<kHeadDim, T>(p, stream);
 
   // Heads per CTA: as many as fit (longest contiguous rows), but fewer while that would leave
   // the grid under half the SMs (small batches with few splits: more, narrower CTAs keep more
@@ -361,8 +355,8 @@ Status launch_decode_attention(const DecodeKernelParams& p, cudaStream_t stream)
   // One warp walks a head's keys alone (about 14 keys per microsecond on the H100: a tile's S
   // chain, softmax and P V are serial in the warp), so narrow CTAs only win on short splits,
   // where one round trip for all their keys beats the portable kernel's 4 warps per head:
-  // measured 305 vs 114 us at batch 1, 65536 keys, 16 splits of one head per CTA. Every plan of
-  // the shipped H100 table stays on the bulk kernel under this rule (it was tuned with it).
+  // measured 305 vs 114 us at batch 1, 65536 keys, 16 splits of one head per CTA. (The key-group
+  // kernel, decode_key_groups_kernel.h, gives every CTA 8 warps instead.)
   const int64_t keys_per_cta = p.num_splits > 1 ? p.kv_chunk : p.max_cache_len;
   if (heads_per_cta < 4 && keys_per_cta > (heads_per_cta == 1 ? kBulkNarrowMaxKeys1 : kBulkNarrowMaxKeys2))
     return launch_decode_portable<kHeadDim, T>(p, stream);

@@ -1,6 +1,7 @@
 // Decode entry points: decode_run (validate, resolve the device params once, launch the standard
-// or the split-KV kernel and then the combine) and merge_states (the combine, exposed). Both
-// allocate nothing, so a decode step can be captured in a CUDA graph.
+// or the split-KV kernel and then, unless the attention kernel merged the splits itself, the
+// combine) and merge_states (the combine, exposed). Both allocate nothing, so a decode step can be
+// captured in a CUDA graph.
 //
 // The combine ("merge states"): one CTA of 4 warps per row n. Each warp reads the row's S partial
 // LSEs and forms lse = M + log(sum_s exp(lse_s - M)) with M = max_s lse_s; then the warps share
@@ -26,17 +27,20 @@
 #include "src/common/cuda_check.h"
 #include "src/common/tensor_checks.h"
 #include "src/decode/decode_args.h"
-#include "src/decode/decode_bulk_kernel.h"
+#include "src/decode/decode_launch.h"
 
 namespace flare::decode {
 
 // Defined in the generated per-(head dim, dtype) translation units.
-extern template Status launch_decode_attention<64, __nv_bfloat16>(const DecodeKernelParams&, cudaStream_t);
-extern template Status launch_decode_attention<64, __half>(const DecodeKernelParams&, cudaStream_t);
-extern template Status launch_decode_attention<128, __nv_bfloat16>(const DecodeKernelParams&, cudaStream_t);
-extern template Status launch_decode_attention<128, __half>(const DecodeKernelParams&, cudaStream_t);
-extern template Status launch_decode_attention<256, __nv_bfloat16>(const DecodeKernelParams&, cudaStream_t);
-extern template Status launch_decode_attention<256, __half>(const DecodeKernelParams&, cudaStream_t);
+#define FLARE_DECODE_EXTERN(D, T) \
+  extern template Status launch_decode_attention<D, T>(const DecodeKernelParams&, const DecodeLaunch&, cudaStream_t, bool*);
+FLARE_DECODE_EXTERN(64, __nv_bfloat16)
+FLARE_DECODE_EXTERN(64, __half)
+FLARE_DECODE_EXTERN(128, __nv_bfloat16)
+FLARE_DECODE_EXTERN(128, __half)
+FLARE_DECODE_EXTERN(256, __nv_bfloat16)
+FLARE_DECODE_EXTERN(256, __half)
+#undef FLARE_DECODE_EXTERN
 
 namespace {
 
@@ -295,6 +299,7 @@ DecodeKernelParams make_kernel_params(const DecodeParams& p, const detail::Decod
   if (plan.kernel == DecodeKernel::kSplitKv) {
     k.partial_out = static_cast<float*>(workspace);
     k.partial_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + plan.partial_lse_offset);
+    k.counters = reinterpret_cast<int*>(static_cast<char*>(workspace) + plan.counters_offset);
   }
   k.q_stride_b = p.q.stride[0], k.q_stride_t = p.q.stride[1], k.q_stride_h = p.q.stride[2];
   k.out_stride_b = p.out.stride[0], k.out_stride_t = p.out.stride[1], k.out_stride_h = p.out.stride[2];
@@ -324,18 +329,20 @@ DecodeKernelParams make_kernel_params(const DecodeParams& p, const detail::Decod
   return k;
 }
 
-// FLARE_HEAD_DIMS and FLARE_DTYPES decide which kernels this build has.
-Status launch_attention(const DecodeKernelParams& k, int head_dim, DType dtype, cudaStream_t stream) {
+// FLARE_HEAD_DIMS and FLARE_DTYPES decide which kernels this build has. *combined: the split-KV
+// states were merged in the attention kernel.
+Status launch_attention(const DecodeKernelParams& k, const DecodeLaunch& how, int head_dim, DType dtype,
+                        cudaStream_t stream, bool* combined) {
   [[maybe_unused]] const bool bf16 = dtype == DType::kBFloat16;
 #if defined(FLARE_HAS_DTYPE_bf16)
 #define FLARE_DECODE_BF16(D) \
-  if (bf16) return launch_decode_attention<D, __nv_bfloat16>(k, stream);
+  if (bf16) return launch_decode_attention<D, __nv_bfloat16>(k, how, stream, combined);
 #else
 #define FLARE_DECODE_BF16(D)
 #endif
 #if defined(FLARE_HAS_DTYPE_fp16)
 #define FLARE_DECODE_FP16(D) \
-  if (!bf16) return launch_decode_attention<D, __half>(k, stream);
+  if (!bf16) return launch_decode_attention<D, __half>(k, how, stream, combined);
 #else
 #define FLARE_DECODE_FP16(D)
 #endif
@@ -389,8 +396,13 @@ Status decode_run(const DecodePlan& plan, const DecodeParams& params, void* work
 
   const decode::DecodeKernelParams k = decode::make_kernel_params(params, shape, plan, workspace);
   const cudaStream_t stream = params.stream;
-  FLARE_RETURN_IF_ERROR(decode::launch_attention(k, shape.head_dim, params.q.dtype, stream));
-  if (!split) return Status::Ok();
+  decode::DecodeLaunch how;
+  how.engine = plan.engine;
+  how.combine = plan.combine;
+  how.heads_per_cta = plan.heads_per_cta;
+  bool combined = false;
+  FLARE_RETURN_IF_ERROR(decode::launch_attention(k, how, shape.head_dim, params.q.dtype, stream, &combined));
+  if (!split || combined) return Status::Ok();
 
   // Combine: rows (b, h, t) of the workspace, into out [b, t, h] and lse [b, h, t].
   decode::MergeKernelParams m;

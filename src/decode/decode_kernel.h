@@ -61,6 +61,9 @@ struct DecodeKernelParams {
   float* lse = nullptr;          // optional, contiguous [batch, heads_q, q_len]
   float* partial_out = nullptr;  // split-KV: [batch, heads_q, q_len, num_splits, head_dim]
   float* partial_lse = nullptr;  // split-KV: [batch, heads_q, q_len, num_splits]
+  // Split-KV with the in-kernel combine (key-group kernel only): [batch, heads_kv] arrival counters,
+  // 0 at the start of the call (decode_schedule.h); null: the combine is a separate kernel.
+  int* counters = nullptr;
 
   int64_t q_stride_b = 0, q_stride_t = 0, q_stride_h = 0;
   int64_t out_stride_b = 0, out_stride_t = 0, out_stride_h = 0;

@@ -128,11 +128,13 @@ int heuristic_split_count(const DecodeShapeKey& k, int num_sms) {
   return chosen;
 }
 
-// Builds the plan of a valid key and a split count in [1, kMaxDecodeSplits].
-DecodePlan make_plan(const DecodeShapeKey& k, int requested_splits, DecodePlanSource source) {
+// Builds the plan of a valid key and a split count in [1, kMaxDecodeSplits] (engine and combine:
+// the defaults).
+DecodePlan make_plan(const DecodeShapeKey& k, int requested_splits, DecodePlanSource source, int heads_per_cta = 0) {
   DecodePlan p;
   p.shape = k;
   p.source = source;
+  p.heads_per_cta = heads_per_cta;
   p.kv_align = kv_align_of(k);
   const FittedSplits f = fit_splits(planned_span(k), p.kv_align, requested_splits);
   p.num_splits = f.num_splits;
@@ -141,9 +143,20 @@ DecodePlan make_plan(const DecodeShapeKey& k, int requested_splits, DecodePlanSo
   if (p.kernel == DecodeKernel::kSplitKv) {
     const std::size_t partial_rows = std::size_t(k.batch) * k.heads_q * k.q_len * p.num_splits;
     p.partial_lse_offset = partial_rows * k.head_dim * sizeof(float);
-    p.workspace_bytes = p.partial_lse_offset + partial_rows * sizeof(float);
+    p.counters_offset = p.partial_lse_offset + align_up(static_cast<int64_t>(partial_rows * sizeof(float)), 16);
+    p.workspace_bytes = p.counters_offset + std::size_t(k.batch) * k.heads_kv * sizeof(int32_t);
   }
   return p;
+}
+
+// Empty when heads_per_cta is 0 or a power of two dividing heads_kv within the head dim's cap.
+std::string heads_per_cta_problem(int heads_per_cta, int heads_kv, int head_dim) {
+  if (heads_per_cta == 0) return {};
+  const int cap = decode_max_heads_per_cta(head_dim);
+  if (heads_per_cta < 0 || heads_per_cta > cap || !is_power_of_two(heads_per_cta) || heads_kv % heads_per_cta != 0)
+    return "heads_per_cta must be 0 or a power of two up to " + str(cap) + " (head dim " + str(head_dim) +
+           ") dividing heads_kv " + str(heads_kv) + ", got " + str(heads_per_cta);
+  return {};
 }
 
 // Empty when the kernel and split count agree, else what is wrong.
@@ -187,16 +200,20 @@ class EntryLine {
       seen[field] = true;
       FLARE_RETURN_IF_ERROR(set_field(field, word, value, c, e));
     }
-    for (int f = 0; f < kNumFields; ++f)
+    for (int f = 0; f < kNumRequiredFields; ++f)
       if (!seen[f]) return error("missing field '" + std::string(kFieldNames[f]) + "'");
     if (std::string problem = split_count_problem(e->kernel, e->num_splits); !problem.empty()) return error(problem);
+    if (std::string problem = heads_per_cta_problem(e->heads_per_cta, c->heads_kv, c->head_dim); !problem.empty())
+      return error(problem);
     return Status::Ok();
   }
 
  private:
-  enum Field { kBatch, kHeadsKv, kGroup, kHeadDim, kQLen, kKvLen, kLayout, kKernel, kSplits, kNumFields };
-  static constexpr const char* kFieldNames[kNumFields] = {"batch", "heads_kv", "group",  "head_dim", "q_len",
-                                                          "kv_len", "layout",  "kernel", "splits"};
+  // The required fields, then the optional ones.
+  enum Field { kBatch, kHeadsKv, kGroup, kHeadDim, kQLen, kKvLen, kLayout, kKernel, kSplits, kHeadsPerCta, kNumFields };
+  static constexpr int kNumRequiredFields = kHeadsPerCta;
+  static constexpr const char* kFieldNames[kNumFields] = {"batch",  "heads_kv", "group",  "head_dim", "q_len",
+                                                          "kv_len", "layout",   "kernel", "splits",   "heads_per_cta"};
 
   static int field_index(std::string_view name) {
     for (int f = 0; f < kNumFields; ++f)
@@ -262,6 +279,10 @@ class EntryLine {
         FLARE_RETURN_IF_ERROR(parse_int(word, value, 1, kMaxDecodeSplits, &x));
         e->num_splits = static_cast<int>(x);
         return Status::Ok();
+      case kHeadsPerCta:
+        FLARE_RETURN_IF_ERROR(parse_int(word, value, 0, kDecodeMaxHeadsPerCta, &x));
+        e->heads_per_cta = static_cast<int>(x);
+        return Status::Ok();
     }
     return error("internal: unhandled field");
   }
@@ -299,6 +320,24 @@ const char* decode_kernel_name(DecodeKernel k) {
   switch (k) {
     case DecodeKernel::kStandard: return "standard";
     case DecodeKernel::kSplitKv: return "split_kv";
+  }
+  return "unknown";
+}
+
+const char* decode_engine_name(DecodeEngine e) {
+  switch (e) {
+    case DecodeEngine::kKeyGroups: return "key_groups";
+    case DecodeEngine::kHeadWarps: return "head_warps";
+    case DecodeEngine::kPortable: return "portable";
+  }
+  return "unknown";
+}
+
+const char* decode_combine_name(DecodeCombine c) {
+  switch (c) {
+    case DecodeCombine::kInKernel: return "in_kernel";
+    case DecodeCombine::kSeparateKernel: return "separate_kernel";
+    case DecodeCombine::kInKernelPrezeroed: return "in_kernel_prezeroed";
   }
   return "unknown";
 }
@@ -346,6 +385,8 @@ std::optional<DecodeTuningEntry> DecodeTuningTable::lookup(const DecodeShapeKey&
 Status DecodeTuningTable::insert(const DecodeShapeKey& key, const DecodeTuningEntry& winner) {
   FLARE_RETURN_IF_ERROR(check_key(key));
   FLARE_RETURN_IF_ERROR(check_split_count("winner", winner.kernel, winner.num_splits));
+  if (std::string problem = heads_per_cta_problem(winner.heads_per_cta, key.heads_kv, key.head_dim); !problem.empty())
+    return Status::InvalidArgument("winner", problem);
   entries_[decode_shape_class(key)] = winner;
   return Status::Ok();
 }
@@ -353,11 +394,14 @@ Status DecodeTuningTable::insert(const DecodeShapeKey& key, const DecodeTuningEn
 void DecodeTuningTable::write(std::ostream& out) const {
   out << kTableFormat << ' ' << kTableVersion << '\n'
       << "# decode winners by shape class; batch and kv_len are power-of-two buckets (see flare/decode_plan.h)\n";
-  for (const auto& [c, e] : entries_)
+  for (const auto& [c, e] : entries_) {
     out << "batch=" << c.batch_bucket << " heads_kv=" << c.heads_kv << " group=" << c.group
         << " head_dim=" << c.head_dim << " q_len=" << c.q_len << " kv_len=" << c.kv_len_bucket
         << " layout=" << layout_name(c.paged) << " kernel=" << decode_kernel_name(e.kernel)
-        << " splits=" << e.num_splits << '\n';
+        << " splits=" << e.num_splits;
+    if (e.heads_per_cta != 0) out << " heads_per_cta=" << e.heads_per_cta;
+    out << '\n';
+  }
 }
 
 Status DecodeTuningTable::read(std::istream& in, const std::string& source_name) {
@@ -403,7 +447,7 @@ Status decode_plan(const DecodeShapeKey& key, const DecodeTuningTable* table, in
   FLARE_RETURN_IF_ERROR(check_num_sms(num_sms));
   if (table != nullptr) {
     if (const std::optional<DecodeTuningEntry> winner = table->lookup(key)) {
-      *plan = make_plan(key, winner->num_splits, DecodePlanSource::kTuningTable);
+      *plan = make_plan(key, winner->num_splits, DecodePlanSource::kTuningTable, winner->heads_per_cta);
       return Status::Ok();
     }
   }
@@ -428,6 +472,16 @@ std::vector<DecodePlan> decode_candidates(const DecodeShapeKey& key, int num_sms
   return plans;
 }
 
+std::vector<DecodePlan> decode_candidates_with_heads_per_cta(const DecodeShapeKey& key, int num_sms) {
+  std::vector<DecodePlan> plans;
+  if (!check_key(key).ok() || !check_num_sms(num_sms).ok()) return plans;
+  for_each_split_count(key, num_sms, [&](int s) {
+    for (int h = decode_max_heads_per_cta(key.head_dim); h >= 1; h /= 2)
+      if (key.heads_kv % h == 0) plans.push_back(make_plan(key, s, DecodePlanSource::kForced, h));
+  });
+  return plans;
+}
+
 Status check_decode_plan(const DecodePlan& plan, const DecodeShapeKey& key) {
   FLARE_RETURN_IF_ERROR(check_key(key));
   if (!(plan.shape == key))
@@ -436,10 +490,19 @@ Status check_decode_plan(const DecodePlan& plan, const DecodeShapeKey& key) {
   FLARE_RETURN_IF_ERROR(check_split_count("plan", plan.kernel, plan.num_splits));
   const DecodePlan expected = make_plan(key, plan.num_splits, plan.source);
   if (plan.num_splits != expected.num_splits || plan.kv_chunk != expected.kv_chunk || plan.kv_align != expected.kv_align ||
-      plan.workspace_bytes != expected.workspace_bytes || plan.partial_lse_offset != expected.partial_lse_offset)
+      plan.workspace_bytes != expected.workspace_bytes || plan.partial_lse_offset != expected.partial_lse_offset ||
+      plan.counters_offset != expected.counters_offset)
     return Status::InvalidArgument("plan", "num_splits, kv_chunk, kv_align or the workspace layout differ from "
                                            "what the planner gives for " + str(plan.num_splits) +
                                                " splits: was the plan edited?");
+  if (plan.engine != DecodeEngine::kKeyGroups && plan.engine != DecodeEngine::kHeadWarps &&
+      plan.engine != DecodeEngine::kPortable)
+    return Status::InvalidArgument("plan", "engine " + str(static_cast<int>(plan.engine)) + " is not a DecodeEngine");
+  if (plan.combine != DecodeCombine::kInKernel && plan.combine != DecodeCombine::kSeparateKernel &&
+      plan.combine != DecodeCombine::kInKernelPrezeroed)
+    return Status::InvalidArgument("plan", "combine " + str(static_cast<int>(plan.combine)) + " is not a DecodeCombine");
+  if (std::string problem = heads_per_cta_problem(plan.heads_per_cta, key.heads_kv, key.head_dim); !problem.empty())
+    return Status::InvalidArgument("plan", problem);
   return Status::Ok();
 }
 

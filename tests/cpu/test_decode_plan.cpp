@@ -125,11 +125,20 @@ void expect_consistent_plan(const DecodePlan& p, const DecodeShapeKey& key) {
   EXPECT_GE(int64_t{p.num_splits} * p.kv_chunk, span);
   EXPECT_LT(int64_t{p.num_splits - 1} * p.kv_chunk, span);
 
+  // partial_out, partial_lse, then one int32 arrival counter per (sequence, KV head) at a 16-byte
+  // boundary.
   const std::size_t partial_rows = std::size_t(key.batch) * key.heads_q * key.q_len * p.num_splits;
-  const std::size_t expected_workspace = p.num_splits == 1 ? 0 : partial_rows * (key.head_dim + 1) * sizeof(float);
+  const std::size_t lse_bytes = partial_rows * sizeof(float), padded_lse_bytes = (lse_bytes + 15) / 16 * 16;
+  const std::size_t counter_bytes = std::size_t(key.batch) * key.heads_kv * sizeof(int32_t);
+  const std::size_t expected_workspace =
+      p.num_splits == 1 ? 0 : partial_rows * key.head_dim * sizeof(float) + padded_lse_bytes + counter_bytes;
   EXPECT_EQ(p.workspace_bytes, expected_workspace);
   EXPECT_EQ(p.partial_lse_offset, p.num_splits == 1 ? 0 : partial_rows * key.head_dim * sizeof(float));
   EXPECT_EQ(p.partial_lse_offset % 256, 0u);
+  EXPECT_EQ(p.counters_offset, p.num_splits == 1 ? 0 : p.partial_lse_offset + padded_lse_bytes);
+  EXPECT_EQ(p.counters_offset % 16, 0u);
+  EXPECT_EQ(p.engine, DecodeEngine::kKeyGroups);
+  EXPECT_EQ(p.combine, DecodeCombine::kInKernel);
 
   Status s = check_decode_plan(p, key);
   EXPECT_TRUE(s.ok()) << s.message();
@@ -286,10 +295,27 @@ TEST(DecodeSplits, WorkspaceSizeFormula) {
   EXPECT_EQ(p.kernel, DecodeKernel::kSplitKv);
   EXPECT_EQ(p.num_splits, 4);
   EXPECT_EQ(p.kv_chunk, 1024);
-  // partial_out fp32 [2, 32, 2, 4, 128], then partial_lse fp32 [2, 32, 2, 4].
+  // partial_out fp32 [2, 32, 2, 4, 128], then partial_lse fp32 [2, 32, 2, 4], then the counters
+  // int32 [2, 8].
   EXPECT_EQ(p.partial_lse_offset, 2u * 32 * 2 * 4 * 128 * 4);
-  EXPECT_EQ(p.workspace_bytes, 2u * 32 * 2 * 4 * 128 * 4 + 2u * 32 * 2 * 4 * 4);
-  EXPECT_EQ(p.workspace_bytes, 264192u);
+  EXPECT_EQ(p.counters_offset, 2u * 32 * 2 * 4 * 128 * 4 + 2u * 32 * 2 * 4 * 4);
+  EXPECT_EQ(p.workspace_bytes, 2u * 32 * 2 * 4 * 128 * 4 + 2u * 32 * 2 * 4 * 4 + 2u * 8 * 4);
+  EXPECT_EQ(p.workspace_bytes, 264256u);
+  // partial_lse bytes not a multiple of 16: the counters start at the next 16-byte boundary.
+  DecodeShapeKey odd = key;
+  odd.batch = 1;
+  odd.heads_q = 8;
+  odd.heads_kv = 8;
+  odd.q_len = 1;
+  ASSERT_TRUE(decode_plan_for_splits(odd, 3, &p).ok());
+  EXPECT_EQ(p.num_splits, 3);
+  EXPECT_EQ(p.partial_lse_offset, 8u * 3 * 128 * 4);
+  EXPECT_EQ(p.counters_offset, 8u * 3 * 128 * 4 + 96);  // 24 floats: 96 bytes
+  odd.heads_q = 1;
+  odd.heads_kv = 1;
+  ASSERT_TRUE(decode_plan_for_splits(odd, 3, &p).ok());
+  EXPECT_EQ(p.counters_offset, 3u * 128 * 4 + 16);  // 3 floats padded to 16 bytes
+  EXPECT_EQ(p.workspace_bytes, 3u * 128 * 4 + 16 + 4);
 
   ASSERT_TRUE(decode_plan_for_splits(key, 1, &p).ok());
   EXPECT_EQ(p.kernel, DecodeKernel::kStandard);
@@ -353,6 +379,33 @@ TEST(DecodeCandidates, GridStaysWithinTheWaveLimit) {
 TEST(DecodeCandidates, InvalidInputsGiveNone) {
   EXPECT_TRUE(decode_candidates(bench_key(0, 4096), kH100Sms).empty());
   EXPECT_TRUE(decode_candidates(bench_key(1, 4096), 0).empty());
+  EXPECT_TRUE(decode_candidates_with_heads_per_cta(bench_key(0, 4096), kH100Sms).empty());
+}
+
+// The tuner's set: every split-count candidate with every valid explicit heads_per_cta, widest first.
+TEST(DecodeCandidates, WithHeadsPerCtaCrossesSplitCountsAndHeadBlocks) {
+  struct Case {
+    int heads_q, heads_kv, head_dim;
+    std::vector<int> heads;
+  };
+  const Case cases[] = {{32, 8, 128, {8, 4, 2, 1}}, {32, 8, 256, {4, 2, 1}}, {12, 6, 64, {2, 1}}, {5, 1, 128, {1}},
+                        {64, 16, 128, {8, 4, 2, 1}}};
+  for (const Case& c : cases) {
+    DecodeShapeKey key = bench_key(2, 8192);
+    key.heads_q = c.heads_q;
+    key.heads_kv = c.heads_kv;
+    key.head_dim = c.head_dim;
+    const std::vector<DecodePlan> splits = decode_candidates(key, kH100Sms);
+    const std::vector<DecodePlan> crossed = decode_candidates_with_heads_per_cta(key, kH100Sms);
+    ASSERT_EQ(crossed.size(), splits.size() * c.heads.size());
+    for (size_t i = 0; i < crossed.size(); ++i) {
+      const DecodePlan& p = crossed[i];
+      expect_consistent_plan(p, key);
+      EXPECT_EQ(p.num_splits, splits[i / c.heads.size()].num_splits);
+      EXPECT_EQ(p.kv_chunk, splits[i / c.heads.size()].kv_chunk);
+      EXPECT_EQ(p.heads_per_cta, c.heads[i % c.heads.size()]);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -496,6 +549,49 @@ TEST(CheckDecodePlan, RejectsPlansForOtherShapesOrEdited) {
   edited = plan;
   edited.kernel = DecodeKernel::kStandard;
   EXPECT_FALSE(check_decode_plan(edited, key).ok());
+  edited = plan;
+  edited.counters_offset += 16;
+  EXPECT_FALSE(check_decode_plan(edited, key).ok());
+
+  // How it runs may be edited, to valid values only.
+  for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
+    for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed})
+      for (int h : {0, 1, 2, 4, 8}) {
+        edited = plan;
+        edited.engine = e;
+        edited.combine = c;
+        edited.heads_per_cta = h;
+        s = check_decode_plan(edited, key);
+        EXPECT_TRUE(s.ok()) << s.message();
+      }
+  for (int h : {-1, 3, 16}) {
+    edited = plan;
+    edited.heads_per_cta = h;
+    s = check_decode_plan(edited, key);
+    EXPECT_NE(s.message().find("heads_per_cta"), std::string::npos) << h << ": " << s.message();
+  }
+  DecodeShapeKey wide = key;
+  wide.head_dim = 256;  // at most 4 heads per CTA
+  DecodePlan wide_plan = plan_or_fail(wide);
+  wide_plan.heads_per_cta = 8;
+  EXPECT_FALSE(check_decode_plan(wide_plan, wide).ok());
+  wide_plan.heads_per_cta = 4;
+  EXPECT_TRUE(check_decode_plan(wide_plan, wide).ok());
+  edited = plan;
+  edited.engine = static_cast<DecodeEngine>(7);
+  EXPECT_FALSE(check_decode_plan(edited, key).ok());
+  edited = plan;
+  edited.combine = static_cast<DecodeCombine>(7);
+  EXPECT_FALSE(check_decode_plan(edited, key).ok());
+}
+
+TEST(DecodePlanNames, EnginesAndCombines) {
+  EXPECT_STREQ(decode_engine_name(DecodeEngine::kKeyGroups), "key_groups");
+  EXPECT_STREQ(decode_engine_name(DecodeEngine::kHeadWarps), "head_warps");
+  EXPECT_STREQ(decode_engine_name(DecodeEngine::kPortable), "portable");
+  EXPECT_STREQ(decode_combine_name(DecodeCombine::kInKernel), "in_kernel");
+  EXPECT_STREQ(decode_combine_name(DecodeCombine::kSeparateKernel), "separate_kernel");
+  EXPECT_STREQ(decode_combine_name(DecodeCombine::kInKernelPrezeroed), "in_kernel_prezeroed");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -597,7 +693,7 @@ DecodeTuningTable sample_table() {
                              {bench_key(8, 4096), {DecodeKernel::kSplitKv, 2}},
                              {bench_key(64, 1024, 16), {DecodeKernel::kStandard, 1}},
                              {windowed, {DecodeKernel::kSplitKv, 8}},
-                             {multi_token, {DecodeKernel::kSplitKv, 3}}})
+                             {multi_token, {DecodeKernel::kSplitKv, 3, 2}}})
     EXPECT_TRUE(table.insert(key, winner).ok());
   return table;
 }
@@ -638,6 +734,37 @@ TEST(DecodeTuningTable, ReadsCommentsBlankLinesAndAnyFieldOrder) {
   EXPECT_EQ(table.size(), 2u);
   EXPECT_EQ(table.lookup(bench_key(1, 70000))->num_splits, 16);
   EXPECT_EQ(table.lookup(bench_key(8, 4096, 16))->kernel, DecodeKernel::kStandard);
+  EXPECT_EQ(table.lookup(bench_key(1, 70000))->heads_per_cta, 0);  // absent: the engine's rule
+}
+
+// heads_per_cta is optional: written only when set, read back into the plan.
+TEST(DecodeTuningTable, HeadsPerCtaIsAnOptionalField) {
+  std::istringstream text(
+      "flare-decode-tuning 1\n"
+      "batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=65536 layout=contiguous kernel=split_kv splits=16 "
+      "heads_per_cta=1\n"
+      "batch=8 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1\n");
+  DecodeTuningTable table;
+  Status s = table.read(text, "inline");
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(table.lookup(bench_key(1, 65536))->heads_per_cta, 1);
+  EXPECT_EQ(table.lookup(bench_key(8, 4096, 64))->heads_per_cta, 0);
+  const DecodePlan p = plan_or_fail(bench_key(1, 65536), &table);
+  EXPECT_EQ(p.heads_per_cta, 1);
+  EXPECT_EQ(p.num_splits, 16);
+  EXPECT_TRUE(check_decode_plan(p, bench_key(1, 65536)).ok());
+
+  std::ostringstream out;
+  table.write(out);
+  EXPECT_NE(out.str().find("splits=16 heads_per_cta=1\n"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("kernel=standard splits=1\n"), std::string::npos) << out.str();
+
+  EXPECT_FALSE(table.insert(bench_key(1, 4096), {DecodeKernel::kSplitKv, 4, 3}).ok());
+  EXPECT_FALSE(table.insert(bench_key(1, 4096), {DecodeKernel::kSplitKv, 4, 16}).ok());
+  DecodeShapeKey wide = bench_key(1, 4096);
+  wide.head_dim = 256;
+  EXPECT_FALSE(table.insert(wide, {DecodeKernel::kSplitKv, 4, 8}).ok());
+  EXPECT_TRUE(table.insert(wide, {DecodeKernel::kSplitKv, 4, 4}).ok());
 }
 
 TEST(DecodeTuningTable, MalformedFilesNameTheLine) {
@@ -673,6 +800,11 @@ TEST(DecodeTuningTable, MalformedFilesNameTheLine) {
        "t:2: 'layout=ragged': layout must be contiguous or paged"},
       {version + good + "kernel=split_kv splits=4\n\n" + good + "kernel=standard splits=1\n",
        "t:4: the same shape class as line 2"},
+      {version + good + "kernel=split_kv splits=4 heads_per_cta=3\n", "t:2: heads_per_cta must be 0 or a power of two"},
+      {version + good + "kernel=split_kv splits=4 heads_per_cta=16\n", "t:2: 'heads_per_cta=16': must be in [0, 8]"},
+      {version + "batch=1 heads_kv=2 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1 "
+                 "heads_per_cta=4\n",
+       "t:2: heads_per_cta must be 0 or a power of two up to 8 (head dim 128) dividing heads_kv 2, got 4"},
   };
   for (const Case& c : cases) {
     DecodeTuningTable table = sample_table();

@@ -4,6 +4,9 @@
 // counts and the heuristic's plan; batches of different cache lengths (1, 15, 16, 17, 4095,
 // page-crossing ends); large and odd query groups (several row blocks); non-causal rows with
 // empty caches; strided caches; a CUDA graph replayed with changing cache lengths; bad inputs.
+// Every plan runs on each engine (key groups with the in-kernel and the separate combine, head
+// warps, portable); the key-group kernel's heads per CTA, split counts up to 64 and the three
+// combines have their own test.
 //
 // Outputs and the workspace are poisoned (NaN), cache rows past each sequence's length are NaN
 // and unused page-table entries point far outside the cache, so a kernel that writes too little
@@ -372,21 +375,56 @@ class DecodeProblem {
   std::unique_ptr<DeviceTensor> dq_, dkv_, dv_, dpage_table_, dseqlens_, dout_, dlse_;
 };
 
+std::string plan_label(const DecodePlan& plan) {
+  return std::string(decode_kernel_name(plan.kernel)) + " splits " + std::to_string(plan.num_splits) + " kv_chunk " +
+         std::to_string(plan.kv_chunk) + " engine " + decode_engine_name(plan.engine) + " combine " +
+         decode_combine_name(plan.combine) + " heads_per_cta " + std::to_string(plan.heads_per_cta);
+}
+
+// The workspace of a split plan: poisoned (NaN partial states, counters 0xFFFFFFFF), except that
+// DecodeCombine::kInKernelPrezeroed gets the zero counters its caller owes it.
+void prepare_workspace(DeviceBuffer& workspace, const DecodePlan& plan) {
+  workspace.poison();
+  if (plan.kernel == DecodeKernel::kSplitKv && plan.combine == DecodeCombine::kInKernelPrezeroed)
+    FLARE_CUDA_OK(cudaMemset(static_cast<char*>(workspace.get()) + plan.counters_offset, 0,
+                             plan.workspace_bytes - plan.counters_offset));
+}
+
 // Runs `plan` on the problem (outputs and workspace poisoned) and checks the result.
 void run_plan(DecodeProblem& prob, const DecodePlan& plan) {
-  const std::string label = std::string(decode_kernel_name(plan.kernel)) + " splits " +
-                            std::to_string(plan.num_splits) + " kv_chunk " + std::to_string(plan.kv_chunk);
+  const std::string label = plan_label(plan);
   SCOPED_TRACE(label);
   DeviceBuffer workspace(plan.workspace_bytes);
-  workspace.poison();
+  prepare_workspace(workspace, plan);
   prob.poison_outputs();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
   Status s = decode_run(plan, prob.device_params(), workspace.get(), workspace.bytes());
   ASSERT_TRUE(s.ok()) << s.message();
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check(label);
 }
 
-// The standard kernel, the (fitted) forced split counts and the heuristic's plan, each once.
+// `plan` as each engine and combine runs it: the default (key groups, in-kernel combine), key
+// groups with the combine kernel, the head-warp kernel and the portable kernel (each with the
+// combine kernel). Where the sm_90 engines do not apply (head dims other than 128, more than 16
+// packed rows, ...) all of them run the portable kernel.
+std::vector<DecodePlan> engine_variants(const DecodePlan& plan) {
+  std::vector<DecodePlan> plans;
+  auto add = [&](DecodeEngine e, DecodeCombine c) {
+    DecodePlan v = plan;
+    v.engine = e;
+    v.combine = c;
+    plans.push_back(v);
+  };
+  add(DecodeEngine::kKeyGroups, DecodeCombine::kInKernel);
+  if (plan.kernel == DecodeKernel::kSplitKv) add(DecodeEngine::kKeyGroups, DecodeCombine::kSeparateKernel);
+  add(DecodeEngine::kHeadWarps, DecodeCombine::kSeparateKernel);
+  add(DecodeEngine::kPortable, DecodeCombine::kSeparateKernel);
+  return plans;
+}
+
+// The standard kernel, the (fitted) forced split counts and the heuristic's plan, each once per
+// engine variant.
 void run_case(const DecodeCase& c, std::initializer_list<int> split_counts = {1, 3, 7}) {
   if (!instantiated(c.head_dim, c.dtype)) return;
   SCOPED_TRACE(c.name());
@@ -408,8 +446,10 @@ void run_case(const DecodeCase& c, std::initializer_list<int> split_counts = {1,
   for (const DecodePlan& plan : plans) {
     if (std::find(done.begin(), done.end(), plan.num_splits) != done.end()) continue;
     done.push_back(plan.num_splits);
-    run_plan(prob, plan);
-    if (::testing::Test::HasFatalFailure()) return;
+    for (const DecodePlan& variant : engine_variants(plan)) {
+      run_plan(prob, variant);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
   }
 }
 
@@ -516,63 +556,136 @@ TEST(Decode, InterleavedKvCache) {
   }
 }
 
+// The key-group kernel's head blocks and the in-kernel combine: 8 KV heads (so 1, 2, 4 and 8
+// heads per CTA all occur), split counts from 2 to 128 (many CTAs per head block; more splits
+// than a short sequence fills: empty splits), every combine, contiguous and paged caches, windows,
+// 1 and 4 query tokens (4 and 16 packed rows), cache lengths around tile, sub-tile and stage
+// boundaries (16 keys per key group: 16..128 per stage), and an empty non-causal cache.
+TEST(Decode, KeyGroupsHeadBlocksAndInKernelCombine) {
+  FLARE_REQUIRE_GPU();
+  uint64_t seed = 7000;
+  int index = 0;
+  for (int page_size : {0, 16, 64})
+    for (int q_len : {1, 4})
+      for (int window : {-1, 100}) {
+        const int i = index++;
+        if (reduced() && i != 7) continue;  // paged (16), 4 tokens (16 rows), a window, causal
+        DecodeCase c;
+        c.head_dim = 128;
+        c.heads_kv = 8;
+        c.group = 4;
+        c.q_len = q_len;
+        c.page_size = page_size;
+        c.window_left = window;
+        c.causal = i % 3 != 2;
+        c.seqlens = {4095, 17, 129, 1000};
+        if (!c.causal) c.seqlens.push_back(0);
+        c.extra_capacity = i % 2;
+        c.with_lse = i % 4 != 1;
+        c.seed = seed++;
+        if (!instantiated(c.head_dim, c.dtype)) return;
+        SCOPED_TRACE(c.name());
+        DecodeProblem prob(c);
+        prob.run_oracle();
+        if (HasFatalFailure()) return;
+        const DecodeShapeKey key = prob.key();
+        const std::vector<int> split_counts = reduced() ? std::vector<int>{1, 7, 64} : std::vector<int>{1, 2, 7, 16, 64, 128};
+        const std::vector<int> head_counts = reduced() ? std::vector<int>{1, 4} : std::vector<int>{1, 2, 4, 8};
+        for (int splits : split_counts)
+          for (int heads : head_counts) {
+            DecodePlan plan;
+            ASSERT_TRUE(decode_plan_for_splits(key, splits, &plan).ok());
+            plan.heads_per_cta = heads;
+            for (DecodeCombine combine :
+                 {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed}) {
+              if (plan.kernel == DecodeKernel::kStandard && combine != DecodeCombine::kInKernel) continue;
+              plan.combine = combine;
+              run_plan(prob, plan);
+              if (HasFatalFailure()) return;
+            }
+          }
+      }
+}
+
 // One decode step captured in a CUDA graph with a fixed plan and workspace, replayed with new
-// cache lengths written to the device between replays.
+// cache lengths written to the device between replays. The in-kernel combine's counters: with the
+// zeroing kernel the workspace is poisoned before every replay; with kInKernelPrezeroed it is
+// zeroed once before the capture and never touched again, so every replay after the first passes
+// only if the previous one left its counters at 0.
 TEST(Decode, GraphReplayWithChangingLengths) {
   FLARE_REQUIRE_GPU();
   const std::vector<std::vector<int>> steps = {
-      {2048, 17, 1000}, {5, 2047, 64}, {1024, 1024, 1024}, {2, 300, 1999}, {16, 15, 2048}};
-  for (int page_size : {0, 16}) {
-    DecodeCase c;
-    c.head_dim = 128;
-    c.heads_kv = 2;
-    c.group = 4;
-    c.q_len = 2;
-    c.page_size = page_size;
-    c.seqlens = {2048, 2048, 2048};  // the capacity; each replay uses a prefix
-    c.seed = 5000 + page_size;
-    if (!instantiated(c.head_dim, c.dtype)) return;
-    SCOPED_TRACE(c.name());
-    DecodeProblem prob(c);
-    const DecodeShapeKey key = prob.key();
-    for (int splits : {1, 7}) {
-      DecodePlan plan;
-      ASSERT_TRUE(decode_plan_for_splits(key, splits, &plan).ok());
-      SCOPED_TRACE("splits " + std::to_string(plan.num_splits));
-      DeviceBuffer workspace(plan.workspace_bytes);
-      workspace.poison();
-      cudaStream_t stream = nullptr;
-      FLARE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      DecodeParams params = prob.device_params();
-      params.stream = stream;
-      prob.set_seqlens(c.seqlens);
-      ASSERT_TRUE(decode_run(plan, params, workspace.get(), workspace.bytes()).ok());  // warm-up
-      FLARE_CUDA_OK(cudaStreamSynchronize(stream));
+      {2048, 17, 1000}, {5, 2047, 64}, {1024, 1024, 1024}, {2, 300, 1999}, {16, 15, 2048}, {2048, 2048, 1}};
+  for (int heads_kv : {2, 8})
+    for (int page_size : {0, 16}) {
+      if (reduced() && heads_kv == 2) continue;
+      DecodeCase c;
+      c.head_dim = 128;
+      c.heads_kv = heads_kv;
+      c.group = 4;
+      c.q_len = 2;
+      c.page_size = page_size;
+      c.seqlens = {2048, 2048, 2048};  // the capacity; each replay uses a prefix
+      c.seed = 5000 + page_size + heads_kv;
+      if (!instantiated(c.head_dim, c.dtype)) return;
+      SCOPED_TRACE(c.name());
+      DecodeProblem prob(c);
+      const DecodeShapeKey key = prob.key();
+      for (int splits : reduced() ? std::vector<int>{7} : std::vector<int>{1, 7, 32})
+        for (DecodeCombine combine :
+             {DecodeCombine::kInKernel, DecodeCombine::kInKernelPrezeroed, DecodeCombine::kSeparateKernel}) {
+          DecodePlan plan;
+          ASSERT_TRUE(decode_plan_for_splits(key, splits, &plan).ok());
+          if (plan.kernel == DecodeKernel::kStandard && combine != DecodeCombine::kInKernel) continue;
+          plan.combine = combine;
+          if (combine == DecodeCombine::kSeparateKernel) plan.engine = DecodeEngine::kHeadWarps;  // the old path
+          SCOPED_TRACE(plan_label(plan));
+          const bool prezeroed = combine == DecodeCombine::kInKernelPrezeroed;
+          DeviceBuffer workspace(plan.workspace_bytes);
+          prepare_workspace(workspace, plan);
+          cudaStream_t stream = nullptr;
+          FLARE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+          DecodeParams params = prob.device_params();
+          params.stream = stream;
+          prob.set_seqlens(c.seqlens);
+          FLARE_CUDA_OK(cudaDeviceSynchronize());
+          ASSERT_TRUE(decode_run(plan, params, workspace.get(), workspace.bytes()).ok());  // warm-up
+          FLARE_CUDA_OK(cudaStreamSynchronize(stream));
 
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      FLARE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      const Status captured = decode_run(plan, params, workspace.get(), workspace.bytes());
-      FLARE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(captured.ok()) << captured.message();
-      FLARE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          FLARE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+          const Status captured = decode_run(plan, params, workspace.get(), workspace.bytes());
+          FLARE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+          ASSERT_TRUE(captured.ok()) << captured.message();
+          FLARE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
-      for (size_t step = 0; step < steps.size(); ++step) {
-        prob.set_seqlens(steps[step]);
-        prob.run_oracle();
-        prob.poison_outputs();
-        workspace.poison();
-        FLARE_CUDA_OK(cudaDeviceSynchronize());  // the uploads and poison land before the replay
-        FLARE_CUDA_OK(cudaGraphLaunch(exec, stream));
-        FLARE_CUDA_OK(cudaStreamSynchronize(stream));
-        prob.check("replay " + std::to_string(step));
-        if (HasFailure() && reduced()) break;
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
+          for (size_t step = 0; step < steps.size(); ++step) {
+            prob.set_seqlens(steps[step]);
+            prob.run_oracle();
+            prob.poison_outputs();
+            if (!prezeroed) {
+              workspace.poison();
+            } else if (plan.kernel == DecodeKernel::kSplitKv) {  // the partial states only
+              FLARE_CUDA_OK(cudaMemset(workspace.get(), 0xFF, plan.counters_offset));
+            }
+            FLARE_CUDA_OK(cudaDeviceSynchronize());  // the uploads and poison land before the replay
+            FLARE_CUDA_OK(cudaGraphLaunch(exec, stream));
+            FLARE_CUDA_OK(cudaStreamSynchronize(stream));
+            prob.check("replay " + std::to_string(step));
+            if (HasFailure() && reduced()) break;
+          }
+          if (prezeroed && plan.kernel == DecodeKernel::kSplitKv) {  // and the counters are back at 0
+            std::vector<int32_t> counters((plan.workspace_bytes - plan.counters_offset) / sizeof(int32_t));
+            FLARE_CUDA_OK(cudaMemcpy(counters.data(), static_cast<char*>(workspace.get()) + plan.counters_offset,
+                                     counters.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+            for (int32_t v : counters) EXPECT_EQ(v, 0);
+          }
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(graph);
+          cudaStreamDestroy(stream);
+        }
     }
-  }
 }
 
 // merge_states against ref::merge_states: leading dims of rank 0 to 3, state counts past a warp,

@@ -1,0 +1,500 @@
+// Decode attention on sm_90+, key groups (DecodeEngine::kKeyGroups): bulk copies of whole cache
+// rows of heads_per_cta KV heads (as decode_bulk_kernel.h), computed by 8 consumer warps whatever
+// heads_per_cta is. Serves both plans (standard and split-KV, same key ranges and workspace
+// layout as decode_kernel.h) and merges the splits in the kernel (DecodeCombine::kInKernel).
+//
+// Why. The head-warp kernel (decode_bulk_kernel.h) gives each KV head one warp, so a CTA of 1, 2
+// or 4 heads, which small batches need to cover the SMs, has 1, 2 or 4 warps walking its keys, and
+// one warp walks about 14 keys per microsecond (a tile's S chain, softmax and P V are serial in
+// it). Here the consumer warps are heads x key groups (decode_schedule.h): a stage holds 16 keys
+// per key group, and warp w computes head w % heads_per_cta over the 16-key sub-tile
+// w / heads_per_cta of every stage, with its own running max, sum and O. After the walk the key
+// groups of each head merge through shared memory by their maxima, as the portable kernel merges.
+//
+// S = Q K^T of a sub-tile is four independent MMA chains (two 8-key n-tiles x two halves of the
+// head dim, added at the end) instead of two chains over the whole head dim: half the serial
+// latency per sub-tile, for 8 more accumulator registers.
+//
+// Producer. The last warp issues stage i into buffer i % stages once every consumer warp released
+// it (empty barrier, count = consumer warps): 2 x stage_keys row copies (K and V of each key), 1
+// to 8 per lane, completing on the stage's full barrier. Paged caches: a sub-tile's 16 keys lie in
+// one page (pages are >= 16 keys and sub-tiles 16-aligned), so lane g < key_groups reads the page
+// of sub-tile g one stage ahead, and the copies take it by a shuffle. Contiguous caches without a
+// window issue their first stages before reading cache_seqlens (speculative; see
+// decode_bulk_kernel.h): keys past the sequence's end are zeroed in V and masked in S.
+//
+// In-kernel combine (split-KV, p.counters set). Each CTA writes its partial states, fences, and
+// one thread increments the (sequence, head block) arrival counter; the CTA that brings it to
+// num_splits is the last, resets it to 0 and merges every split's states of its rows (reading them
+// through L2, since they were written by other SMs) into out and lse. No CTA waits for another, so
+// any CTA order works. The counters must be 0 when the call starts: the launcher runs a zeroing
+// kernel first, whose programmatic dependent this kernel is (its thread waits for it only just
+// before arriving), unless the caller zeroed them (DecodeCombine::kInKernelPrezeroed).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "src/common/bulk_copy.h"
+#include "src/decode/decode_kernel.h"
+#include "src/decode/decode_schedule.h"
+
+namespace flare::decode {
+
+namespace device {
+
+// A barrier of the consumer warps only (the producer warp has returned by then).
+__device__ __forceinline__ void consumer_sync(int threads) {
+  asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory");
+}
+
+// kVec consecutive floats (2, 4 or 8, 8-byte aligned or better) read through L2 only: partial
+// states written by other SMs during this kernel must not come from a stale L1 line.
+template <int kVec>
+__device__ __forceinline__ void load_l2(const float* src, float (&x)[kVec]) {
+  if constexpr (kVec == 2) {
+    const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
+    x[0] = v.x, x[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; i += 4) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + i));
+      x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+    }
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void store_row_piece(T* dst, const float (&x)[kVec]) {
+  if constexpr (kVec == 2) {
+    *reinterpret_cast<uint32_t*>(dst) = ElemTraits<T>::pack(x[0], x[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; i += 4) {
+      uint2 packed;
+      packed.x = ElemTraits<T>::pack(x[i], x[i + 1]);
+      packed.y = ElemTraits<T>::pack(x[i + 2], x[i + 3]);
+      *reinterpret_cast<uint2*>(dst + i) = packed;
+    }
+  }
+}
+
+// The in-kernel combine of one CTA: its hpc x p.rows rows (row rr: KV head hk0 + rr / p.rows,
+// packed row rr % p.rows), each the merge of num_splits partial states by their LSE, as
+// merge_states_kernel (decode_kernel.cu) computes it: lse = M + log(sum_s exp(lse_s - M)),
+// out = sum_s exp(lse_s - lse) partial_s, states of weight 0 never read; a row whose states all
+// have LSE -inf (it saw no key) gets out = 0 and lse = +inf, as the standard kernel writes.
+// wpr warps share a row (states s = sub, sub + wpr, ...; kLoads loads in flight per warp); each
+// warp keeps the row's weights in its own slice of `scratch`, and the row's warps add their sums
+// through it. scratch: kWarps x (kHeadDim + kCombineMaxStates) floats of shared memory. Called
+// by every consumer thread (it has consumer barriers).
+template <int kHeadDim, typename T, int kWarps>
+__device__ __forceinline__ void combine_splits(const DecodeKernelParams& p, int b, int hk0, int hpc, float* scratch) {
+  constexpr int kVec = kHeadDim / 32;  // columns per lane
+  constexpr int kLoads = 8;            // states in flight per warp
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int total = hpc * p.rows, S = p.num_splits;
+  const int wpr = combine_warps_per_row(kWarps, total);
+  const int rows_per_pass = kWarps / wpr, slot = warp / wpr, sub = warp % wpr;
+  float* const red = scratch;                                                // [kWarps][kHeadDim]
+  float* const weights = scratch + kWarps * kHeadDim + warp * kCombineMaxStates;  // this warp's
+  for (int base = 0; base < total; base += rows_per_pass) {  // the same trip count in every warp
+    const int rr = base + slot;
+    const bool active = rr < total;
+    float acc[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] = 0.f;
+    float lse = INFINITY;
+    int64_t qrow = 0;
+    int tq = 0, h = 0;
+    __syncwarp();  // the previous pass's reads of `weights` are done
+    if (active) {  // warp-uniform
+      const int r = rr % p.rows;
+      tq = r / p.group;
+      h = (hk0 + rr / p.rows) * p.group + r % p.group;
+      qrow = (int64_t{b} * p.heads_q + h) * p.q_len + tq;
+      const float* lse_in = p.partial_lse + qrow * S;
+      const float* states = p.partial_out + qrow * S * kHeadDim + lane * kVec;
+      float m = -INFINITY;
+      for (int s = lane; s < S; s += 32) {
+        weights[s] = __ldcg(lse_in + s);
+        m = fmaxf(m, weights[s]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      if (m != -INFINITY) {  // warp-uniform; else the row saw no key: out 0, lse +inf
+        float sum = 0.f;
+        for (int s = lane; s < S; s += 32) sum += exp2f((weights[s] - m) * kLog2e);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        lse = m + logf(sum);
+        for (int s = lane; s < S; s += 32) weights[s] = exp2f((weights[s] - lse) * kLog2e);  // 0 for -inf
+        __syncwarp();
+        for (int s0 = sub; s0 < S; s0 += wpr * kLoads) {
+          float x[kLoads][kVec], wt[kLoads];
+#pragma unroll
+          for (int u = 0; u < kLoads; ++u) {
+            const int s = s0 + wpr * u;
+            wt[u] = s < S ? weights[s] : 0.f;
+            if (wt[u] != 0.f) {
+              load_l2<kVec>(states + int64_t{s} * kHeadDim, x[u]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < kVec; ++i) x[u][i] = 0.f;
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kLoads; ++u)
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) acc[i] = fmaf(wt[u], x[u][i], acc[i]);
+        }
+      }
+    }
+    if (wpr > 1) {  // the row's warps add their sums (uniform: every warp takes the barriers)
+      consumer_sync(32 * kWarps);  // the previous pass's reads of red are done
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) red[warp * kHeadDim + lane * kVec + i] = acc[i];
+      }
+      consumer_sync(32 * kWarps);
+      if (active && sub == 0) {
+        for (int k = 1; k < wpr; ++k)
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) acc[i] += red[(warp + k) * kHeadDim + lane * kVec + i];
+      }
+    }
+    if (active && sub == 0) {
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + tq * p.out_stride_t + h * p.out_stride_h + lane * kVec;
+      store_row_piece<T, kVec>(dst, acc);
+      if (lane == 0 && p.lse != nullptr) p.lse[qrow] = lse;
+    }
+  }
+}
+
+}  // namespace device
+
+// The zeroing kernel the in-kernel combine's counters need (DecodeCombine::kInKernel): lets its
+// programmatic dependent (the attention kernel) launch at once. A template so that every
+// translation unit including this header may instantiate it.
+template <typename T>
+__global__ void __launch_bounds__(256) zero_arrival_counters_kernel(int* counters, int64_t n) {
+  device::allow_dependent_launch();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) counters[i] = 0;
+}
+
+template <int kHeadDim, typename T, bool kSplit>
+__global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
+    decode_key_groups_kernel(const DecodeKernelParams p, const KeyGroupLayout lay) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace device;
+  using namespace sm90;
+  constexpr int kN = kSubTileKeys, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16, kHalf = kKSteps / 2;
+  constexpr int kWarps = key_group_consumer_warps(kHeadDim), kConsumerThreads = 32 * kWarps;
+  constexpr int kMergeStride = kHeadDim + kKeyGroupMergePad;
+  static_assert(kKSteps % 2 == 0, "S runs as two chains over the halves of the head dim");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* const kv_smem = reinterpret_cast<T*>(smem_raw);             // [stages][K | V][stage_keys][row_elems]
+  float* const merge_smem = reinterpret_cast<float*>(smem_raw);  // after the walk: [kWarps][16][kMergeStride]
+  __shared__ __align__(8) uint64_t full_bar[kKeyGroupMaxStages], empty_bar[kKeyGroupMaxStages];
+  __shared__ float warp_max[kWarps][16], warp_sum[kWarps][16];
+  __shared__ int is_last_split;
+
+  const bool in_kernel_combine = kSplit && p.counters != nullptr;
+  if (kSplit && !in_kernel_combine) allow_dependent_launch();  // the combine kernel may start launching
+
+  const int hpc = lay.heads_per_cta, kgs = lay.key_groups, R = lay.row_elems, SK = lay.stage_keys;
+  const int stages = lay.stages;
+  // blockIdx.x = (b * head_blocks + hb) * num_splits + split
+  const int head_blocks = p.heads_kv / hpc;
+  int x = blockIdx.x;
+  const int split = kSplit ? x % p.num_splits : 0;
+  if constexpr (kSplit) x /= p.num_splits;
+  const int hb = x % head_blocks, b = x / head_blocks;
+  const int hk0 = hb * hpc;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], kWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const bool speculate = p.page_table == nullptr && p.window_left < 0;
+  const int64_t split_begin = kSplit ? int64_t{split} * p.kv_chunk : 0;
+  const int64_t split_end = kSplit ? split_begin + p.kv_chunk : int64_t{p.max_cache_len};
+  const int spec_stages = key_group_speculative_stages(speculate, split_begin, split_end, p.max_cache_len, SK, stages);
+
+  if (warp == kWarps) {
+    // ================= producer warp
+    const int row_bytes = hpc * kHeadDim * int(sizeof(T));
+    const T* const k_base = static_cast<const T*>(p.k) + int64_t{hk0} * kHeadDim;
+    const T* const v_base = static_cast<const T*>(p.v) + int64_t{hk0} * kHeadDim;
+    const int copies_per_lane = 2 * SK / 32;  // K and V rows of the stage's keys
+    // Issues stage i of a walk from walk_begin for the keys below `end`; locate(key_in_stage,
+    // &slot, &tok) gives a key's cache row (called by every lane: it may shuffle).
+    auto issue = [&](int i, int walk_begin, int end, auto&& locate) {
+      const int s = i % stages;
+      if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
+      const int key0 = key_group_stage_key0(walk_begin, i, SK);
+      const int valid = min(SK, end - key0);
+      if (lane == 0) mbar_arrive_expect_tx(&full_bar[s], 2u * valid * row_bytes);
+      __syncwarp();
+      T* const stage = kv_smem + s * lay.stage_elems;
+      for (int j = 0; j < copies_per_lane; ++j) {
+        const int c = lane + 32 * j;  // copy c: K of key c, or V of key c - SK
+        const bool is_v = c >= SK;
+        const int key_in = is_v ? c - SK : c;
+        int64_t slot = 0, tok = 0;
+        locate(key0, key_in, &slot, &tok);
+        if (key_in < valid) {
+          const T* src = is_v ? v_base + slot * p.v_stride_0 + tok * p.v_stride_tok
+                              : k_base + slot * p.k_stride_0 + tok * p.k_stride_tok;
+          bulk_copy_g2s(stage + (is_v ? SK * R : 0) + key_in * R, src, row_bytes, &full_bar[s]);
+        }
+      }
+    };
+    auto contiguous = [&](int key0, int key_in, int64_t* slot, int64_t* tok) {
+      *slot = b;
+      *tok = key0 + key_in;
+    };
+    for (int i = 0; i < spec_stages; ++i) {
+      const int64_t cap = split_end < p.max_cache_len ? split_end : int64_t{p.max_cache_len};
+      issue(i, static_cast<int>(split_begin), static_cast<int>(cap), contiguous);
+    }
+    const KeyRange keys = key_range<kN, kSplit>(p, b, split);
+    const int num_stages = key_group_walk_stages(keys.num_tiles, kgs);
+    if (p.page_table == nullptr) {
+      for (int i = spec_stages; i < num_stages; ++i) issue(i, keys.tile_begin, keys.kv_end, contiguous);
+    } else {
+      const int32_t* page_row = p.page_table + b * p.page_table_stride;
+      const int page_mask = (1 << p.page_shift) - 1;
+      // Lane g < key_groups: the page of sub-tile g of stage i (0 past the walk).
+      auto sub_tile_page = [&](int i) {
+        const int key = key_group_sub_tile_key0(keys.tile_begin, i, SK, lane);
+        return lane < kgs && i < num_stages && key < keys.kv_end ? page_row[key >> p.page_shift] : 0;
+      };
+      int page = sub_tile_page(spec_stages);
+      for (int i = spec_stages; i < num_stages; ++i) {
+        const int next_page = sub_tile_page(i + 1);  // one stage ahead: its latency hides behind the wait
+        issue(i, keys.tile_begin, keys.kv_end, [&](int key0, int key_in, int64_t* slot, int64_t* tok) {
+          *slot = __shfl_sync(0xffffffffu, page, key_in / kN);
+          *tok = (key0 + key_in) & page_mask;
+        });
+        page = next_page;
+      }
+    }
+    return;
+  }
+
+  // ================= consumer warps: warp w computes KV head hk0 + w % hpc over key group w / hpc
+  const KeyRange keys = key_range<kN, kSplit>(p, b, split);
+  const int num_stages = key_group_walk_stages(keys.num_tiles, kgs);
+  const int head = warp % hpc, kg = warp / hpc;
+  const int hk = hk0 + head;
+  const int g = lane / 4, t = lane % 4;
+  const T* q_row[2];
+  const RowBounds rows = setup_rows<T>(p, b, hk, keys.seqlen, 0, p.rows, g, q_row);
+  uint32_t qa[kKSteps][4];
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = 16 * ks + 8 * half + 2 * t;
+      qa[ks][2 * half] = q_row[0] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[0] + col) : 0u;
+      qa[ks][2 * half + 1] = q_row[1] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[1] + col) : 0u;
+    }
+  }
+
+  float o[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  // Every issued stage is waited for (speculative ones past a short sequence too: no copy may
+  // still be writing shared memory when the buffers are reused for the merge or the CTA exits).
+  const int total_stages = max(num_stages, spec_stages);
+  for (int it = 0; it < total_stages; ++it) {
+    const int s = it % stages;
+    mbar_wait(&full_bar[s], (it / stages) & 1);
+    T* const k_chunk = kv_smem + s * lay.stage_elems + kN * kg * R + head * kHeadDim;
+    T* const v_chunk = k_chunk + SK * R;
+    const int key0 = key_group_sub_tile_key0(keys.tile_begin, it, SK, kg);
+    const bool visible =
+        it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
+    if (visible) {
+      if (key0 + kN > keys.kv_end) {
+        // Keys past the end: never copied (or copied speculatively from past the sequence): zero
+        // this head's V rows so that P = 0 multiplies zeros.
+        const int first_bad = keys.kv_end - key0;
+        for (int idx = lane; idx < (kN - first_bad) * (kHeadDim / 8); idx += 32) {
+          const int r = first_bad + idx / (kHeadDim / 8), c = (idx % (kHeadDim / 8)) * 8;
+          *reinterpret_cast<uint4*>(v_chunk + r * R + c) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async_shared();  // before a later bulk copy refills the stage
+        __syncwarp();
+      }
+      const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
+      // S = Q K^T: keys 0-7 and 8-15 (j), head-dim halves a and b: four independent chains.
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float sd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const T* const k_lane = k_chunk + (lane % 8 + (lane / 16) * 8) * R + ((lane / 8) % 2) * 8;
+#pragma unroll
+      for (int ks = 0; ks < kHalf; ++ks) {
+        uint32_t ba[4], bb[4];
+        ldmatrix_x4(ba, k_lane + 16 * ks);
+        ldmatrix_x4(bb, k_lane + 16 * (ks + kHalf));
+        mma_16x8x16<T>(sc[0], qa[ks], ba[0], ba[1]);
+        mma_16x8x16<T>(sc[1], qa[ks], ba[2], ba[3]);
+        mma_16x8x16<T>(sd[0], qa[ks + kHalf], bb[0], bb[1]);
+        mma_16x8x16<T>(sd[1], qa[ks + kHalf], bb[2], bb[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] += sd[j][e];
+      if (!full) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + 8 * j + 2 * t + (e % 2), i = e / 2;
+            sc[j][e] = (key >= rows.lo[i] && key <= rows.last[i]) ? sc[j][e] : -INFINITY;
+          }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = fmaxf(fmaxf(sc[0][2 * i], sc[0][2 * i + 1]), fmaxf(sc[1][2 * i], sc[1][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_max = fmaxf(row_max[i], mx * p.scale_log2);
+        const float base = new_max == -INFINITY ? 0.f : new_max;
+        const float alpha = fast_exp2(row_max[i] - base);
+        row_max[i] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          sc[j][2 * i] = fast_exp2(fmaf(sc[j][2 * i], p.scale_log2, -base));
+          sc[j][2 * i + 1] = fast_exp2(fmaf(sc[j][2 * i + 1], p.scale_log2, -base));
+          sum += sc[j][2 * i] + sc[j][2 * i + 1];
+        }
+        row_sum[i] = row_sum[i] * alpha + sum;
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // the max moved for some row: rescale O
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[dt][2 * i] *= alpha;
+            o[dt][2 * i + 1] *= alpha;
+          }
+        }
+      }
+      uint32_t pa[4];
+      accum_to_a<T>(sc[0], sc[1], pa);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, v_chunk + (lane % 8 + ((lane / 8) % 2) * 8) * R + 16 * dp + (lane / 16) * 8);
+        mma_16x8x16<T>(o[2 * dp], pa, bv[0], bv[1]);
+        mma_16x8x16<T>(o[2 * dp + 1], pa, bv[2], bv[3]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty_bar[s]);  // this warp is done with the stage
+  }
+
+  // ---- merge the key groups of each head: per row, M = the max over its key groups; each warp
+  // writes O x exp2(m - M) of its real rows over the (now idle) stage buffers
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+    if (t == 0) {
+      warp_max[warp][g + 8 * i] = row_max[i];
+      warp_sum[warp][g + 8 * i] = row_sum[i];
+    }
+  }
+  consumer_sync(kConsumerThreads);  // every warp is done with the stages, and its statistics are in
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g + 8 * i;
+    if (r >= p.rows) continue;
+    float head_max = -INFINITY;
+    for (int k = 0; k < kgs; ++k) head_max = fmaxf(head_max, warp_max[k * hpc + head][r]);
+    const float f = row_max[i] == -INFINITY ? 0.f : fast_exp2(row_max[i] - head_max);
+    float* dst = merge_smem + (warp * 16 + r) * kMergeStride + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+      *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(o[dt][2 * i] * f, o[dt][2 * i + 1] * f);
+  }
+  consumer_sync(kConsumerThreads);
+
+  // ---- epilogue: all consumer threads, one (head, row, 8 columns) piece at a time; rows with no
+  // visible key get O = 0 and LSE +inf (standard, as the oracle) or -inf (a partial state that
+  // weighs nothing)
+  constexpr float kLn2 = 0.69314718055994530942f;
+  constexpr int kPieces = kHeadDim / 8;
+  for (int idx = threadIdx.x; idx < hpc * p.rows * kPieces; idx += kConsumerThreads) {
+    const int col = (idx % kPieces) * 8, head_row = idx / kPieces;
+    const int r = head_row % p.rows, h_local = head_row / p.rows;
+    float m = -INFINITY;
+    for (int k = 0; k < kgs; ++k) m = fmaxf(m, warp_max[k * hpc + h_local][r]);
+    float sum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < kgs; ++k) {
+      const int w = k * hpc + h_local;
+      const float mk = warp_max[w][r];
+      if (mk != -INFINITY) sum += warp_sum[w][r] * fast_exp2(mk - m);
+      const float* src = merge_smem + (w * 16 + r) * kMergeStride + col;
+      const float4 lo4 = *reinterpret_cast<const float4*>(src), hi4 = *reinterpret_cast<const float4*>(src + 4);
+      acc[0] += lo4.x, acc[1] += lo4.y, acc[2] += lo4.z, acc[3] += lo4.w;
+      acc[4] += hi4.x, acc[5] += hi4.y, acc[6] += hi4.z, acc[7] += hi4.w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int tq = r / p.group, h = (hk0 + h_local) * p.group + r % p.group;
+    const int64_t qrow = (int64_t{b} * p.heads_q + h) * p.q_len + tq;  // (b, h, t): LSE / partial order
+    if constexpr (kSplit) {
+      const int64_t part = qrow * p.num_splits + split;
+      float* dst = p.partial_out + part * kHeadDim + col;
+      *reinterpret_cast<float4*>(dst) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+      if (col == 0) p.partial_lse[part] = sum > 0.f ? (m + log2f(sum)) * kLn2 : -INFINITY;
+    } else {
+      uint4 packed;
+      packed.x = ElemTraits<T>::pack(acc[0] * inv, acc[1] * inv);
+      packed.y = ElemTraits<T>::pack(acc[2] * inv, acc[3] * inv);
+      packed.z = ElemTraits<T>::pack(acc[4] * inv, acc[5] * inv);
+      packed.w = ElemTraits<T>::pack(acc[6] * inv, acc[7] * inv);
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + tq * p.out_stride_t + h * p.out_stride_h + col;
+      *reinterpret_cast<uint4*>(dst) = packed;
+      if (col == 0 && p.lse != nullptr) p.lse[qrow] = sum > 0.f ? (m + log2f(sum)) * kLn2 : INFINITY;
+    }
+  }
+
+  // ---- in-kernel combine: the last CTA of (b, hb) to arrive merges every split of its rows
+  if constexpr (kSplit) {
+    if (in_kernel_combine) {
+      __threadfence();  // this thread's partial states are visible device-wide before the arrival
+      consumer_sync(kConsumerThreads);
+      if (threadIdx.x == 0) {
+        wait_for_prerequisite_grids();  // the counters' zeroing kernel (a no-op without one)
+        int* const counter = p.counters + key_group_counter_index(b, p.heads_kv, hb);
+        __threadfence();
+        const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+        if (last) {
+          atomicExch(counter, 0);  // every split has arrived: ready for the next call
+          __threadfence();         // the other CTAs' states, published before their arrivals, are visible
+        }
+        is_last_split = last;
+      }
+      consumer_sync(kConsumerThreads);
+      if (is_last_split) combine_splits<kHeadDim, T, kWarps>(p, b, hk0, hpc, merge_smem);
+    }
+  }
+#endif
+}
+
+}  // namespace flare::decode

@@ -1,0 +1,141 @@
+// Which decode attention kernel runs a plan, and its launch. The plan names an engine and a
+// combine (flare/decode_plan.h); the engine runs where it applies, the portable kernel elsewhere:
+//   kKeyGroups  decode_key_groups_kernel.h (sm_90), with the in-kernel combine for split plans
+//               unless the plan asks for the separate combine kernel;
+//   kHeadWarps  decode_bulk_kernel.h (sm_90), the kernel of 2026-11-22 (kept for comparisons);
+//   kPortable   decode_kernel.h (sm_80+).
+// FLARE_DECODE_PORTABLE=1 forces the portable kernel; FLARE_DECODE_ENGINE=key_groups|head_warps|
+// portable overrides every plan's engine (both read once per process; an unknown name is ignored).
+// Instantiated once per (head dim, dtype) in its own translation unit
+// (instantiations/decode_kernel.cu.in); decode_kernel.cu sees only extern declarations.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "flare/decode_plan.h"
+#include "src/common/cuda_check.h"
+#include "src/common/device_facts.h"
+#include "src/decode/decode_bulk_kernel.h"
+#include "src/decode/decode_key_groups_kernel.h"
+#include "src/decode/decode_kernel.h"
+#include "src/decode/decode_schedule.h"
+
+namespace flare::decode {
+
+static_assert(kCombineMaxStates == kMaxDecodeSplits, "the in-kernel combine holds every split's LSE");
+
+// A run's choices, from its plan.
+struct DecodeLaunch {
+  DecodeEngine engine = DecodeEngine::kKeyGroups;
+  DecodeCombine combine = DecodeCombine::kInKernel;
+  int heads_per_cta = 0;  // 0: the engine's rule
+};
+
+// The engine the environment forces (read once), or -1.
+inline int decode_engine_override() {
+  static const int value = [] {
+    const char* portable = std::getenv("FLARE_DECODE_PORTABLE");
+    if (portable != nullptr && portable[0] == '1') return static_cast<int>(DecodeEngine::kPortable);
+    const char* name = std::getenv("FLARE_DECODE_ENGINE");
+    if (name == nullptr) return -1;
+    for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
+      if (std::strcmp(name, decode_engine_name(e)) == 0) return static_cast<int>(e);
+    return -1;
+  }();
+  return value;
+}
+
+// Whether the current device runs this build's sm_90 decode code (once per kernel family).
+template <int kHeadDim, typename T>
+bool device_runs_sm90_decode() {
+  static const bool ok = [] {
+    cudaFuncAttributes attributes = {};
+    const bool has = cudaFuncGetAttributes(&attributes, decode_key_groups_kernel<kHeadDim, T, false>) == cudaSuccess &&
+                     attributes.binaryVersion >= 90;
+    if (!has) (void)cudaGetLastError();  // e.g. no sm_90 binary for this device
+    return has;
+  }();
+  return ok;
+}
+
+// The key-group kernel; *combined tells whether the split-KV states were merged in the kernel.
+template <int kHeadDim, typename T>
+Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch& how, cudaStream_t stream,
+                                bool* combined) {
+  auto standard = decode_key_groups_kernel<kHeadDim, T, false>;
+  auto split_kv = decode_key_groups_kernel<kHeadDim, T, true>;
+  // Once per kernel (not a stream operation, so also fine while a graph is being captured).
+  static const bool ready = [&] {
+    const bool ok =
+        cudaFuncSetAttribute(standard, cudaFuncAttributeMaxDynamicSharedMemorySize, kKeyGroupSmemBudget) ==
+            cudaSuccess &&
+        cudaFuncSetAttribute(split_kv, cudaFuncAttributeMaxDynamicSharedMemorySize, kKeyGroupSmemBudget) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // the portable kernel runs
+    return ok;
+  }();
+  if (!ready) return launch_decode_portable<kHeadDim, T>(p, stream);
+
+  const int num_sms = detail::current_device_facts().num_sms;
+  const int heads_per_cta = key_group_heads_per_cta(how.heads_per_cta, key_group_max_heads_per_cta(kHeadDim, p.heads_kv),
+                                                    p.batch, p.heads_kv, p.num_splits, num_sms);
+  const int64_t max_keys = p.num_splits > 1 ? int64_t{p.kv_chunk} : int64_t{p.max_cache_len};
+  const KeyGroupLayout lay = key_group_layout(kHeadDim, static_cast<int>(sizeof(T)), heads_per_cta, max_keys);
+  const int64_t ctas = int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits;
+  if (ctas > INT_MAX) return Status::NotSupported("decode: " + std::to_string(ctas) + " CTAs exceed the grid limit");
+  const dim3 grid(static_cast<unsigned>(ctas)), block(32 * (lay.consumer_warps + 1));
+  if (p.num_splits == 1) {
+    standard<<<grid, block, lay.smem_bytes, stream>>>(p, lay);
+    return detail::cuda_status(cudaGetLastError(), "decode attention launch");
+  }
+  DecodeKernelParams kp = p;
+  const bool in_kernel = how.combine != DecodeCombine::kSeparateKernel && p.counters != nullptr;
+  if (!in_kernel || how.combine == DecodeCombine::kInKernelPrezeroed) {
+    if (!in_kernel) kp.counters = nullptr;  // the kernel writes the states; the caller merges them
+    split_kv<<<grid, block, lay.smem_bytes, stream>>>(kp, lay);
+    FLARE_RETURN_IF_ERROR(detail::cuda_status(cudaGetLastError(), "decode attention launch"));
+    *combined = in_kernel;
+    return Status::Ok();
+  }
+  // Counters zeroed by a one-CTA kernel; the attention kernel is its programmatic dependent, so it
+  // launches at once and waits for the zeroes only before its first arrival.
+  zero_arrival_counters_kernel<T><<<1, 256, 0, stream>>>(kp.counters, int64_t{p.batch} * p.heads_kv);
+  FLARE_RETURN_IF_ERROR(detail::cuda_status(cudaGetLastError(), "decode counter reset launch"));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(lay.smem_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&config, split_kv, kp, lay);
+  FLARE_RETURN_IF_ERROR(detail::cuda_status(e != cudaSuccess ? e : cudaGetLastError(), "decode attention launch"));
+  *combined = true;
+  return Status::Ok();
+}
+
+// Launches the plan's attention kernel (see the top of this file). *combined: the split-KV states
+// were merged in the kernel (out and lse are written); otherwise a split plan's combine is the
+// caller's.
+template <int kHeadDim, typename T>
+Status launch_decode_attention(const DecodeKernelParams& p, const DecodeLaunch& how, cudaStream_t stream,
+                               bool* combined) {
+  *combined = false;
+  const int forced = decode_engine_override();
+  const DecodeEngine engine = forced >= 0 ? static_cast<DecodeEngine>(forced) : how.engine;
+  if (engine == DecodeEngine::kPortable || !device_runs_sm90_decode<kHeadDim, T>() ||
+      !bulk_kernel_applies<kHeadDim, T>(p))
+    return launch_decode_portable<kHeadDim, T>(p, stream);
+  if (engine == DecodeEngine::kHeadWarps) return launch_decode_head_warps<kHeadDim, T>(p, stream);
+  return launch_decode_key_groups<kHeadDim, T>(p, how, stream, combined);
+}
+
+}  // namespace flare::decode
