@@ -3,8 +3,9 @@
 // caches (pages of 16 and 64, scattered by a random page table).
 //
 // Benchmark (default): for each shape, the plan decode_plan() gives with the tuning table (or the
-// heuristic when no table is found), run by --engine (default key_groups, the library's default:
-// key-group kernel, in-kernel combine; head_warps and portable run with the combine kernel),
+// heuristic when no table is found), run by --engine (default key_groups, the kernel under
+// development: in-kernel combine; head_warps (the library's default) and portable run with the
+// combine kernel),
 // timed under CUDA-graph replay and as plain launches: median, p10-p90 spread and standard
 // deviation after warm-up, L2 flushed before every sample; KV bytes per second against the
 // measured copy bandwidth. Where the heuristic picks another split count its time is printed too.

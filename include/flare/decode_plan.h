@@ -165,8 +165,10 @@ struct DecodePlan {
   std::size_t counters_offset = 0;     // byte offset of the arrival counters in the workspace
   DecodePlanSource source = DecodePlanSource::kHeuristic;
   // How it runs; may be edited after planning (check_decode_plan accepts any valid value).
-  DecodeEngine engine = DecodeEngine::kKeyGroups;
-  DecodeCombine combine = DecodeCombine::kInKernel;
+  // The head-warp engine by default: the key-group engine (with the in-kernel combine) measured
+  // 0.74-0.99x its speed on the H100 before tuning (bench/RESULTS.md, decode, session 4).
+  DecodeEngine engine = DecodeEngine::kHeadWarps;
+  DecodeCombine combine = DecodeCombine::kSeparateKernel;
   int heads_per_cta = 0;         // sm_90 engines: 0 (their rule) or a power of two dividing heads_kv
   DecodeShapeKey shape;          // the shape planned for; the run checks its params against it
 };
