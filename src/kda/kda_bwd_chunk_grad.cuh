@@ -46,6 +46,9 @@ struct GradConfig {
   static constexpr int kLdG = K + 4;
   static constexpr int kKW = K / 2;  // key columns of a warp's tile
   static constexpr int kVW = V / 2;  // value columns of a warp's tile
+  // An sm_90 SM's opt-in shared memory per block (K = V = 128 needs 225 KiB; sm_80 has 163 KiB,
+  // enough for K = 64).
+  static constexpr size_t kMaxSmem = 227 * 1024;
 };
 
 template <typename T, int K, int V>
@@ -151,6 +154,7 @@ __device__ __forceinline__ void store_block(T* tile, int ld, int row0, int col0,
 template <typename T, int K, int V>
 __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_kernel(const KdaBwdArgs b) {
   using C = GradConfig<K, V>;
+  static_assert(sizeof(GradSmem<T, K, V>) <= C::kMaxSmem, "shared memory of one CTA");
   constexpr int kNK = C::kKW / 8, kNV = C::kVW / 8;  // n8 tiles of a warp's key / value columns
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& s = *reinterpret_cast<GradSmem<T, K, V>*>(smem_raw);
