@@ -19,6 +19,7 @@ namespace flare::ref {
 namespace {
 
 constexpr double kL2NormEps = 1e-6;  // q, k <- x / sqrt(sum x^2 + eps), as in fla's l2norm
+constexpr int64_t kSubChunk = 16;     // the GPU backward's unit of safe exponent offsets
 
 // ------------------------------------------------------------------------------------------------
 // Dense fp64 copies of strided views.
@@ -773,6 +774,54 @@ struct ChunkGrads {
   std::vector<double> dbeta;
 };
 
+// The intra-chunk terms of stage 4, through P and L, in the GPU kernel's block form:
+//   Qr_i = sum_j dP_ij e_ij k_j,  R_i = sum_j dL_ij e_ij k_j,  C_j = sum_i e_ij (dP_ij q_i + dL_ij beta_i k_i).
+// e_ij is split at per-sub-chunk references m_I (Gam at row 16 I + 7, the last row standing in for
+// rows past a partial chunk) into factors that never overflow when the gate is <= 0:
+//   e_ij = 2^(Gam_i - m_I) 2^(m_I - m_J) 2^(m_J - Gam_j)  for i in sub-chunk I, j in J <= I,
+// the middle factor <= 1 and the outer ones bounded by the gate of 8 rows. The kernel keeps
+// qa = q e^(Gam - m), kr = k e^(Gam - m), kb = k e^(m - Gam) as MMA operands and scales them by the
+// middle factor (and beta) on the way into the MMA: those are the roundings emulated here.
+void intra_chunk_terms(const ChunkState& ch, const Matrix& dP, const Matrix& dL, int64_t K, const Rounding& r,
+                       ChunkGrads* d) {
+  const int64_t n = ch.n;
+  const std::vector<Token>& x = ch.x;
+  const int64_t sub = kSubChunk, blocks = (n + sub - 1) / sub;
+  auto gam = [&](int64_t i, int64_t c) { return ch.gam[std::min(i, n - 1)][c]; };
+  Matrix m = zeros(blocks, K), qa = zeros(n, K), kr = zeros(n, K), kb = zeros(n, K);
+  for (int64_t I = 0; I < blocks; ++I)
+    for (int64_t c = 0; c < K; ++c) m[I][c] = gam(I * sub + sub / 2 - 1, c);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < K; ++c) {
+      const double up = std::exp(gam(i, c) - m[i / sub][c]);
+      qa[i][c] = r(x[i].q[c] * up);
+      kr[i][c] = r(x[i].k[c] * up);
+      kb[i][c] = r(x[i].k[c] / up);
+    }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t I = i / sub;
+    for (int64_t c = 0; c < K; ++c) {
+      double Q = 0, R = 0, C = 0;  // before the outer factors
+      for (int64_t j = 0; j < (I + 1) * sub && j < n; ++j) {  // row i against blocks J <= I
+        const int64_t J = j / sub;
+        const double b = J < I ? r(kb[j][c] * std::exp(m[I][c] - m[J][c])) : kb[j][c];
+        Q += dP[i][j] * b;
+        R += dL[i][j] * b;
+      }
+      for (int64_t k = I * sub; k < n; ++k) {  // column i against blocks M >= I
+        const int64_t M = k / sub;
+        const double cross = M > I ? std::exp(m[M][c] - m[I][c]) : 1.0;
+        C += dP[k][i] * (M > I ? r(qa[k][c] * cross) : qa[k][c]) + dL[k][i] * r(kr[k][c] * x[k].beta * cross);
+      }
+      const double row = std::exp(gam(i, c) - m[I][c]);
+      d->dq[i][c] += row * Q;
+      d->dk[i][c] += x[i].beta * row * R + C / row;
+      d->dbeta[i] += kr[i][c] * R;
+      d->dgam[i][c] += qa[i][c] * Q + x[i].beta * kr[i][c] * R - kb[i][c] * C;
+    }
+  }
+}
+
 // Stage 4. With e_ij = exp(Gam_i - Gam_j) per channel and X = beta k exp(Gam):
 //   inter:  dq = scale exp(Gam) (dO h^T),  dk = exp(Gam_last - Gam) (vnew dh^T),  dw = -dvnew h^T
 //   WY:     dA = dvnew (beta v)^T + dw X^T (strictly lower),  dY = A^T dvnew -> dv = beta dY,
@@ -818,7 +867,7 @@ ChunkGrads chunk_gradients(const ChunkState& ch, const Matrix& dO, int64_t K, in
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < i; ++j) {
       double acc = 0;
-      for (int64_t e = 0; e < V; ++e) acc += ch.dvnew[i][e] * x[j].beta * x[j].v[e];
+      for (int64_t e = 0; e < V; ++e) acc += ch.dvnew[i][e] * r(x[j].beta * x[j].v[e]);
       for (int64_t c = 0; c < K; ++c) acc += dw[i][c] * X[j][c];
       dA[i][j] = r(acc);
     }
@@ -835,7 +884,7 @@ ChunkGrads chunk_gradients(const ChunkState& ch, const Matrix& dO, int64_t K, in
       const double up = std::exp(gam[j][c]);
       d.dk[j][c] += x[j].beta * up * dX;
       d.dbeta[j] += x[j].k[c] * up * dX;
-      d.dgam[j][c] += X[j][c] * dX;
+      d.dgam[j][c] += x[j].beta * x[j].k[c] * up * dX;
     }
   }
   Matrix T1 = zeros(n, n), dL = zeros(n, n);  // T1 = A^T dA (lower), dL = -T1 A^T (strictly lower)
@@ -860,23 +909,7 @@ ChunkGrads chunk_gradients(const ChunkState& ch, const Matrix& dO, int64_t K, in
       for (int64_t e = 0; e < V; ++e) acc += dO[i][e] * ch.vnew[j][e];
       dP[i][j] = r(scale * acc);
     }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < K; ++c) {
-      double Qr = 0, R = 0, C = 0;
-      for (int64_t j = 0; j <= i; ++j) {
-        const double e_ij = std::exp(gam[i][c] - gam[j][c]);
-        Qr += dP[i][j] * e_ij * x[j].k[c];
-        R += dL[i][j] * e_ij * x[j].k[c];
-      }
-      for (int64_t m = i; m < n; ++m) {  // i as the column
-        const double e_mi = std::exp(gam[m][c] - gam[i][c]);
-        C += e_mi * (dP[m][i] * x[m].q[c] + dL[m][i] * x[m].beta * x[m].k[c]);
-      }
-      d.dq[i][c] += Qr;
-      d.dk[i][c] += x[i].beta * R + C;
-      d.dbeta[i] += x[i].k[c] * R;
-      d.dgam[i][c] += x[i].q[c] * Qr + x[i].beta * x[i].k[c] * R - x[i].k[c] * C;
-    }
+  intra_chunk_terms(ch, dP, dL, K, r, &d);
   return d;
 }
 
