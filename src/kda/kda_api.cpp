@@ -136,11 +136,19 @@ Status kda_backward_workspace_size(const KdaBackwardParams& params, size_t* byte
 }
 
 Status kda_backward(const KdaBackwardParams& p) {
+  detail::KdaBwdArgs b;
+  FLARE_RETURN_IF_ERROR(detail::kda_backward_args(p, &b));
+  return detail::launch_kda_backward(b, p.q.dtype, p.stream);
+}
+
+namespace detail {
+
+Status kda_backward_args(const KdaBackwardParams& p, KdaBwdArgs* out) {
   BackwardPlan plan;
   FLARE_RETURN_IF_ERROR(plan_backward(p, &plan));
-  const detail::KdaBwdWorkspaceLayout& l = plan.layout;
+  const KdaBwdWorkspaceLayout& l = plan.layout;
   FLARE_RETURN_IF_ERROR(check_workspace(p.workspace, p.workspace_bytes, l.total, "kda_backward_workspace_size"));
-  detail::KdaBwdArgs b{};
+  KdaBwdArgs b{};
   b.fwd = input_args(p, plan.shape, plan.max_chunks, l.fwd);
   char* ws = static_cast<char*>(p.workspace);
   b.fwd.A_inv = ws + l.A_inv;
@@ -159,7 +167,9 @@ Status kda_backward(const KdaBackwardParams& p) {
   b.A_log_partial = l.gate_partial ? reinterpret_cast<float*>(ws + l.A_log_partial) : nullptr;
   b.dq_heads = l.dq_heads ? reinterpret_cast<float*>(ws + l.dq_heads) : nullptr;
   b.dk_heads = l.dk_heads ? reinterpret_cast<float*>(ws + l.dk_heads) : nullptr;
-  return detail::launch_kda_backward(b, p.q.dtype, p.stream);
+  *out = b;
+  return Status::Ok();
 }
 
+}  // namespace detail
 }  // namespace flare

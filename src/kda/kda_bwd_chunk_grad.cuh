@@ -409,8 +409,8 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
         }
       }
       for_each_element<kNK>(row0, kc0, [&](int nt, int e, int j, int c) {
-        const float kup = to_float(s.k[j][c]) * exp2_clamped(s.gam[j][c]), x = dX[nt][e];
-        dk[nt][e] += s.beta[j] * kup * x;
+        const float up = exp2_clamped(s.gam[j][c]), kup = to_float(s.k[j][c]) * up, x = dX[nt][e];
+        dk[nt][e] += s.beta[j] * up * x;
         add_dbeta(e, kup * x);
         dgam[nt][e] += s.beta[j] * kup * x;
       });

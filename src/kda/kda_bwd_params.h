@@ -87,6 +87,9 @@ inline KdaBwdWorkspaceLayout kda_bwd_workspace_layout(int64_t max_chunks, int64_
   return l;
 }
 
+// Validates the params (as kda_backward does, the workspace included) and builds the device args.
+Status kda_backward_args(const KdaBackwardParams& p, KdaBwdArgs* args);
+
 // Launches the backward kernels on `stream` (kda_bwd_launch.cuh); the args are complete.
 Status launch_kda_backward(const KdaBwdArgs& a, DType dtype, Stream stream);
 

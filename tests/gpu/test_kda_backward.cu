@@ -7,10 +7,12 @@
 // K and V in {64, 128}; bf16 and fp16; 16-bit g / beta and their gradients; strided inputs.
 //
 // Outputs and the workspace are poisoned (NaN) first, so anything left unwritten fails. Error
-// rule (tests/gpu/gpu_harness.h): |gpu - oracle| <= k x |lowp - oracle| + atol per gradient, where
+// rule (tests/gpu/gpu_harness.h): |gpu - oracle| <= 4 |lowp - oracle| + atol per gradient, where
 // lowp is the same chunked algorithm in fp64 with what the kernels keep in their input dtype
 // rounded to it (flare::ref::kda_backward_chunked with `intermediates`), written in the GPU
-// outputs' dtypes.
+// outputs' dtypes, and atol is 1e-4 of the gradient's largest magnitude (one unit of the dtype
+// for the sums dA_log and ddt_bias). tests/cpu/test_kda_backward_emulated.cpp runs the same
+// kernels on the CPU under an emulation of the warp-level operations.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -36,7 +38,13 @@ namespace {
 using ref::HostTensor;
 
 constexpr double kErrFactor = 4.0;  // the kernels round a few more operands than the baseline
-constexpr double kAbsTol = 1e-4;    // relative to each gradient's largest magnitude
+
+// The absolute slack, relative to the gradient's largest magnitude: 1e-4, and for dA_log and
+// ddt_bias, sums over every token whose baseline error can cancel by luck, one unit of the dtype.
+double abs_slack(const std::string& name, DType dtype) {
+  if (name != "dA_log" && name != "ddt_bias") return 1e-4;
+  return dtype == DType::kBFloat16 ? 0x1p-8 : 0x1p-11;
+}
 
 struct Case {
   std::string name;
@@ -292,7 +300,7 @@ void run_case(const Case& c, uint64_t seed = 1) {
     for (int64_t e = 0; e < wt.numel(); ++e) scale = std::max(scale, std::abs(wt.get(e)));
     const ErrorReport r = compare(gt, wt, &lt);
     std::printf("    %-16s |max| %.3g  %s\n", name, scale, r.describe(name).c_str());
-    EXPECT_TRUE(within_tolerance(r, name, kErrFactor, kAbsTol * std::max(scale, 1.0)));
+    EXPECT_TRUE(within_tolerance(r, name, kErrFactor, abs_slack(name, cc.dtype) * std::max(scale, 1.0)));
   }
 }
 
@@ -397,8 +405,9 @@ TEST(KdaBackward, Dtypes) {
   c.name = "fp16";
   c.dtype = DType::kFloat16, c.T = 130;
   run_case(c, 17);
-  c.name = "fp16 K64 V64 gate";
-  c.K = c.V = 64, c.options.gate_in_kernel = true;
+  // fp16 operands hold 2^x only up to x = 16: the gate summed over 8 tokens must stay above -11.
+  c.name = "fp16 K64 V64 bounded gate";
+  c.K = c.V = 64, c.options.gate_in_kernel = true, c.options.lower_bound = -1.f;
   run_case(c, 18);
   c = Case{};
   c.name = "bf16 g, beta and their gradients";
