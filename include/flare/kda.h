@@ -69,10 +69,12 @@ Status kda_forward(const KdaForwardParams& params);
 // recomputes the forward's per-chunk WY form, records each chunk's start state (in the input
 // dtype), carries the state gradient back in fp32, then computes every chunk's gradients in
 // parallel. The workspace (kda_backward_workspace_size; depends on the shapes only) holds those
-// per-chunk quantities: about (3 K + 3 V + 2 64 + K V / 32) x 64 x 2 bytes per 64-token chunk and
-// value head plus, with grouped value heads (HV > H), 8 K bytes per token and value head. Nothing is
-// allocated and nothing synchronizes with the host; cu_seqlens stays on the device. Deterministic.
-// Shared memory: K = V = 128 needs the 227 KB of an sm_90 SM (smaller shapes fit an sm_80).
+// per-chunk quantities: per 64-token chunk and value head 2 x (192 K + 192 V + 2 x 64 x 64 + 2 K V)
+// bytes (16-bit inputs) + 4 K (+ 4 (K + 1) with gate_in_kernel), and with grouped value heads
+// (HV > H) 8 K bytes per token and value head. Nothing is allocated and nothing synchronizes with
+// the host; cu_seqlens stays on the device; the result is deterministic. Shared memory: K = V = 128
+// needs the 227 KiB of an sm_90 SM. fp16 inputs hold the intra-chunk decay factors only while one
+// channel's gate summed over 8 tokens stays above -11 (bf16: -87), as in the forward.
 Status kda_backward_workspace_size(const KdaBackwardParams& params, size_t* bytes);
 Status kda_backward(const KdaBackwardParams& params);
 
