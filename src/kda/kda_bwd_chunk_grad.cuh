@@ -178,6 +178,7 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
                   hv * b.dout_st.head;
     load_rows<T, K>(s.q, q, a.q_st.token, len);
     load_rows<T, K>(s.k, k, a.k_st.token, len);
+    cp_async_commit();  // what the prologue needs; the rest arrives meanwhile
     load_rows<T, V>(s.ph.inter.dO, dO, b.dout_st.token, len);
     load_tile<T, V, K>(s.ph.inter.h, static_cast<const T*>(b.h) + slot * V * K);
     load_tile<T, V, K>(s.ph.inter.dh, static_cast<const T*>(b.dh) + slot * V * K);
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
     s.beta_raw[tid] = raw;
     s.beta[tid] = tid < len && a.beta_sigmoid ? a.beta_factor * sigmoidf(raw) : raw;
   }
-  cp_async_wait<0>();
+  cp_async_wait<1>();
   __syncthreads();
 
   // ---- prologue: l2norm, activated and cumulated gate, sub-chunk references -----------------------
@@ -229,6 +230,7 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
 #pragma unroll
       for (int J0 = 0; J0 < J1; ++J0) s.cross[sub_pair(J1, J0)][c] = exp2_clamped(m[J1] - m[J0]);
   }
+  cp_async_wait<0>();
   __syncthreads();
 
   // Persistent accumulators of this warp's tile (rows row0.., key columns kc0..).

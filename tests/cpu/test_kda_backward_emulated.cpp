@@ -344,6 +344,11 @@ TEST(KdaBackwardEmulated, MixedHeadDims) {
             .initial_state = false}, 4);
 }
 
+// No tokens at all: d_initial_state is the seed, dA_log and ddt_bias are zeros.
+TEST(KdaBackwardEmulated, OnlyEmptySequences) {
+  run_case({.name = "varlen {0, 0} gate", .seqlens = {0, 0}, .options = {.gate_in_kernel = true}}, 12);
+}
+
 TEST(KdaBackwardEmulated, VarlenLayerMode) {
   KdaOptions o{.qk_l2norm = true, .beta_sigmoid = true, .allow_neg_eigval = true, .gate_in_kernel = true};
   run_case({.name = "KDA varlen {1, 0, 70} layer mode, bf16 g and grads", .seqlens = {1, 0, 70},
