@@ -165,8 +165,9 @@ int run(int argc, char** argv) {
     bf16_to_f32<<<1024, 256, 0, stream>>>(b.out, b.g, elems);
     fill_normal_bf16(b.beta, rows, 5, stream);
     fill_normal_bf16(b.dout, elems, 6, stream);
+    const int64_t num_states = (c.seqlens.empty() ? c.batch : static_cast<int64_t>(c.seqlens.size())) * kHeads;
     fill_normal_bf16(b.dq, elems, 7, stream);  // scratch for d_final_state
-    bf16_to_f32<<<1024, 256, 0, stream>>>(b.dq, b.d_final_state, int64_t{kTokens} * kHeads * kDim * kDim / 64);
+    bf16_to_f32<<<1024, 256, 0, stream>>>(b.dq, b.d_final_state, num_states * kDim * kDim);
     {
       std::vector<float> a_log(kHeads), dt(kHeads * kDim);
       for (int h = 0; h < kHeads; ++h) a_log[h] = std::log(1.f + 15.f * h / kHeads);
