@@ -94,11 +94,14 @@ void launch(dim3 grid, int threads, unsigned char* shared, Kernel kernel) {
 
 inline void __syncthreads() { cuda_emu::block->all.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emu::warp_barrier(); }
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
+template <typename X>  // 4-byte values (float, int, unsigned)
+inline X __shfl_xor_sync(unsigned, X v, int offset) {
+  static_assert(sizeof(X) == sizeof(float), "4-byte shuffles only");
   auto& e = cuda_emu::exchange();
-  e.f[cuda_emu::lane()] = v;
+  std::memcpy(&e.f[cuda_emu::lane()], &v, sizeof(X));
   cuda_emu::warp_barrier();
-  const float r = e.f[cuda_emu::lane() ^ offset];
+  X r;
+  std::memcpy(&r, &e.f[cuda_emu::lane() ^ offset], sizeof(X));
   cuda_emu::warp_barrier();
   return r;
 }
