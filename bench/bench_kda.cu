@@ -1,9 +1,11 @@
-// KDA chunked forward benchmark: bf16, H = HV = 32, K = V = 128, 32k tokens (B x T = 32768 for
-// T from 1k to 32k, and a varlen batch of uneven lengths), in the plain mode (pre-computed fp32
-// log-space gate, as FLA's chunk_kda is usually timed) and the layer mode (raw gate activated in
-// the kernel, q/k l2norm, beta sigmoid). Prints time, the bandwidth of the tensors read and
-// written once (q, k, v, g, beta, out) and its fraction of the measured copy bandwidth; checks
-// that every output is finite. FLA's figure (issue 8, H100): ~4.1 ms forward for this size.
+// KDA chunked forward and backward benchmark: bf16, H = HV = 32, K = V = 128, 32k tokens (B x T =
+// 32768 for T from 1k to 32k, and a varlen batch of uneven lengths), in the plain mode
+// (pre-computed fp32 log-space gate, as FLA's chunk_kda is usually timed) and the layer mode (raw
+// gate activated in the kernel, q/k l2norm, beta sigmoid). Prints the forward's time, the
+// bandwidth of the tensors it reads and writes once (q, k, v, g, beta, out) and its fraction of
+// the measured copy bandwidth, the backward's time (every gradient, from dout and d_final_state)
+// and forward + backward; checks that every output and dq is finite. FLA's figures (H100): ~4.1 ms
+// forward, ~21 ms forward + backward for this size.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -63,6 +65,9 @@ struct Buffers {
   int* cu_seqlens;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // backward
+  __nv_bfloat16 *dout, *dq, *dk, *dv, *dbeta;
+  float *dg, *dA_log, *ddt_bias, *d_final_state;
 };
 
 KdaForwardParams make_params(const Case& c, const Buffers& b) {
@@ -85,6 +90,27 @@ KdaForwardParams make_params(const Case& c, const Buffers& b) {
     p.A_log = TensorView::contiguous(b.A_log, DType::kFloat32, {H}, {DeviceKind::kCUDA, 0});
     p.dt_bias = TensorView::contiguous(b.dt_bias, DType::kFloat32, {H * D}, {DeviceKind::kCUDA, 0});
   }
+  return p;
+}
+
+// The backward of the same problem: dout, d_final_state in; every gradient out (in place of the
+// forward's out / final_state, which it does not read).
+KdaBackwardParams make_backward_params(const KdaForwardParams& f, const Buffers& b) {
+  KdaBackwardParams p;
+  p.q = f.q, p.k = f.k, p.v = f.v, p.g = f.g, p.beta = f.beta, p.A_log = f.A_log, p.dt_bias = f.dt_bias;
+  p.cu_seqlens = f.cu_seqlens, p.options = f.options;
+  auto like = [](const TensorView& t, void* data, DType dtype) {
+    TensorView v = t;
+    v.data = data, v.dtype = dtype;
+    return v;
+  };
+  p.dout = like(f.out, b.dout, DType::kBFloat16);
+  p.d_final_state = like(f.final_state, b.d_final_state, DType::kFloat32);
+  p.dq = like(f.q, b.dq, DType::kBFloat16), p.dk = like(f.k, b.dk, DType::kBFloat16);
+  p.dv = like(f.v, b.dv, DType::kBFloat16);
+  p.dg = like(f.g, b.dg, DType::kFloat32), p.dbeta = like(f.beta, b.dbeta, DType::kBFloat16);
+  if (f.A_log.defined()) p.dA_log = like(f.A_log, b.dA_log, DType::kFloat32);
+  if (f.dt_bias.defined()) p.ddt_bias = like(f.dt_bias, b.ddt_bias, DType::kFloat32);
   return p;
 }
 
@@ -115,6 +141,14 @@ int run(int argc, char** argv) {
   FLARE_BENCH_CHECK(cudaMalloc(&b.dt_bias, kHeads * kDim * 4));
   FLARE_BENCH_CHECK(cudaMalloc(&b.final_state, int64_t{kTokens} * kHeads * kDim * kDim / 64 * 4));  // >= N states
   FLARE_BENCH_CHECK(cudaMalloc(&b.cu_seqlens, 64 * 4));
+  for (__nv_bfloat16** x : {&b.dout, &b.dq, &b.dk, &b.dv}) FLARE_BENCH_CHECK(cudaMalloc(x, elems * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.dbeta, rows * 2));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.dg, elems * 4));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.dA_log, kHeads * 4));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.ddt_bias, kHeads * kDim * 4));
+  FLARE_BENCH_CHECK(cudaMalloc(&b.d_final_state, int64_t{kTokens} * kHeads * kDim * kDim / 64 * 4));
+  void* bwd_workspace = nullptr;
+  size_t bwd_workspace_bytes = 0;
   unsigned long long* bad;
   FLARE_BENCH_CHECK(cudaMalloc(&bad, sizeof(*bad)));
 
@@ -130,6 +164,10 @@ int run(int argc, char** argv) {
     fill_normal_bf16(b.out, elems, 4, stream);  // scratch for g
     bf16_to_f32<<<1024, 256, 0, stream>>>(b.out, b.g, elems);
     fill_normal_bf16(b.beta, rows, 5, stream);
+    fill_normal_bf16(b.dout, elems, 6, stream);
+    const int64_t num_states = (c.seqlens.empty() ? c.batch : static_cast<int64_t>(c.seqlens.size())) * kHeads;
+    fill_normal_bf16(b.dq, elems, 7, stream);  // scratch for d_final_state
+    bf16_to_f32<<<1024, 256, 0, stream>>>(b.dq, b.d_final_state, num_states * kDim * kDim);
     {
       std::vector<float> a_log(kHeads), dt(kHeads * kDim);
       for (int h = 0; h < kHeads; ++h) a_log[h] = std::log(1.f + 15.f * h / kHeads);
@@ -172,8 +210,34 @@ int run(int argc, char** argv) {
         },
         args.timing(), stream);
 
+    KdaBackwardParams bp = make_backward_params(p, b);
+    const Status sb = kda_backward_workspace_size(bp, &bytes);
+    if (!sb.ok()) {
+      std::fprintf(stderr, "%s backward: %s\n", c.name.c_str(), sb.message().c_str());
+      return 1;
+    }
+    if (bytes > bwd_workspace_bytes) {
+      if (bwd_workspace) FLARE_BENCH_CHECK(cudaFree(bwd_workspace));
+      FLARE_BENCH_CHECK(cudaMalloc(&bwd_workspace, bytes));
+      bwd_workspace_bytes = bytes;
+    }
+    bp.workspace = bwd_workspace;
+    bp.workspace_bytes = bwd_workspace_bytes;
+    const Timing tb = time_kernel(
+        [&](cudaStream_t st) {
+          KdaBackwardParams q = bp;
+          q.stream = st;
+          const Status r = kda_backward(q);
+          if (!r.ok()) {
+            std::fprintf(stderr, "%s backward: %s\n", c.name.c_str(), r.message().c_str());
+            std::exit(1);
+          }
+        },
+        args.timing(), stream);
+
     FLARE_BENCH_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
     count_nonfinite<<<1024, 256, 0, stream>>>(b.out, elems, bad);
+    count_nonfinite<<<1024, 256, 0, stream>>>(b.dq, elems, bad);
     unsigned long long nonfinite = 0;
     FLARE_BENCH_CHECK(cudaMemcpyAsync(&nonfinite, bad, sizeof(nonfinite), cudaMemcpyDeviceToHost, stream));
     FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
@@ -186,15 +250,18 @@ int run(int argc, char** argv) {
                    {"ms", Table::Cell(t.median_ms, 3)},
                    {"GB/s (io once)", Table::Cell(gbps, 0)},
                    {"of copy bw", Table::Cell(gbps / copy_gbps, 2)},
+                   {"bwd ms", Table::Cell(tb.median_ms, 3)},
+                   {"fwd+bwd ms", Table::Cell(t.median_ms + tb.median_ms, 3)},
                    {"non-finite", Table::Cell(static_cast<int64_t>(nonfinite))}});
     Record r;
     r.name = "kda_fwd " + c.name;
-    r.metrics = {{"median_ms", t.median_ms}, {"gbps_io_once", gbps}, {"fraction_of_copy_bw", gbps / copy_gbps}};
+    r.metrics = {{"median_ms", t.median_ms}, {"gbps_io_once", gbps}, {"fraction_of_copy_bw", gbps / copy_gbps},
+                 {"backward_median_ms", tb.median_ms}};
     r.tags = device_tags();
     r.tags["dtype"] = "bf16";
     records.push_back(r);
   }
-  std::printf("KDA forward, bf16, H = HV = %d, K = V = %d, %d tokens (copy bandwidth %.0f GB/s)\n", kHeads, kDim,
+  std::printf("KDA forward and backward, bf16, H = HV = %d, K = V = %d, %d tokens (copy bandwidth %.0f GB/s)\n", kHeads, kDim,
               kTokens, copy_gbps);
   table.print();
   if (!args.json_path.empty()) write_json(args.json_path, records);

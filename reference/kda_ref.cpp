@@ -19,6 +19,7 @@ namespace flare::ref {
 namespace {
 
 constexpr double kL2NormEps = 1e-6;  // q, k <- x / sqrt(sum x^2 + eps), as in fla's l2norm
+constexpr int64_t kSubChunk = 16;     // the GPU backward's unit of safe exponent offsets
 
 // ------------------------------------------------------------------------------------------------
 // Dense fp64 copies of strided views.
@@ -654,6 +655,316 @@ void write_raw_gradients(const KdaBackwardParams& params, const Problem& p, cons
   if (params.d_initial_state.defined()) write_dense(params.d_initial_state, g.dh0);
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// The chunked backward, stage by stage as the GPU backward runs it (src/kda/kda_bwd_*.cuh):
+//   1. prep, per (chunk, value head): the forward's WY form: Gam, A = (I + L)^-1, w, u, kg, qg, P;
+//   2. record pass, per (sequence, value head), chunks in order: h_c = S at the chunk start,
+//      vnew = u - w h_c, S <- Diag(decay) S + kg^T vnew;
+//   3. backward state pass, chunks in reverse, from dS = d_final_state: dh_c = dS (the gradient
+//      w.r.t. the state at the chunk's END), dvnew = P^T dO + kg dh_c,
+//      dS <- Diag(decay) dS + qg^T dO - w^T dvnew; d_initial_state = dS after the first chunk;
+//   4. chunk gradients, per (chunk, value head), from h_c, dh_c, vnew, dvnew (chunk_gradients);
+//      dg is the reverse cumulative sum of dGam within the chunk.
+// The stages' outputs a kernel stores or uses as an MMA operand in its input dtype are rounded
+// to `intermediates` (see Rounding).
+
+// One chunk of one value head through the four stages.
+struct ChunkState {
+  std::vector<Token> x;
+  int64_t n = 0;
+  Matrix gam;                 // [n][K] Gam
+  Matrix A;                   // [n][n] (I + L)^-1
+  Matrix w, kg, qg;           // [n][K]; qg = scale q exp(Gam)
+  Matrix u;                   // [n][V]
+  Matrix P;                   // [n][n] scale P (j <= i)
+  std::vector<double> decay;  // [K] exp(Gam_last)
+  Matrix h, dh;               // [K][V] state at the chunk start; gradient w.r.t. the state at its end
+  Matrix vnew, dvnew;         // [n][V]
+};
+
+// Stage 1.
+void chunk_prep(ChunkState* ch, int64_t K, int64_t V, double scale, const Rounding& r) {
+  const int64_t n = ch->n = static_cast<int64_t>(ch->x.size());
+  const std::vector<Token>& x = ch->x;
+  ch->gam = zeros(n, K);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < K; ++c) ch->gam[i][c] = (i ? ch->gam[i - 1][c] : 0.0) + x[i].g[c];
+  const Matrix& gam = ch->gam;
+  auto decayed = [&](const double* a, const double* b, int64_t i, int64_t j) {  // sum_c a_c b_c e^(Gam_ic - Gam_jc)
+    double acc = 0;
+    for (int64_t c = 0; c < K; ++c) acc += a[c] * b[c] * std::exp(gam[i][c] - gam[j][c]);
+    return acc;
+  };
+  Matrix L = zeros(n, n);
+  ch->P = zeros(n, n);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < i; ++j) L[i][j] = x[i].beta * decayed(x[i].k, x[j].k, i, j);
+    for (int64_t j = 0; j <= i; ++j) ch->P[i][j] = r(scale * decayed(x[i].q, x[j].k, i, j));
+  }
+  ch->A = unit_lower_inverse(L);
+  for (auto& row : ch->A)
+    for (double& a : row) a = r(a);
+  ch->w = zeros(n, K), ch->kg = zeros(n, K), ch->qg = zeros(n, K), ch->u = zeros(n, V);
+  const std::vector<double>& last = gam[n - 1];
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t c = 0; c < K; ++c) {
+      double acc = 0;
+      for (int64_t j = 0; j <= i; ++j) acc += ch->A[i][j] * x[j].beta * x[j].k[c] * std::exp(gam[j][c]);
+      ch->w[i][c] = r(acc);
+      ch->kg[i][c] = r(x[i].k[c] * std::exp(last[c] - gam[i][c]));
+      ch->qg[i][c] = r(scale * x[i].q[c] * std::exp(gam[i][c]));
+    }
+    for (int64_t e = 0; e < V; ++e) {
+      double acc = 0;
+      for (int64_t j = 0; j <= i; ++j) acc += ch->A[i][j] * x[j].beta * x[j].v[e];
+      ch->u[i][e] = r(acc);
+    }
+  }
+  ch->decay.resize(K);
+  for (int64_t c = 0; c < K; ++c) ch->decay[c] = std::exp(last[c]);
+}
+
+// Stage 2, one chunk: S (the fp64 carry) moves to the chunk's end.
+void record_step(ChunkState* ch, int64_t K, int64_t V, const Rounding& r, Matrix* S) {
+  ch->h = *S;
+  for (auto& row : ch->h)
+    for (double& e : row) e = r(e);
+  ch->vnew = zeros(ch->n, V);
+  for (int64_t i = 0; i < ch->n; ++i)
+    for (int64_t e = 0; e < V; ++e) {
+      double acc = ch->u[i][e];
+      for (int64_t c = 0; c < K; ++c) acc -= ch->w[i][c] * ch->h[c][e];
+      ch->vnew[i][e] = r(acc);
+    }
+  for (int64_t c = 0; c < K; ++c)
+    for (int64_t e = 0; e < V; ++e) {
+      double acc = ch->decay[c] * (*S)[c][e];
+      for (int64_t i = 0; i < ch->n; ++i) acc += ch->kg[i][c] * ch->vnew[i][e];
+      (*S)[c][e] = acc;
+    }
+}
+
+// Stage 3, one chunk: dS (the fp64 carry, w.r.t. the state at the chunk's end) moves to its start.
+// dO: the chunk's rows of dout.
+void backward_state_step(ChunkState* ch, const Matrix& dO, int64_t K, int64_t V, const Rounding& r, Matrix* dS) {
+  const int64_t n = ch->n;
+  ch->dh = *dS;
+  for (auto& row : ch->dh)
+    for (double& e : row) e = r(e);
+  ch->dvnew = zeros(n, V);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t e = 0; e < V; ++e) {
+      double acc = 0;
+      for (int64_t i = j; i < n; ++i) acc += ch->P[i][j] * dO[i][e];
+      for (int64_t c = 0; c < K; ++c) acc += ch->kg[j][c] * ch->dh[c][e];
+      ch->dvnew[j][e] = r(acc);
+    }
+  for (int64_t c = 0; c < K; ++c)
+    for (int64_t e = 0; e < V; ++e) {
+      double acc = ch->decay[c] * (*dS)[c][e];
+      for (int64_t i = 0; i < n; ++i) acc += ch->qg[i][c] * dO[i][e] - ch->w[i][c] * ch->dvnew[i][e];
+      (*dS)[c][e] = acc;
+    }
+}
+
+// Gradients of one chunk w.r.t. its activated inputs; dgam w.r.t. Gam (before the reverse cumsum).
+struct ChunkGrads {
+  Matrix dq, dk, dv, dgam;  // [n][K], [n][K], [n][V], [n][K]
+  std::vector<double> dbeta;
+};
+
+// The intra-chunk terms of stage 4, through P and L, in the GPU kernel's block form:
+//   Qr_i = sum_j dP_ij e_ij k_j,  R_i = sum_j dL_ij e_ij k_j,  C_j = sum_i e_ij (dP_ij q_i + dL_ij beta_i k_i).
+// e_ij is split at per-sub-chunk references m_I (Gam at row 16 I + 7, the last row standing in for
+// rows past a partial chunk) into factors that never overflow when the gate is <= 0:
+//   e_ij = 2^(Gam_i - m_I) 2^(m_I - m_J) 2^(m_J - Gam_j)  for i in sub-chunk I, j in J <= I,
+// the middle factor <= 1 and the outer ones bounded by the gate of 8 rows. The kernel keeps
+// qa = q e^(Gam - m), kr = k e^(Gam - m), kb = k e^(m - Gam) as MMA operands and scales them by the
+// middle factor (and beta) on the way into the MMA: those are the roundings emulated here.
+void intra_chunk_terms(const ChunkState& ch, const Matrix& dP, const Matrix& dL, int64_t K, const Rounding& r,
+                       ChunkGrads* d) {
+  const int64_t n = ch.n;
+  const std::vector<Token>& x = ch.x;
+  const int64_t sub = kSubChunk, blocks = (n + sub - 1) / sub;
+  auto gam = [&](int64_t i, int64_t c) { return ch.gam[std::min(i, n - 1)][c]; };
+  Matrix m = zeros(blocks, K), qa = zeros(n, K), kr = zeros(n, K), kb = zeros(n, K);
+  for (int64_t I = 0; I < blocks; ++I)
+    for (int64_t c = 0; c < K; ++c) m[I][c] = gam(I * sub + sub / 2 - 1, c);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < K; ++c) {
+      const double up = std::exp(gam(i, c) - m[i / sub][c]);
+      qa[i][c] = r(x[i].q[c] * up);
+      kr[i][c] = r(x[i].k[c] * up);
+      kb[i][c] = r(x[i].k[c] / up);
+    }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t I = i / sub;
+    for (int64_t c = 0; c < K; ++c) {
+      double Q = 0, R = 0, C = 0;  // before the outer factors
+      for (int64_t j = 0; j < (I + 1) * sub && j < n; ++j) {  // row i against blocks J <= I
+        const int64_t J = j / sub;
+        const double b = J < I ? r(kb[j][c] * std::exp(m[I][c] - m[J][c])) : kb[j][c];
+        Q += dP[i][j] * b;
+        R += dL[i][j] * b;
+      }
+      for (int64_t k = I * sub; k < n; ++k) {  // column i against blocks M >= I
+        const int64_t M = k / sub;
+        const double cross = M > I ? std::exp(m[M][c] - m[I][c]) : 1.0;
+        C += dP[k][i] * (M > I ? r(qa[k][c] * cross) : qa[k][c]) + dL[k][i] * r(kr[k][c] * x[k].beta * cross);
+      }
+      const double row = std::exp(gam(i, c) - m[I][c]);
+      d->dq[i][c] += row * Q;
+      d->dk[i][c] += x[i].beta * row * R + C / row;
+      d->dbeta[i] += kr[i][c] * R;
+      d->dgam[i][c] += qa[i][c] * Q + x[i].beta * kr[i][c] * R - kb[i][c] * C;
+    }
+  }
+}
+
+// Stage 4. With e_ij = exp(Gam_i - Gam_j) per channel and X = beta k exp(Gam):
+//   inter:  dq = scale exp(Gam) (dO h^T),  dk = exp(Gam_last - Gam) (vnew dh^T),  dw = -dvnew h^T
+//   WY:     dA = dvnew (beta v)^T + dw X^T (strictly lower),  dY = A^T dvnew -> dv = beta dY,
+//           dX = A^T dw -> dk += beta exp(Gam) dX,  dL = -A^T dA A^T (strictly lower)
+//   intra:  dP = scale dO vnew^T (j <= i);  Qr_i = sum_j dP_ij e_ij k_j,  R_i = sum_j dL_ij e_ij k_j,
+//           C_j = sum_i e_ij (dP_ij q_i + dL_ij beta_i k_i):  dq += Qr, dk += beta R + C
+//   dbeta:  dY . v + (k exp(Gam)) . dX + k . R
+//   dGam:   q . dq - k . dk_inter + X . dX + beta k . R - k . C (every term carrying Gam_i with
+//           + and Gam_j with -), and on the last row sum_i k_i . dk_inter_i + decay . rowsum(h . dh)
+ChunkGrads chunk_gradients(const ChunkState& ch, const Matrix& dO, int64_t K, int64_t V, double scale,
+                           const Rounding& r) {
+  const int64_t n = ch.n;
+  const std::vector<Token>& x = ch.x;
+  const Matrix& gam = ch.gam;
+  ChunkGrads d{zeros(n, K), zeros(n, K), zeros(n, V), zeros(n, K), std::vector<double>(n, 0.0)};
+
+  // inter-chunk terms
+  Matrix dw = zeros(n, K), X = zeros(n, K);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < K; ++c) {
+      double dq = 0, dk = 0, w = 0;
+      for (int64_t e = 0; e < V; ++e) {
+        dq += dO[i][e] * ch.h[c][e];
+        dk += ch.vnew[i][e] * ch.dh[c][e];
+        w -= ch.dvnew[i][e] * ch.h[c][e];
+      }
+      d.dq[i][c] = scale * std::exp(gam[i][c]) * dq;
+      const double dk_inter = std::exp(gam[n - 1][c] - gam[i][c]) * dk;
+      d.dk[i][c] = dk_inter;
+      d.dgam[i][c] += x[i].q[c] * d.dq[i][c] - x[i].k[c] * dk_inter;
+      d.dgam[n - 1][c] += x[i].k[c] * dk_inter;
+      dw[i][c] = r(w);
+      X[i][c] = r(x[i].beta * x[i].k[c] * std::exp(gam[i][c]));
+    }
+  for (int64_t c = 0; c < K; ++c) {
+    double acc = 0;
+    for (int64_t e = 0; e < V; ++e) acc += ch.h[c][e] * ch.dh[c][e];
+    d.dgam[n - 1][c] += ch.decay[c] * acc;
+  }
+
+  // back through w = A X, u = A (beta v), A = (I + L)^-1
+  Matrix dA = zeros(n, n);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < i; ++j) {
+      double acc = 0;
+      for (int64_t e = 0; e < V; ++e) acc += ch.dvnew[i][e] * r(x[j].beta * x[j].v[e]);
+      for (int64_t c = 0; c < K; ++c) acc += dw[i][c] * X[j][c];
+      dA[i][j] = r(acc);
+    }
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t e = 0; e < V; ++e) {
+      double dY = 0;
+      for (int64_t i = j; i < n; ++i) dY += ch.A[i][j] * ch.dvnew[i][e];
+      d.dv[j][e] = x[j].beta * dY;
+      d.dbeta[j] += dY * x[j].v[e];
+    }
+    for (int64_t c = 0; c < K; ++c) {
+      double dX = 0;
+      for (int64_t i = j; i < n; ++i) dX += ch.A[i][j] * dw[i][c];
+      const double up = std::exp(gam[j][c]);
+      d.dk[j][c] += x[j].beta * up * dX;
+      d.dbeta[j] += x[j].k[c] * up * dX;
+      d.dgam[j][c] += x[j].beta * x[j].k[c] * up * dX;
+    }
+  }
+  Matrix T1 = zeros(n, n), dL = zeros(n, n);  // T1 = A^T dA (lower), dL = -T1 A^T (strictly lower)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b <= i; ++b) {
+      double acc = 0;
+      for (int64_t a = i; a < n; ++a) acc += ch.A[a][i] * dA[a][b];
+      T1[i][b] = r(acc);
+    }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < i; ++j) {
+      double acc = 0;
+      for (int64_t b = 0; b <= j; ++b) acc += T1[i][b] * ch.A[j][b];
+      dL[i][j] = r(-acc);
+    }
+
+  // intra-chunk terms through P and L
+  Matrix dP = zeros(n, n);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j <= i; ++j) {
+      double acc = 0;
+      for (int64_t e = 0; e < V; ++e) acc += dO[i][e] * ch.vnew[j][e];
+      dP[i][j] = r(scale * acc);
+    }
+  intra_chunk_terms(ch, dP, dL, K, r, &d);
+  return d;
+}
+
+// All four stages for one (sequence, value head); accumulates into `grads` (dg already
+// reverse-cumulated, w.r.t. the activated gate).
+void chunked_backward_sequence_head(const Problem& p, int64_t n_seq, int64_t hv, int chunk_size,
+                                    const Rounding& r, const std::vector<double>& dout,
+                                    const std::vector<double>& d_final, Grads* grads) {
+  const KdaShape& s = p.shape;
+  const Sequence& seq = p.sequences[n_seq];
+  std::vector<ChunkState> chunks;
+  std::vector<Matrix> dO;
+  for (int64_t t0 = 0; t0 < seq.length; t0 += chunk_size) {
+    ChunkState ch;
+    Matrix rows;
+    for (int64_t i = 0; i < std::min<int64_t>(chunk_size, seq.length - t0); ++i) {
+      const int64_t t = seq.begin + t0 + i;
+      ch.x.push_back(token_at(p, seq.batch, t, hv));
+      const double* row = &dout[s.v_row(seq.batch, t, hv)];
+      rows.emplace_back(row, row + s.V);
+    }
+    chunk_prep(&ch, s.K, s.V, p.scale, r);
+    chunks.push_back(std::move(ch));
+    dO.push_back(std::move(rows));
+  }
+  const std::vector<double> h0 = initial_state_of(p, n_seq, hv);
+  Matrix S = zeros(s.K, s.V), dS = zeros(s.K, s.V);
+  for (int64_t c = 0; c < s.K; ++c)
+    for (int64_t e = 0; e < s.V; ++e) {
+      S[c][e] = h0[c * s.V + e];
+      dS[c][e] = d_final.empty() ? 0.0 : d_final[s.state(n_seq, hv) + c * s.V + e];
+    }
+  for (ChunkState& ch : chunks) record_step(&ch, s.K, s.V, r, &S);
+  for (size_t c = chunks.size(); c-- > 0;) backward_state_step(&chunks[c], dO[c], s.K, s.V, r, &dS);
+  for (int64_t c = 0; c < s.K; ++c)
+    for (int64_t e = 0; e < s.V; ++e) grads->dh0[s.state(n_seq, hv) + c * s.V + e] = dS[c][e];
+
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const ChunkGrads d = chunk_gradients(chunks[c], dO[c], s.K, s.V, p.scale, r);
+    const int64_t t0 = seq.begin + static_cast<int64_t>(c) * chunk_size;
+    std::vector<double> suffix(s.K, 0.0);  // reverse cumulative sum of dGam
+    for (int64_t i = chunks[c].n - 1; i >= 0; --i) {
+      const int64_t b = seq.batch, t = t0 + i;
+      for (int64_t k = 0; k < s.K; ++k) {
+        grads->dq[s.qk_row(b, t, hv) + k] += d.dq[i][k];
+        grads->dk[s.qk_row(b, t, hv) + k] += d.dk[i][k];
+        suffix[k] += d.dgam[i][k];
+        grads->dg[s.key_row(b, t, hv) + k] = suffix[k];
+      }
+      for (int64_t e = 0; e < s.V; ++e) grads->dv[s.v_row(b, t, hv) + e] = d.dv[i][e];
+      grads->dbeta[s.head(b, t, hv)] = d.dbeta[i];
+    }
+  }
+}
+
 }  // namespace
 
 Status kda_forward(const KdaForwardParams& params) {
@@ -689,6 +1000,25 @@ Status kda_backward(const KdaBackwardParams& params) {
           std::vector<double>(p.beta.size(), 0.0), std::vector<double>(s.N * s.HV * s.state_size(), 0.0)};
   for (int64_t n = 0; n < s.N; ++n)
     for (int64_t hv = 0; hv < s.HV; ++hv) backward_sequence_head(p, n, hv, dout, d_final, &g);
+  write_raw_gradients(params, p, g);
+  return Status::Ok();
+}
+
+Status kda_backward_chunked(const KdaBackwardParams& params, int chunk_size, DType intermediates) {
+  if (chunk_size < 1) return Status::InvalidArgument("chunk_size", "must be positive");
+  const Rounding r{intermediates != DType::kFloat64, intermediates};
+  Problem p;
+  FLARE_RETURN_IF_ERROR(prepare(inputs_of(params), &p));
+  const KdaShape& s = p.shape;
+  FLARE_RETURN_IF_ERROR(check_backward_views(params, s));
+  const std::vector<double> dout = read_dense(params.dout);
+  const std::vector<double> d_final = read_dense(params.d_final_state);
+  Grads g{std::vector<double>(p.q.size(), 0.0), std::vector<double>(p.k.size(), 0.0),
+          std::vector<double>(p.v.size(), 0.0), std::vector<double>(p.g.size(), 0.0),
+          std::vector<double>(p.beta.size(), 0.0), std::vector<double>(s.N * s.HV * s.state_size(), 0.0)};
+  for (int64_t n = 0; n < s.N; ++n)
+    for (int64_t hv = 0; hv < s.HV; ++hv)
+      chunked_backward_sequence_head(p, n, hv, chunk_size, r, dout, d_final, &g);
   write_raw_gradients(params, p, g);
   return Status::Ok();
 }

@@ -31,4 +31,13 @@ Status kda_backward(const KdaBackwardParams& p);
 // the GPU tests.
 Status kda_forward_chunked(const KdaForwardParams& p, int chunk_size, DType intermediates = DType::kFloat64);
 
+// The chunked backward, stage by stage as the GPU backward computes it (prep, a forward pass
+// recording each chunk's start state and vnew, a reverse pass carrying the state gradient, then
+// per-chunk gradients; see kda_ref.cpp), with the same outputs and checks as kda_backward. Only
+// for cross-checking: it must agree with kda_backward to rounding. With `intermediates` a 16-bit
+// dtype, what the GPU kernels store or use as MMA operands in their input dtype is rounded to it
+// (the forward's intermediates, the per-chunk states h and their gradients dh, vnew, dvnew, and
+// the per-chunk dw, dA, dL, dP): the low-precision baseline of the GPU backward tests.
+Status kda_backward_chunked(const KdaBackwardParams& p, int chunk_size, DType intermediates = DType::kFloat64);
+
 }  // namespace flare::ref

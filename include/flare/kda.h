@@ -42,10 +42,12 @@ struct KdaBackwardParams {
   TensorView q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens;
   TensorView dout;            // [B, T, HV, V]
   TensorView d_final_state;   // optional fp32 [N, HV, K, V]
-  TensorView dq, dk, dv, dg, dbeta;  // shaped like their inputs
+  TensorView dq, dk, dv, dg, dbeta;  // shaped like their inputs (dg, dbeta: fp32 or their input's dtype)
   TensorView d_initial_state;        // optional (required when initial_state is given)
   TensorView dA_log, ddt_bias;       // with gate_in_kernel
   KdaOptions options;
+  void* workspace = nullptr;  // device memory of kda_backward_workspace_size bytes (GPU backward)
+  size_t workspace_bytes = 0;
   Stream stream = nullptr;
 };
 
@@ -60,6 +62,21 @@ struct KdaBackwardParams {
 // consecutive tokens stays above -87 (exp(-87) ~ 1e-38).
 Status kda_forward_workspace_size(const KdaForwardParams& params, size_t* bytes);
 Status kda_forward(const KdaForwardParams& params);
+
+// The chunked backward on the GPU (mma.sync, sm_80+; K and V in {64, 128}, fp16 or bf16): every
+// gradient of kda_forward's inputs (dq, dk, dv, dg, dbeta; d_initial_state with initial_state;
+// dA_log, ddt_bias with gate_in_kernel), seeded by dout and, when given, d_final_state. It
+// recomputes the forward's per-chunk WY form, records each chunk's start state (in the input
+// dtype), carries the state gradient back in fp32, then computes every chunk's gradients in
+// parallel. The workspace (kda_backward_workspace_size; depends on the shapes only) holds those
+// per-chunk quantities: per 64-token chunk and value head 2 x (192 K + 192 V + 2 x 64 x 64 + 2 K V)
+// bytes (16-bit inputs) + 4 K (+ 4 (K + 1) with gate_in_kernel), and with grouped value heads
+// (HV > H) 8 K bytes per token and value head. Nothing is allocated and nothing synchronizes with
+// the host; cu_seqlens stays on the device; the result is deterministic. Shared memory: K = V = 128
+// needs the 227 KiB of an sm_90 SM. fp16 inputs hold the intra-chunk decay factors only while one
+// channel's gate summed over 8 tokens stays above -11 (bf16: -87), as in the forward.
+Status kda_backward_workspace_size(const KdaBackwardParams& params, size_t* bytes);
+Status kda_backward(const KdaBackwardParams& params);
 
 }  // namespace flare
 

@@ -11,6 +11,7 @@
 //   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by block
 //             substitution A_IJ = -A_II sum_{M=J}^{I-1} L_IM A_MJ (fp32)
 //   w, u      w = A (beta k 2^Gam), u = A (beta v)                               (global)
+//             (and A itself when a.A_inv is set: the backward's copy)
 //
 // Safe exponents. Every factor 2^x that an MMA operand carries has |x| at most the gate summed
 // over 8 rows (the distance to the sub-chunk's middle row), and the factors 2^(m_I - m_J) are
@@ -112,9 +113,9 @@ __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t to
   }
 }
 
-// x <- x / sqrt(sum x^2 + eps) for rows [row0, row0 + rows).
+// x <- x / sqrt(sum x^2 + eps) for rows [row0, row0 + rows); rstd[i] = 1 / sqrt(...) when given.
 template <typename T, int K, int LD>
-__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, int rows) {
+__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, int rows, float* rstd = nullptr) {
   const int lane = threadIdx.x % 32;
   for (int i = row0; i < row0 + rows; ++i) {
     float vals[K / 32], sum = 0.f;
@@ -126,6 +127,7 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, int rows) {
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const float r = rsqrtf(sum + kL2NormEps);
+    if (rstd != nullptr && lane == 0) rstd[i] = r;
 #pragma unroll
     for (int e = 0; e < K / 32; ++e) x[i][lane + 32 * e] = from_float<T>(vals[e] * r);
   }
@@ -375,6 +377,16 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
       aA[J][1] = pack2<T>(r1[0], r1[1]);
       aA[J][2] = pack2<T>(r0[8], r0[9]);
       aA[J][3] = pack2<T>(r1[8], r1[9]);
+    }
+    if (a.A_inv != nullptr && warp < C::kSubChunks) {  // the backward keeps A, as rounded for w and u
+      T* Ag = static_cast<T*>(a.A_inv) + slot * kKdaChunk * kKdaChunk + (I * 16 + g) * kKdaChunk + 2 * t;
+#pragma unroll
+      for (int J = 0; J < 4; ++J) {
+        *reinterpret_cast<uint32_t*>(Ag + J * 16) = aA[J][0];
+        *reinterpret_cast<uint32_t*>(Ag + 8 * kKdaChunk + J * 16) = aA[J][1];
+        *reinterpret_cast<uint32_t*>(Ag + J * 16 + 8) = aA[J][2];
+        *reinterpret_cast<uint32_t*>(Ag + 8 * kKdaChunk + J * 16 + 8) = aA[J][3];
+      }
     }
     T* w = static_cast<T*>(a.w) + slot * kKdaChunk * K;
     T* u = static_cast<T*>(a.u) + slot * kKdaChunk * V;

@@ -31,8 +31,8 @@ inline int state_slice_width(const KdaFwdArgs& a, int num_sms) {
   return ctas(32) * 2 >= num_sms ? 32 : 16;
 }
 
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const KdaFwdArgs& a) {
+template <typename Kernel, typename Args>
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Args& a) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   kernel<<<grid, threads, smem, stream>>>(a);

@@ -60,6 +60,7 @@ struct KdaFwdArgs {
   // Workspace: per (chunk c, value head hv) slot s = c * HV + hv, each a dense block.
   void *w, *u, *kg, *qg, *P;  // [s][64][K], [s][64][V], [s][64][K], [s][64][K], [s][64][64]
   float* decay;               // [s][K]: exp(Gam_last)
+  void* A_inv = nullptr;      // [s][64][64]: (I + L)^-1, written only when set (the backward reads it)
   KdaChunk* chunks;           // [max_chunks] (varlen)
   int* seq_chunk_begin;       // [N + 1] (varlen): chunks of sequence n are [begin[n], begin[n+1])
 };

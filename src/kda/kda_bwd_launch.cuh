@@ -1,0 +1,63 @@
+// Launch of the KDA backward kernels for one (dtype, K, V); instantiated by kda_bwd_*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "src/common/cuda_check.h"
+#include "src/common/device_facts.h"
+#include "src/kda/kda_bwd_chunk_grad.cuh"
+#include "src/kda/kda_bwd_params.h"
+#include "src/kda/kda_bwd_state_pass.cuh"
+#include "src/kda/kda_bwd_state_record.cuh"
+#include "src/kda/kda_fwd_launch.cuh"
+
+namespace flare::kda {
+
+// The finishing kernels (kda_bwd_finish.cu): dq, dk summed over value heads; dA_log, ddt_bias.
+cudaError_t launch_bwd_finish(const KdaBwdArgs& b, bool bf16, cudaStream_t stream);
+
+template <typename T, int K, int V, int BV>
+cudaError_t launch_state_passes(const KdaBwdArgs& b, cudaStream_t stream) {
+  const dim3 grid(V / BV, b.fwd.heads_v, b.fwd.num_seqs);
+  cudaError_t e = launch(kda_state_record_kernel<T, K, V, BV>, grid, RecordConfig<K, BV>::kThreads,
+                         RecordConfig<K, BV>::kStages * sizeof(RecordStage<T, K, BV>), stream, b);
+  if (e != cudaSuccess) return e;
+  return launch(kda_bwd_state_pass_kernel<T, K, V, BV>, grid, BwdStateConfig<K, BV>::kThreads,
+                BwdStateConfig<K, BV>::kStages * sizeof(BwdStateStage<T, K, BV>), stream, b);
+}
+
+template <typename T, int K, int V>
+Status launch_backward(const KdaBwdArgs& b, cudaStream_t stream) {
+  const KdaFwdArgs& a = b.fwd;
+  if (a.varlen) FLARE_CUDA_RETURN(launch_chunk_table(a, stream));
+  if (a.max_chunks > 0)
+    FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v), PrepConfig<K, V>::kThreads,
+                             sizeof(PrepSmem<T, K, V>), stream, a));
+  // The passes are sequential along T like the forward's: the same value-slice width.
+  switch (state_slice_width(a, detail::current_device_facts().num_sms)) {
+    case 64:
+      if constexpr (V % 64 == 0) FLARE_CUDA_RETURN((launch_state_passes<T, K, V, 64>(b, stream)));
+      break;
+    case 32:
+      FLARE_CUDA_RETURN((launch_state_passes<T, K, V, 32>(b, stream)));
+      break;
+    default:
+      FLARE_CUDA_RETURN((launch_state_passes<T, K, V, 16>(b, stream)));
+  }
+  if (a.max_chunks > 0)
+    FLARE_CUDA_RETURN(launch(kda_chunk_grad_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v),
+                             GradConfig<K, V>::kThreads, sizeof(GradSmem<T, K, V>), stream, b));
+  FLARE_CUDA_RETURN(launch_bwd_finish(b, std::is_same_v<T, __nv_bfloat16>, stream));
+  return Status::Ok();
+}
+
+template <typename T, int K>
+Status launch_backward_k(const KdaBwdArgs& b, cudaStream_t stream) {
+  if (b.fwd.value_dim == 64) return launch_backward<T, K, 64>(b, stream);
+  if (b.fwd.value_dim == 128) return launch_backward<T, K, 128>(b, stream);
+  return Status::NotSupported("KDA backward: value dim V must be 64 or 128");
+}
+
+}  // namespace flare::kda

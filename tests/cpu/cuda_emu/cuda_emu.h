@@ -1,0 +1,109 @@
+// Runs CUDA kernel code on the CPU, for tests on machines without a GPU: one OS thread per CUDA
+// thread, blocks one after another, __syncthreads and the warp-collective operations (shuffles,
+// and ldmatrix / mma.sync in the warp_mma.h beside this file) on barriers. Slow (a test sized
+// problem takes seconds) but exact in the fragment layouts, so index and layout mistakes of a
+// kernel show on the CPU. Shared memory is one buffer, poisoned (NaN) before every block, so a
+// read of shared memory no thread wrote shows as well. Kernels must exit uniformly per block
+// (a barrier waits for every thread of the block or warp).
+//
+// Include this first, then the kernel headers (with this folder before the repository root on the
+// include path, so the emulated warp_mma.h replaces the real one).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <vector_types.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __launch_bounds__(...)
+using std::max;
+using std::min;
+
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+
+namespace cuda_emu {
+
+// The barriers and the per-warp exchange slots of the running block.
+struct Block {
+  explicit Block(int threads) : all(threads), exchange((threads + 31) / 32) {
+    for (int w = 0; w * 32 < threads; ++w) warps.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
+  }
+  struct Exchange {
+    const void* addr[32];
+    uint32_t a[32][4];
+    uint32_t b[32][2];
+    float f[32];
+  };
+  std::barrier<> all;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<Exchange> exchange;
+};
+
+inline thread_local Block* block = nullptr;
+
+inline int lane() { return static_cast<int>(threadIdx.x % 32); }
+inline void warp_barrier() { block->warps[threadIdx.x / 32]->arrive_and_wait(); }
+inline Block::Exchange& exchange() { return block->exchange[threadIdx.x / 32]; }
+
+// The `extern __shared__` buffer of the kernels' namespace is defined by the test
+// (CUDA_EMU_SHARED_MEMORY) and handed to launch, which poisons it before every block.
+constexpr size_t kSharedBytes = 232448;  // an sm_90 block's opt-in maximum
+
+// kernel() on every thread of every block of `grid` (blocks of `threads` x 1 x 1); `shared`: the
+// kernels' shared memory (kSharedBytes), set to 0xFF (NaN in every float type) before each block.
+template <typename Kernel>
+void launch(dim3 grid, int threads, unsigned char* shared, Kernel kernel) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        std::memset(shared, 0xFF, kSharedBytes);
+        Block b(threads);
+        std::vector<std::thread> pool;
+        pool.reserve(threads);
+        for (int t = 0; t < threads; ++t)
+          pool.emplace_back([&, t] {
+            threadIdx = uint3{static_cast<unsigned>(t), 0, 0};
+            blockIdx = uint3{x, y, z};
+            blockDim = dim3(threads);
+            gridDim = grid;
+            block = &b;
+            kernel();
+          });
+        for (std::thread& th : pool) th.join();
+      }
+}
+
+}  // namespace cuda_emu
+
+// Defines the `extern __shared__` array `name` of namespace `ns` over the emulated shared memory.
+#define CUDA_EMU_SHARED_MEMORY(ns, name) \
+  namespace ns {                         \
+  alignas(16) unsigned char name[cuda_emu::kSharedBytes];  \
+  }
+
+inline void __syncthreads() { cuda_emu::block->all.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { cuda_emu::warp_barrier(); }
+template <typename X>  // 4-byte values (float, int, unsigned)
+inline X __shfl_xor_sync(unsigned, X v, int offset) {
+  static_assert(sizeof(X) == sizeof(float), "4-byte shuffles only");
+  auto& e = cuda_emu::exchange();
+  std::memcpy(&e.f[cuda_emu::lane()], &v, sizeof(X));
+  cuda_emu::warp_barrier();
+  X r;
+  std::memcpy(&r, &e.f[cuda_emu::lane() ^ offset], sizeof(X));
+  cuda_emu::warp_barrier();
+  return r;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
