@@ -1,4 +1,4 @@
-"""Kimi Delta Attention and the gated delta rule, forward only, with flash-linear-attention's argument
+"""Kimi Delta Attention and the gated delta rule with flash-linear-attention's argument
 names (fla.ops.kda.chunk_kda, fla.ops.gated_delta_rule.chunk_gated_delta_rule; for decoding
 fla.ops.kda.fused_recurrent_kda and fused_recurrent_gated_delta_rule, with a state pool updated in
 place).
@@ -6,7 +6,9 @@ place).
 q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H); g [B, T, HV, K] (KDA, per-channel log
 decay) or [B, T, HV] (gated delta rule); beta [B, T, HV]; K and V in {64, 128}, fp16 or bf16
 (g, beta fp32 or q's dtype). With cu_seqlens (int32/int64 [N + 1]) B must be 1. States are fp32
-[N, HV, K, V]. No backward yet: calling these on tensors that require grad raises.
+[N, HV, K, V]. chunk_kda / chunk_gated_delta_rule have a backward (flare's chunked KDA backward,
+through the in-kernel options: dq, dk, dv, dg, dbeta, d initial_state, dA_log, ddt_bias); the
+recurrent decode step has none (calling it on tensors that require grad raises).
 """
 
 import torch
@@ -19,8 +21,8 @@ _kda_fwd = torch.ops.flare.kda_fwd
 
 def _no_grad(*tensors):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise NotImplementedError("flare's KDA has no backward yet: call it under torch.no_grad() or on tensors "
-                                  "that do not require grad")
+        raise NotImplementedError("flare's recurrent KDA step has no backward: call it under torch.no_grad() or on "
+                                  "tensors that do not require grad (chunk_kda has one)")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -32,7 +34,6 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     for name, t in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens), ("A_log", A_log),
                     ("dt_bias", dt_bias)):
         _checks.optional_tensor(name, t)
-    _no_grad(q, k, v, g, beta, initial_state, A_log, dt_bias)
     bound = 0.0 if lower_bound is None else _checks.number("lower_bound", lower_bound)
     o, final_state = _kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                               0.0 if scale is None else _checks.number("scale", scale),

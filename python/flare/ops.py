@@ -73,6 +73,43 @@ def _kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, s
     return out, state
 
 
+@torch.library.register_fake("flare::kda_bwd")
+def _kda_bwd_fake(dout, q, k, v, g, beta, A_log, dt_bias, initial_state, d_final_state, cu_seqlens, scale, qk_l2norm,
+                  beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound):
+    none = q.new_empty((0,), dtype=_f32)
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else none
+    dA_log = A_log.new_empty(A_log.shape) if gate_in_kernel and A_log is not None else none
+    ddt_bias = dt_bias.new_empty(dt_bias.shape) if gate_in_kernel and dt_bias is not None else none
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), dh0, dA_log, ddt_bias)
+
+
+def _kda_fwd_setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, qk_l2norm, beta_sigmoid, allow_neg_eigval,
+     gate_in_kernel, lower_bound, output_final_state) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.params = (scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state)
+
+
+def _kda_fwd_backward(ctx, dout, d_final_state):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state = ctx.params
+    if dout is None:  # only the final state was used
+        dout = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    if not output_final_state or d_final_state is None or d_final_state.numel() == 0:
+        d_final_state = None
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = torch.ops.flare.kda_bwd(
+        dout, q, k, v, g, beta, A_log, dt_bias, initial_state, d_final_state, cu_seqlens, scale, qk_l2norm,
+        beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound)
+    return (dq, dk, dv, dg, dbeta,
+            dA_log if dA_log.numel() > 0 else None, ddt_bias if ddt_bias.numel() > 0 else None,
+            dh0 if initial_state is not None else None,
+            None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("flare::kda_fwd", _kda_fwd_backward, setup_context=_kda_fwd_setup_context)
+
+
 @torch.library.register_fake("flare::kda_recurrent")
 def _kda_recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, qk_l2norm, beta_sigmoid,
                         allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state):

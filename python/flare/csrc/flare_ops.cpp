@@ -570,6 +570,74 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
   return {out, final_state};
 }
 
+// The chunked KDA backward: gradients w.r.t. the raw inputs (through the in-kernel options), as
+// flare::kda_backward gives them. Absent gradients come back as empty tensors: d_initial_state
+// without initial_state, dA_log / ddt_bias without gate_in_kernel (or without A_log / dt_bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_bwd(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& g_in, const at::Tensor& beta_in, const OptTensor& A_log, const OptTensor& dt_bias,
+    const OptTensor& initial_state, const OptTensor& d_final_state, const OptTensor& cu_seqlens, double scale,
+    bool qk_l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel, double lower_bound) {
+  const at::Device device = q_in.device();
+  for (auto [t, name] : {std::pair{&dout_in, "dout"}, {&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}, {&g_in, "g"},
+                         {&beta_in, "beta"}})
+    check_cuda(*t, name, device);
+  check_cuda(A_log, "A_log", device);
+  check_cuda(dt_bias, "dt_bias", device);
+  check_cuda(initial_state, "initial_state", device);
+  check_cuda(d_final_state, "d_final_state", device);
+  check_cuda(cu_seqlens, "cu_seqlens", device);
+  check_half(q_in, "q");
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in), dout = loadable(dout_in);
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const OptTensor h0 = initial_state.has_value() ? OptTensor(initial_state->contiguous()) : std::nullopt;
+  const OptTensor dht = d_final_state.has_value() ? OptTensor(d_final_state->contiguous()) : std::nullopt;
+  at::Tensor dq = empty_like_cuda(q), dk = empty_like_cuda(k), dv = empty_like_cuda(v);
+  at::Tensor dg = empty_like_cuda(g), dbeta = empty_like_cuda(beta);
+  const at::Tensor none = empty_cuda({0}, at::kFloat, device);
+  at::Tensor dh0 = h0.has_value() ? empty_like_cuda(*h0) : none;
+  const bool gate_grads = gate_in_kernel;
+  at::Tensor dA_log = gate_grads && A_log.has_value() ? empty_like_cuda(*A_log) : none;
+  at::Tensor ddt_bias = gate_grads && dt_bias.has_value() ? empty_like_cuda(*dt_bias) : none;
+
+  flare::KdaBackwardParams p;
+  p.q = view(q, "q");
+  p.k = view(k, "k");
+  p.v = view(v, "v");
+  p.g = view(g, "g");
+  p.beta = view(beta, "beta");
+  p.A_log = view(A_log, "A_log");
+  p.dt_bias = view(dt_bias, "dt_bias");
+  p.initial_state = view(h0, "initial_state");
+  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
+  p.dout = view(dout, "dout");
+  p.d_final_state = view(dht, "d_final_state");
+  p.dq = view(dq, "dq");
+  p.dk = view(dk, "dk");
+  p.dv = view(dv, "dv");
+  p.dg = view(dg, "dg");
+  p.dbeta = view(dbeta, "dbeta");
+  if (h0.has_value()) p.d_initial_state = view(dh0, "d_initial_state");
+  if (dA_log.numel() > 0) p.dA_log = view(dA_log, "dA_log");
+  if (ddt_bias.numel() > 0) p.ddt_bias = view(ddt_bias, "ddt_bias");
+  p.options.scale = static_cast<float>(scale);
+  p.options.qk_l2norm = qk_l2norm;
+  p.options.beta_sigmoid = beta_sigmoid;
+  p.options.allow_neg_eigval = allow_neg_eigval;
+  p.options.gate_in_kernel = gate_in_kernel;
+  p.options.lower_bound = static_cast<float>(lower_bound);
+  p.stream = current_stream(device);
+  const Renames names = {{"options.scale", "scale"}, {"options.lower_bound", "lower_bound"}};
+  std::size_t bytes = 0;
+  throw_if_error(flare::kda_backward_workspace_size(p, &bytes), names);
+  const at::Tensor workspace = workspace_tensor(bytes, device);
+  p.workspace = workspace.data_ptr();
+  p.workspace_bytes = bytes;
+  throw_if_error(flare::kda_backward(p), names);
+  return {dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias};
+}
+
 // ---- KDA recurrent step (decode) --------------------------------------------------------------
 
 // flare's names -> the Python API's (flare.fused_recurrent_kda): the pool is FLA's initial_state.
@@ -865,6 +933,12 @@ TORCH_LIBRARY(flare, m) {
       "bool allow_neg_eigval, bool gate_in_kernel, float lower_bound, bool output_final_state) "
       "-> (Tensor out, Tensor final_state)");
   m.def(
+      "kda_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? initial_state, Tensor? d_final_state, Tensor? cu_seqlens, float scale, bool qk_l2norm, "
+      "bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel, float lower_bound) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor d_initial_state, Tensor dA_log, "
+      "Tensor ddt_bias)");
+  m.def(
       "kda_recurrent_inplace(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor(a!) state, Tensor? state_indices, Tensor? cu_seqlens, float scale, bool qk_l2norm, bool beta_sigmoid, "
       "bool allow_neg_eigval, bool gate_in_kernel, float lower_bound) -> Tensor out");
@@ -883,6 +957,7 @@ TORCH_LIBRARY(flare, m) {
   m.impl("merge_states", &flare_torch::merge_states);     \
   m.impl("decode", &flare_torch::decode_op);              \
   m.impl("kda_fwd", &flare_torch::kda_fwd);              \
+  m.impl("kda_bwd", &flare_torch::kda_bwd);              \
   m.impl("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace); \
   m.impl("kda_recurrent", &flare_torch::kda_recurrent)
 
