@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "reference/host_tensor.h"
@@ -20,6 +21,9 @@ namespace flare::test {
     cudaError_t _e = (expr);                                                              \
     ASSERT_EQ(_e, cudaSuccess) << #expr << ": " << cudaGetErrorString(_e);                \
   } while (0)
+
+// FLARE_TEST_REDUCED=1 (set for the compute-sanitizer runs): the tests run a small subset.
+inline bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 inline bool gpu_present() {
   int n = 0;

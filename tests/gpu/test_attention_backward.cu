@@ -9,7 +9,6 @@
 namespace flare::test {
 namespace {
 
-bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 // Forward on the GPU (its out and lse feed the backward), then the backward, checked.
 void run_backward(const AttnCase& c, bool deterministic) {

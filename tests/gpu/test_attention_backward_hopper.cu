@@ -14,7 +14,6 @@
 namespace flare::test {
 namespace {
 
-bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 
 void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backend::kAuto) {

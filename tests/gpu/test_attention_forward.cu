@@ -12,7 +12,6 @@
 namespace flare::test {
 namespace {
 
-bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 void run_forward(const AttnCase& c, Backend backend) {
   SCOPED_TRACE(c.name());

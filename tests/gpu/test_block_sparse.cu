@@ -33,7 +33,6 @@ using block_sparse::BlockMaskGeometry;
 using block_sparse::HostBlockMask;
 using block_sparse::TileKind;
 
-bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 // ---- masks ---------------------------------------------------------------------------------------
 

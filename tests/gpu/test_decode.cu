@@ -41,7 +41,6 @@ namespace {
 
 using ref::HostTensor;
 
-bool reduced() { return std::getenv("FLARE_TEST_REDUCED") != nullptr; }
 
 bool instantiated(int head_dim, DType dtype) {
   bool dim = false, type = false;
