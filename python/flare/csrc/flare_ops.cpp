@@ -515,6 +515,19 @@ std::tuple<at::Tensor, at::Tensor> decode_op(const at::Tensor& q, const at::Tens
 
 // ---- KDA --------------------------------------------------------------------------------------
 
+// The in-kernel options of every KDA op, from the schema's scalars.
+flare::KdaOptions kda_options(double scale, bool qk_l2norm, bool beta_sigmoid, bool allow_neg_eigval,
+                              bool gate_in_kernel, double lower_bound) {
+  flare::KdaOptions o;
+  o.scale = static_cast<float>(scale);
+  o.qk_l2norm = qk_l2norm;
+  o.beta_sigmoid = beta_sigmoid;
+  o.allow_neg_eigval = allow_neg_eigval;
+  o.gate_in_kernel = gate_in_kernel;
+  o.lower_bound = static_cast<float>(lower_bound);
+  return o;
+}
+
 std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const at::Tensor& g_in, const at::Tensor& beta_in, const OptTensor& A_log,
                                            const OptTensor& dt_bias, const OptTensor& initial_state,
@@ -553,12 +566,7 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
   p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
   p.out = view(out, "out");
   if (output_final_state) p.final_state = view(final_state, "final_state");
-  p.options.scale = static_cast<float>(scale);
-  p.options.qk_l2norm = qk_l2norm;
-  p.options.beta_sigmoid = beta_sigmoid;
-  p.options.allow_neg_eigval = allow_neg_eigval;
-  p.options.gate_in_kernel = gate_in_kernel;
-  p.options.lower_bound = static_cast<float>(lower_bound);
+  p.options = kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
   p.stream = current_stream(device);
   const Renames names = {{"options.scale", "scale"}, {"options.lower_bound", "lower_bound"}};
   std::size_t bytes = 0;
@@ -621,12 +629,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (h0.has_value()) p.d_initial_state = view(dh0, "d_initial_state");
   if (dA_log.numel() > 0) p.dA_log = view(dA_log, "dA_log");
   if (ddt_bias.numel() > 0) p.ddt_bias = view(ddt_bias, "ddt_bias");
-  p.options.scale = static_cast<float>(scale);
-  p.options.qk_l2norm = qk_l2norm;
-  p.options.beta_sigmoid = beta_sigmoid;
-  p.options.allow_neg_eigval = allow_neg_eigval;
-  p.options.gate_in_kernel = gate_in_kernel;
-  p.options.lower_bound = static_cast<float>(lower_bound);
+  p.options = kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
   p.stream = current_stream(device);
   const Renames names = {{"options.scale", "scale"}, {"options.lower_bound", "lower_bound"}};
   std::size_t bytes = 0;
@@ -682,12 +685,7 @@ at::Tensor kda_recurrent_run(const at::Tensor& q_in, const at::Tensor& k_in, con
   p.final_state = view(final_state, "final_state");
   p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
   p.out = view(out, "out");
-  p.options.scale = static_cast<float>(scale);
-  p.options.qk_l2norm = qk_l2norm;
-  p.options.beta_sigmoid = beta_sigmoid;
-  p.options.allow_neg_eigval = allow_neg_eigval;
-  p.options.gate_in_kernel = gate_in_kernel;
-  p.options.lower_bound = static_cast<float>(lower_bound);
+  p.options = kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
   p.stream = current_stream(device);
   throw_if_error(flare::kda_recurrent_step(p), kKdaRecurrentNames);
   return out;
