@@ -135,11 +135,12 @@ __device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& 
   return P.dq_accum + (int64_t{h} * P.dq_padded_rows + row0) * Cfg::kHeadDim;
 }
 
-// Producer warp 0 (one thread): K and V once, then per query block Q, dO and the row statistics.
-template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
+// Producer warp 0 (one thread) of both backward tilings: K and V once, then per step of the walk
+// `step_loads(m, q_src, q_dst, do_src, do_dst, stats_src, stats_block)`, which issues that query
+// block's Q, dO and row statistics into the tiling's rings. SmemDO: dO's shared-memory layout.
+template <typename L, typename SmemDO, typename Params, typename Smem, typename StepLoads>
+__device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, const BwdTile& t, StepLoads&& step_loads) {
   using namespace cute;
-  using L = BwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p.fwd;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int hk = t.h / p.group, bt = varlen ? 0 : t.b;
@@ -152,17 +153,13 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
   Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
-  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemQ{});
+  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), SmemDO{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
   Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
   auto q_part = hp.tma_q.get_slice(_0{});
   auto do_part = hp.tma_do.get_slice(_0{});
   auto k_part = hp.tma_k.get_slice(_0{});
   auto v_part = hp.tma_v.get_slice(_0{});
-  Tensor q_src = q_part.partition_S(gQ);
-  Tensor q_dst = q_part.partition_D(sQ);
-  Tensor do_src = do_part.partition_S(gDO);
-  Tensor do_dst = do_part.partition_D(sDO);
   // Row statistics: block (b, h, m) of row_stats is column (b heads + h) num_m_blocks + m.
   auto stats_part = hp.tma_stats.get_slice(_0{});
   Tensor stats_src = stats_part.partition_S(
@@ -172,16 +169,32 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
   copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
   copy(hp.tma_v.with(sm.kv_full), v_part.partition_S(gV), v_part.partition_D(sV));
-  RingPos pos;
+  Tensor q_src = q_part.partition_S(gQ);
+  Tensor q_dst = q_part.partition_D(sQ);
+  Tensor do_src = do_part.partition_S(gDO);
+  Tensor do_dst = do_part.partition_D(sDO);
   for (int step = 0; step < t.steps(); ++step) {
     const int m = t.m_at(step);
+    step_loads(m, q_src, q_dst, do_src, do_dst, stats_src(_, _, _, stats_block0 + m));
+  }
+}
+
+// The d <= 128 tiling: Q, dO and the statistics share one ring of kStages stages.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
+  using namespace cute;
+  using L = BwdLayouts<Cfg, T>;
+  RingPos pos;
+  auto stats_part = hp.tma_stats.get_slice(_0{});
+  bwd_produce_tiles<L, typename L::SmemQ>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src, auto& do_dst,
+                                                          auto&& stats_src) {
     uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes + L::kStatsBytes);
     copy(hp.tma_q.with(bar), q_src(_, _, _, m), q_dst(_, _, _, pos.index));
     copy(hp.tma_do.with(bar), do_src(_, _, _, m), do_dst(_, _, _, pos.index));
-    copy(hp.tma_stats.with(bar), stats_src(_, _, _, stats_block0 + m),
+    copy(hp.tma_stats.with(bar), stats_src,
          stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[pos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
     pos.template advance<Cfg::kStages>();
-  }
+  });
 }
 
 // One dQ writer's share: the steps it adds (first, first + stride, ...), the shared tile it reads,

@@ -61,49 +61,19 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
                                                   const BwdTile& t) {
   using namespace cute;
   using L = BwdSplitLayouts<Cfg, T>;
-  const detail::FwdKernelParams& p = hp.p.fwd;
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int hk = t.h / p.group, bt = varlen ? 0 : t.b;
-  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
-  Tensor mDO = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_do.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
-  Tensor mK = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_k.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
-  Tensor mV = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_v.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
-  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));  // (BM, HD, m)
-  Tensor gDO = local_tile(mDO, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));
-  Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
-  Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
-  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
-  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDO{});
-  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
-  Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
-  auto q_part = hp.tma_q.get_slice(_0{});
-  auto do_part = hp.tma_do.get_slice(_0{});
-  auto k_part = hp.tma_k.get_slice(_0{});
-  auto v_part = hp.tma_v.get_slice(_0{});
-  Tensor q_src = q_part.partition_S(gQ);
-  Tensor q_dst = q_part.partition_D(sQ);
-  Tensor do_src = do_part.partition_S(gDO);
-  Tensor do_dst = do_part.partition_D(sDO);
-  auto stats_part = hp.tma_stats.get_slice(_0{});
-  Tensor stats_src = stats_part.partition_S(
-      local_tile(hp.tma_stats.get_tma_tensor(hp.shape_stats), Shape<typename L::StatsBlock, _1>{}, make_coord(_0{}, _)));
-  const int stats_block0 = (t.b * p.heads + t.h) * hp.p.num_m_blocks;
-
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.kv_full, 2 * L::kKBytes);
-  copy(hp.tma_k.with(sm.kv_full), k_part.partition_S(gK), k_part.partition_D(sK));
-  copy(hp.tma_v.with(sm.kv_full), v_part.partition_S(gV), v_part.partition_D(sV));
   RingPos qpos, dpos;
-  for (int step = 0; step < t.steps(); ++step) {
-    const int m = t.m_at(step);
+  auto stats_part = hp.tma_stats.get_slice(_0{});
+  bwd_produce_tiles<L, typename L::SmemDO>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src, auto& do_dst,
+                                                          auto&& stats_src) {
     uint64_t& qbar = sm.q_ring.acquire(qpos, L::kQBytes + L::kStatsBytes);
     copy(hp.tma_q.with(qbar), q_src(_, _, _, m), q_dst(_, _, _, qpos.index));
-    copy(hp.tma_stats.with(qbar), stats_src(_, _, _, stats_block0 + m),
+    copy(hp.tma_stats.with(qbar), stats_src,
          stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[qpos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
     qpos.template advance<Cfg::kStages>();
     uint64_t& dbar = sm.do_ring.acquire(dpos, L::kQBytes);
     copy(hp.tma_do.with(dbar), do_src(_, _, _, m), do_dst);
     dpos.template advance<1>();
-  }
+  });
 }
 
 // Consumer thread ct (0..255; warpgroup w = ct / 128).
