@@ -46,6 +46,7 @@
 #include "src/common/bulk_copy.h"
 #include "src/common/device_facts.h"
 #include "src/decode/decode_kernel.h"
+#include "src/decode/decode_subtile.h"
 
 namespace flare::decode {
 
@@ -209,17 +210,7 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
     const int key0 = keys.tile_begin + it * kN;
     const bool visible = it < keys.num_tiles && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
-      if (key0 + kN > keys.kv_end) {
-        // Keys past the end: never copied (or copied speculatively from past the sequence): zero
-        // this head's V rows so that P = 0 multiplies zeros.
-        const int first_bad = keys.kv_end - key0;
-        for (int idx = lane; idx < (kN - first_bad) * (kHeadDim / 8); idx += 32) {
-          const int r = first_bad + idx / (kHeadDim / 8), c = (idx % (kHeadDim / 8)) * 8;
-          *reinterpret_cast<uint4*>(v_chunk + r * R + c) = make_uint4(0, 0, 0, 0);
-        }
-        fence_proxy_async_shared();  // before a later bulk copy refills the stage
-        __syncwarp();
-      }
+      zero_v_rows_past_end<kHeadDim, kN>(v_chunk, R, key0, keys.kv_end, lane);
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -229,49 +220,7 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
         mma_16x8x16<T>(sc[0], qa[ks], bk[0], bk[1]);
         mma_16x8x16<T>(sc[1], qa[ks], bk[2], bk[3]);
       }
-      if (!full) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = key0 + 8 * j + 2 * t + (e % 2), i = e / 2;
-            sc[j][e] = (key >= rows.lo[i] && key <= rows.last[i]) ? sc[j][e] : -INFINITY;
-          }
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = fmaxf(fmaxf(sc[0][2 * i], sc[0][2 * i + 1]), fmaxf(sc[1][2 * i], sc[1][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float new_max = fmaxf(row_max[i], mx * p.scale_log2);
-        const float base = new_max == -INFINITY ? 0.f : new_max;
-        const float alpha = fast_exp2(row_max[i] - base);
-        row_max[i] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          sc[j][2 * i] = fast_exp2(fmaf(sc[j][2 * i], p.scale_log2, -base));
-          sc[j][2 * i + 1] = fast_exp2(fmaf(sc[j][2 * i + 1], p.scale_log2, -base));
-          sum += sc[j][2 * i] + sc[j][2 * i + 1];
-        }
-        row_sum[i] = row_sum[i] * alpha + sum;
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {  // the max moved for some row: rescale O
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o[dt][2 * i] *= alpha;
-            o[dt][2 * i + 1] *= alpha;
-          }
-        }
-      }
-      uint32_t pa[4];
-      accum_to_a<T>(sc[0], sc[1], pa);
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, v_chunk + (lane % 8 + ((lane / 8) % 2) * 8) * R + 16 * dp + (lane / 16) * 8);
-        mma_16x8x16<T>(o[2 * dp], pa, bv[0], bv[1]);
-        mma_16x8x16<T>(o[2 * dp + 1], pa, bv[2], bv[3]);
-      }
+      softmax_pv_step<kDTiles>(sc, full, key0, t, rows, p.scale_log2, row_max, row_sum, o, v_chunk, R, lane);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty_bar[s]);  // this warp is done with the stage
