@@ -122,10 +122,6 @@ __device__ __forceinline__ BwdTile bwd_tile_of(const Params& hp) {
 // The dQ tile of a 64-row query block in dq_accum, in thread order (detail::hopper_dq_tile_offset):
 // threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add;
 // hopper_dq_convert_kernel maps it back to (row, column).
-template <typename Cfg>
-__device__ __forceinline__ int hopper_dq_tile_offset(int ct, int i) {
-  return Cfg::dq_tile_offset(ct, i);
-}
 // Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
 template <typename Cfg>
 __device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& P, int64_t q_start, int b, int h, int m) {
@@ -284,6 +280,46 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
   }
 }
 
+// P^T = exp2(S^T scale log2e - LSE log2e), rounded to the input dtype into `p_out` (a fragment of
+// the S^T accumulator's size), masked on the partial tiles only: rows past the sequence have
+// LSE = +inf, so P = 0 there without a mask. s_coord: the (key, q) of each accumulator element.
+template <typename Cfg, typename AccS, typename Coord, typename FragP>
+__device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coord, const float* lse_log2,
+                                          float scale_log2, const BwdTile& t, int q0, FragP& p_out) {
+  using Elem = typename FragP::value_type;
+  constexpr int kN = decltype(cute::size(s_acc))::value;
+  auto probs = [&](auto masked) {
+    CUTE_UNROLL
+    for (int i = 0; i < kN; ++i) {
+      const int q_local = cute::get<1>(s_coord(i));
+      float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[q_local]));
+      if constexpr (decltype(masked)::value) {
+        const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + q_local;
+        pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
+      }
+      p_out(i) = static_cast<Elem>(pv);
+    }
+  };
+  const bool partial = sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN,
+                                            t.seq.seqlen_k) != sched::TileKind::kFull;
+  if (partial) {
+    probs(std::true_type{});
+  } else {
+    probs(std::false_type{});
+  }
+}
+
+// A consumer thread's dQ fragment (scaled) into a shared fp32 tile at the offsets `offset(i)` of
+// its 16-byte groups, then made visible to the bulk copies that read it.
+template <typename AccDQ, typename Offset>
+__device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_acc, float scale, Offset&& offset) {
+  CUTE_UNROLL
+  for (int i = 0; i < cute::size(dq_acc); i += 4)
+    *reinterpret_cast<float4*>(&tile[offset(i)]) =
+        make_float4(dq_acc(i) * scale, dq_acc(i + 1) * scale, dq_acc(i + 2) * scale, dq_acc(i + 3) * scale);
+  sm90::fence_proxy_async_shared();
+}
+
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
                                             int ct) {
@@ -352,32 +388,13 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       wg_gemm<true>(mma_sdp, v_frag, do_frag(_, _, _, pos.index), dp_acc);
       wg_wait<1>(s_acc);
 
-      // P^T while dP^T finishes; masked on the partial tiles. Rows past the sequence have
-      // LSE = +inf: P = 0 there without a mask. P^T is rounded to the input dtype once: the dV
-      // GEMM's operand and the factor of dS^T (freeing S^T's registers before dS^T).
-      const bool partial = sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN,
-                                                t.seq.seqlen_k) != sched::TileKind::kFull;
-      auto probs = [&](auto masked) {
-        CUTE_UNROLL
-        for (int i = 0; i < kN; ++i) {
-          const int q_local = get<1>(s_coord(i));
-          float pv = fast_exp2(fmaf(s_acc(i), p.scale_log2, -lse_log2[q_local]));
-          if constexpr (decltype(masked)::value) {
-            const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
-            pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
-          }
-          p_frag(i) = static_cast<Elem>(pv);
-        }
-      };
+      // P^T while dP^T finishes, rounded once: the dV GEMM's operand and the factor of dS^T
+      // (freeing S^T's registers before dS^T).
 #if FLARE_HOPPER_BWD_EXPERIMENT == 1
       CUTE_UNROLL
       for (int i = 0; i < kN; ++i) p_frag(i) = static_cast<Elem>(s_acc(i));
 #else
-      if (partial) {
-        probs(std::true_type{});
-      } else {
-        probs(std::false_type{});
-      }
+      bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag);
 #endif
 #if FLARE_HOPPER_BWD_EXPERIMENT != 3
       wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);
@@ -414,11 +431,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
       const int buf = it % Cfg::kDqBufs;
       if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
-      CUTE_UNROLL
-      for (int i = 0; i < size(dq_acc); i += 4)
-        *reinterpret_cast<float4*>(&sm.dq[buf][hopper_dq_tile_offset<Cfg>(ct, i)]) =
-            make_float4(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale, dq_acc(i + 2) * p.scale, dq_acc(i + 3) * p.scale);
-      sm90::fence_proxy_async_shared();
+      bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[buf]);
     }
@@ -491,7 +504,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   if (tile == nullptr) return;
   CUTE_UNROLL
   for (int i = 0; i < size(dq_coord); i += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(tile + hopper_dq_tile_offset<Cfg>(ct, i));
+    const float4 v = *reinterpret_cast<const float4*>(tile + Cfg::dq_tile_offset(ct, i));
     const float vals[4] = {v.x, v.y, v.z, v.w};
     CUTE_UNROLL
     for (int e = 0; e < 4; e += 2) {

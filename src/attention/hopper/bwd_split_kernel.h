@@ -154,27 +154,8 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       wg_wait<0>(sdp_acc);
 
       if (w == 0) {
-        // P^T, masked on the partial tiles (rows past the sequence have LSE = +inf: P = 0),
-        // rounded once: dV's operand here and dS^T's factor in warpgroup 1.
-        const bool partial = sched::classify_tile(t.band, q0, q0 + Cfg::kBlockM, t.col0, t.col0 + Cfg::kBlockN,
-                                                  t.seq.seqlen_k) != sched::TileKind::kFull;
-        auto probs = [&](auto masked) {
-          CUTE_UNROLL
-          for (int i = 0; i < kN; ++i) {
-            const int q_local = get<1>(s_coord(i));
-            float pv = fast_exp2(fmaf(sdp_acc(i), p.scale_log2, -lse_log2[q_local]));
-            if constexpr (decltype(masked)::value) {
-              const int key = t.col0 + get<0>(s_coord(i)), q = q0 + q_local;
-              pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
-            }
-            ew_reg(i) = static_cast<Elem>(pv);
-          }
-        };
-        if (partial) {
-          probs(std::true_type{});
-        } else {
-          probs(std::false_type{});
-        }
+        // P^T, rounded once: dV's operand here and dS^T's factor in warpgroup 1.
+        bwd_probs<Cfg>(sdp_acc, s_coord, lse_log2, p.scale_log2, t, q0, ew_reg);
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sPt));
         named_arrive(kBarPReady);
         CUTE_UNROLL
@@ -216,11 +197,8 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[0], (it - 1) & 1);
         named_sync(kBarDqStored1);
       }
-      CUTE_UNROLL
-      for (int i = 0; i < size(dq_acc); i += 4)
-        *reinterpret_cast<float4*>(&sm.dq[detail::hopper_dq_tile_offset(128, wct, i)]) =
-            make_float4(dq_acc(i) * p.scale, dq_acc(i + 1) * p.scale, dq_acc(i + 2) * p.scale, dq_acc(i + 3) * p.scale);
-      sm90::fence_proxy_async_shared();
+      bwd_store_dq_tile(sm.dq.data(), dq_acc, p.scale,
+                        [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
       named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
