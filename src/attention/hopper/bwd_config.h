@@ -27,23 +27,30 @@ namespace flare::hopper {
 #define FLARE_HOPPER_BWD_DQ_BUFS 2
 #endif
 
-template <int kHeadDim_, int kStages_ = 2>
-struct HopperBwdConfig {
-  static constexpr bool kSplitHeadDim = false;
+// What both tilings share: 64-row query steps, a producer warpgroup and two consumer warpgroups,
+// and the register split between them.
+template <int kHeadDim_, int kStages_>
+struct HopperBwdWarps {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;   // query rows per step
-  static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
-  static constexpr int kDqBufs = FLARE_HOPPER_BWD_DQ_BUFS;
-  static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one writer warp per dQ tile: producer warps 1-3");
+  static constexpr int kBlockM = 64;  // query rows per step
   static constexpr int kConsumerWGs = 2;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
+};
+
+template <int kHeadDim_, int kStages_ = 2>
+struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_> {
+  using Warps = HopperBwdWarps<kHeadDim_, kStages_>;
+  static constexpr bool kSplitHeadDim = false;
+  static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kDqBufs = FLARE_HOPPER_BWD_DQ_BUFS;
+  static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one writer warp per dQ tile: producer warps 1-3");
   // Element i of consumer thread ct's dQ fragment in its 64-row tile (16-byte groups, thread order).
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
-    return detail::hopper_dq_tile_offset(kConsumerWGs * 128, ct, i);
+    return detail::hopper_dq_tile_offset(Warps::kConsumerWGs * 128, ct, i);
   }
 };
 
@@ -53,21 +60,13 @@ struct HopperBwdConfig {
 // statistics), dO a ring of one; the dQ tile goes out in two halves through one shared buffer,
 // each half with its own writer and, when deterministic, its own turn chain.
 template <int kHeadDim_, int kStages_ = 2>
-struct HopperBwdSplitConfig {
+struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kStages_> {
+  using Warps = HopperBwdWarps<kHeadDim_, kStages_>;
   static constexpr bool kSplitHeadDim = true;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;  // query rows per step
   static constexpr int kBlockN = 64;  // keys per CTA, shared by both consumer warpgroups
-  static constexpr int kDqBufs = 2;   // dQ halves (one shared buffer), one writer each
-  static constexpr int kConsumerWGs = 2;
-  static constexpr int kStages = kStages_;
-  static constexpr int kThreads = 128 * (kConsumerWGs + 1);
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
-  static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
   // Half w (warpgroup w's columns) of a 64-row tile, each half in its 128 threads' order.
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
-    return (ct / 128) * kBlockM * (kHeadDim / 2) + detail::hopper_dq_tile_offset(128, ct % 128, i);
+    return (ct / 128) * Warps::kBlockM * (kHeadDim_ / 2) + detail::hopper_dq_tile_offset(128, ct % 128, i);
   }
 };
 
@@ -77,7 +76,6 @@ constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_di
 template <int kHeadDim>
 using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>, HopperBwdConfig<kHeadDim>>;
 
-inline constexpr int kHopperBwdMaxHeadDim = 256;
 // Keys per CTA and dQ turn chains per 64-row query block (the split tiling's halves have one each).
 constexpr int hopper_bwd_block_n(int head_dim) { return head_dim > 128 ? 64 : 128; }
 constexpr int hopper_bwd_dq_chains(int head_dim) { return head_dim > 128 ? 2 : 1; }
