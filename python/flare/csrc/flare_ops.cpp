@@ -528,6 +528,40 @@ flare::KdaOptions kda_options(double scale, bool qk_l2norm, bool beta_sigmoid, b
   return o;
 }
 
+// The inputs every KDA op takes: checked first (device, 16-bit q), then q/k/v made loadable and
+// g/beta contiguous on q's device.
+struct KdaInputs {
+  at::Tensor q, k, v, g, beta;
+};
+KdaInputs kda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                     const at::Tensor& beta, const OptTensor& A_log, const OptTensor& dt_bias, const OptTensor& cu_seqlens) {
+  const at::Device device = q.device();
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}})
+    check_cuda(*t, name, device);
+  check_cuda(A_log, "A_log", device);
+  check_cuda(dt_bias, "dt_bias", device);
+  check_cuda(cu_seqlens, "cu_seqlens", device);
+  check_half(q, "q");
+  const c10::cuda::CUDAGuard guard(device);
+  return {loadable(q), loadable(k), loadable(v), g.contiguous(), beta.contiguous()};
+}
+
+// The fields every KDA op's params share (KdaForwardParams, KdaBackwardParams, KdaRecurrentParams).
+template <typename Params>
+void fill_kda_args(Params& p, const KdaInputs& in, const OptTensor& A_log, const OptTensor& dt_bias,
+                   const OptTensor& cu_seqlens, const flare::KdaOptions& options) {
+  p.q = view(in.q, "q");
+  p.k = view(in.k, "k");
+  p.v = view(in.v, "v");
+  p.g = view(in.g, "g");
+  p.beta = view(in.beta, "beta");
+  p.A_log = view(A_log, "A_log");
+  p.dt_bias = view(dt_bias, "dt_bias");
+  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
+  p.options = options;
+  p.stream = current_stream(in.q.device());
+}
+
 std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                            const at::Tensor& g_in, const at::Tensor& beta_in, const OptTensor& A_log,
                                            const OptTensor& dt_bias, const OptTensor& initial_state,
@@ -535,18 +569,12 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
                                            bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel,
                                            double lower_bound, bool output_final_state) {
   const at::Device device = q_in.device();
-  for (auto [t, name] : {std::pair{&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}, {&g_in, "g"}, {&beta_in, "beta"}})
-    check_cuda(*t, name, device);
-  check_cuda(A_log, "A_log", device);
-  check_cuda(dt_bias, "dt_bias", device);
+  const KdaInputs in = kda_inputs(q_in, k_in, v_in, g_in, beta_in, A_log, dt_bias, cu_seqlens);
   check_cuda(initial_state, "initial_state", device);
-  check_cuda(cu_seqlens, "cu_seqlens", device);
-  check_half(q_in, "q");
   TORCH_CHECK_VALUE(q_in.dim() == 4 && v_in.dim() == 4,
                     "arguments 'q' and 'v': expected rank 4 [B, T, H, K] and [B, T, HV, V]");
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
-  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor &q = in.q, &v = in.v;
   const OptTensor h0 = initial_state.has_value() ? OptTensor(initial_state->contiguous()) : std::nullopt;
   const int64_t num_seqs = cu_seqlens.has_value() ? cu_seqlens->size(0) - 1 : q.size(0);
   at::Tensor out = empty_cuda(v.sizes(), q.scalar_type(), device);
@@ -555,19 +583,11 @@ std::tuple<at::Tensor, at::Tensor> kda_fwd(const at::Tensor& q_in, const at::Ten
                          : empty_cuda({0}, at::kFloat, device);
 
   flare::KdaForwardParams p;
-  p.q = view(q, "q");
-  p.k = view(k, "k");
-  p.v = view(v, "v");
-  p.g = view(g, "g");
-  p.beta = view(beta, "beta");
-  p.A_log = view(A_log, "A_log");
-  p.dt_bias = view(dt_bias, "dt_bias");
+  fill_kda_args(p, in, A_log, dt_bias, cu_seqlens,
+                kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound));
   p.initial_state = view(h0, "initial_state");
-  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
   p.out = view(out, "out");
   if (output_final_state) p.final_state = view(final_state, "final_state");
-  p.options = kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
-  p.stream = current_stream(device);
   const Renames names = {{"options.scale", "scale"}, {"options.lower_bound", "lower_bound"}};
   std::size_t bytes = 0;
   throw_if_error(flare::kda_forward_workspace_size(p, &bytes), names);
@@ -587,22 +607,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const OptTensor& initial_state, const OptTensor& d_final_state, const OptTensor& cu_seqlens, double scale,
     bool qk_l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel, double lower_bound) {
   const at::Device device = q_in.device();
-  for (auto [t, name] : {std::pair{&dout_in, "dout"}, {&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}, {&g_in, "g"},
-                         {&beta_in, "beta"}})
-    check_cuda(*t, name, device);
-  check_cuda(A_log, "A_log", device);
-  check_cuda(dt_bias, "dt_bias", device);
+  const KdaInputs in = kda_inputs(q_in, k_in, v_in, g_in, beta_in, A_log, dt_bias, cu_seqlens);
+  check_cuda(dout_in, "dout", device);
   check_cuda(initial_state, "initial_state", device);
   check_cuda(d_final_state, "d_final_state", device);
-  check_cuda(cu_seqlens, "cu_seqlens", device);
-  check_half(q_in, "q");
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in), dout = loadable(dout_in);
-  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor dout = loadable(dout_in);
   const OptTensor h0 = initial_state.has_value() ? OptTensor(initial_state->contiguous()) : std::nullopt;
   const OptTensor dht = d_final_state.has_value() ? OptTensor(d_final_state->contiguous()) : std::nullopt;
-  at::Tensor dq = empty_like_cuda(q), dk = empty_like_cuda(k), dv = empty_like_cuda(v);
-  at::Tensor dg = empty_like_cuda(g), dbeta = empty_like_cuda(beta);
+  at::Tensor dq = empty_like_cuda(in.q), dk = empty_like_cuda(in.k), dv = empty_like_cuda(in.v);
+  at::Tensor dg = empty_like_cuda(in.g), dbeta = empty_like_cuda(in.beta);
   const at::Tensor none = empty_cuda({0}, at::kFloat, device);
   at::Tensor dh0 = h0.has_value() ? empty_like_cuda(*h0) : none;
   const bool gate_grads = gate_in_kernel;
@@ -610,15 +624,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor ddt_bias = gate_grads && dt_bias.has_value() ? empty_like_cuda(*dt_bias) : none;
 
   flare::KdaBackwardParams p;
-  p.q = view(q, "q");
-  p.k = view(k, "k");
-  p.v = view(v, "v");
-  p.g = view(g, "g");
-  p.beta = view(beta, "beta");
-  p.A_log = view(A_log, "A_log");
-  p.dt_bias = view(dt_bias, "dt_bias");
+  fill_kda_args(p, in, A_log, dt_bias, cu_seqlens,
+                kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound));
   p.initial_state = view(h0, "initial_state");
-  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
   p.dout = view(dout, "dout");
   p.d_final_state = view(dht, "d_final_state");
   p.dq = view(dq, "dq");
@@ -629,8 +637,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (h0.has_value()) p.d_initial_state = view(dh0, "d_initial_state");
   if (dA_log.numel() > 0) p.dA_log = view(dA_log, "dA_log");
   if (ddt_bias.numel() > 0) p.ddt_bias = view(ddt_bias, "ddt_bias");
-  p.options = kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
-  p.stream = current_stream(device);
   const Renames names = {{"options.scale", "scale"}, {"options.lower_bound", "lower_bound"}};
   std::size_t bytes = 0;
   throw_if_error(flare::kda_backward_workspace_size(p, &bytes), names);
@@ -657,36 +663,21 @@ at::Tensor kda_recurrent_run(const at::Tensor& q_in, const at::Tensor& k_in, con
                              const OptTensor& final_state, const OptTensor& cu_seqlens, double scale, bool qk_l2norm,
                              bool beta_sigmoid, bool allow_neg_eigval, bool gate_in_kernel, double lower_bound) {
   const at::Device device = q_in.device();
-  for (auto [t, name] : {std::pair{&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}, {&g_in, "g"}, {&beta_in, "beta"}})
-    check_cuda(*t, name, device);
-  check_cuda(A_log, "A_log", device);
-  check_cuda(dt_bias, "dt_bias", device);
+  const KdaInputs in = kda_inputs(q_in, k_in, v_in, g_in, beta_in, A_log, dt_bias, cu_seqlens);
   check_cuda(state, "initial_state", device);
   check_cuda(state_indices, "ssm_state_indices", device);
-  check_cuda(cu_seqlens, "cu_seqlens", device);
-  check_half(q_in, "q");
   TORCH_CHECK_VALUE(q_in.dim() == 4 && v_in.dim() == 4,
                     "arguments 'q' and 'v': expected rank 4 [B, T, H, K] and [B, T, HV, V]");
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor q = loadable(q_in), k = loadable(k_in), v = loadable(v_in);
-  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
-  at::Tensor out = empty_cuda(v.sizes(), q.scalar_type(), device);
+  at::Tensor out = empty_cuda(in.v.sizes(), in.q.scalar_type(), device);
 
   flare::KdaRecurrentParams p;
-  p.q = view(q, "q");
-  p.k = view(k, "k");
-  p.v = view(v, "v");
-  p.g = view(g, "g");
-  p.beta = view(beta, "beta");
-  p.A_log = view(A_log, "A_log");
-  p.dt_bias = view(dt_bias, "dt_bias");
+  fill_kda_args(p, in, A_log, dt_bias, cu_seqlens,
+                kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound));
   p.state = view(state, "initial_state");
   p.state_indices = view(state_indices, "ssm_state_indices");
   p.final_state = view(final_state, "final_state");
-  p.cu_seqlens = view(cu_seqlens, "cu_seqlens");
   p.out = view(out, "out");
-  p.options = kda_options(scale, qk_l2norm, beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound);
-  p.stream = current_stream(device);
   throw_if_error(flare::kda_recurrent_step(p), kKdaRecurrentNames);
   return out;
 }
