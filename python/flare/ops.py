@@ -61,7 +61,10 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, page_table, workspace, soft
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=_f32)
 
 
+# The chunked forward and the functional recurrent step take the same arguments and give the same
+# outputs: (out like v in q's dtype, the final states fp32 [N, HV, K, V] or empty).
 @torch.library.register_fake("flare::kda_fwd")
+@torch.library.register_fake("flare::kda_recurrent")
 def _kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, qk_l2norm, beta_sigmoid,
                   allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state):
     num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
@@ -110,19 +113,6 @@ def _kda_fwd_backward(ctx, dout, d_final_state):
 torch.library.register_autograd("flare::kda_fwd", _kda_fwd_backward, setup_context=_kda_fwd_setup_context)
 
 
-@torch.library.register_fake("flare::kda_recurrent")
-def _kda_recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, qk_l2norm, beta_sigmoid,
-                        allow_neg_eigval, gate_in_kernel, lower_bound, output_final_state):
-    num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
-    out = v.new_empty(v.shape, dtype=q.dtype)
-    if output_final_state:
-        state = q.new_empty((num_seqs, v.shape[2], q.shape[3], v.shape[3]), dtype=_f32)
-    else:
-        state = q.new_empty((0,), dtype=_f32)
-    return out, state
-
-
-# Mutates `state` (the pool; declared Tensor(a!) in its schema), returns a new output.
 @torch.library.register_fake("flare::kda_recurrent_inplace")
 def _kda_recurrent_inplace_fake(q, k, v, g, beta, A_log, dt_bias, state, state_indices, cu_seqlens, scale, qk_l2norm,
                                 beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound):
