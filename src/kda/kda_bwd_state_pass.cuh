@@ -88,21 +88,11 @@ __global__ void __launch_bounds__(BwdStateConfig<K, BV>::kThreads) kda_bwd_state
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * BV;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;
-  const int begin = a.varlen ? a.seq_chunk_begin[n] : n * a.chunks_per_row;
-  const int end = a.varlen ? a.seq_chunk_begin[n + 1] : begin + a.chunks_per_row;
+  const auto [begin, end] = chunk_range(a, n);
 
   float dS[K / 8][4];  // dS^T: rows v = v0 + vw + g (+8), columns c = 8 nt + 2 t (+1)
   const int64_t state_base = (static_cast<int64_t>(n) * a.heads_v + hv) * K * V + v0 + vw + g;
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) {
-    const int c = nt * 8 + 2 * t;
-    if (b.d_final_state) {
-      const float* dht = b.d_final_state + state_base + c * V;
-      dS[nt][0] = dht[0], dS[nt][1] = dht[V], dS[nt][2] = dht[8], dS[nt][3] = dht[V + 8];
-    } else {
-      dS[nt][0] = dS[nt][1] = dS[nt][2] = dS[nt][3] = 0.f;
-    }
-  }
+  load_state_frag<K>(dS, b.d_final_state ? b.d_final_state + state_base : nullptr, V, t);
 
   // Chunks in reverse: the s-th stage loaded holds chunk end - 1 - s.
 #pragma unroll
@@ -179,13 +169,7 @@ __global__ void __launch_bounds__(BwdStateConfig<K, BV>::kThreads) kda_bwd_state
     cp_async_commit();
   }
 
-  if (b.d_initial_state) {
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      float* dh0 = b.d_initial_state + state_base + (nt * 8 + 2 * t) * V;
-      dh0[0] = dS[nt][0], dh0[V] = dS[nt][1], dh0[8] = dS[nt][2], dh0[V + 8] = dS[nt][3];
-    }
-  }
+  store_state_frag<K>(dS, b.d_initial_state ? b.d_initial_state + state_base : nullptr, V, t);
 }
 
 }  // namespace flare::kda

@@ -80,21 +80,11 @@ __global__ void __launch_bounds__(RecordConfig<K, BV>::kThreads) kda_state_recor
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * BV;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;
-  const int begin = a.varlen ? a.seq_chunk_begin[n] : n * a.chunks_per_row;
-  const int end = a.varlen ? a.seq_chunk_begin[n + 1] : begin + a.chunks_per_row;
+  const auto [begin, end] = chunk_range(a, n);
 
   float S[K / 8][4];  // S^T: rows v = v0 + vw + g (+8), columns c = 8 nt + 2 t (+1)
   const int64_t state_base = (static_cast<int64_t>(n) * a.heads_v + hv) * K * V + v0 + vw + g;
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) {
-    const int c = nt * 8 + 2 * t;
-    if (a.initial_state) {
-      const float* h0 = a.initial_state + state_base + c * V;
-      S[nt][0] = h0[0], S[nt][1] = h0[V], S[nt][2] = h0[8], S[nt][3] = h0[V + 8];
-    } else {
-      S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
-    }
-  }
+  load_state_frag<K>(S, a.initial_state ? a.initial_state + state_base : nullptr, V, t);
 
 #pragma unroll
   for (int s = 0; s < C::kStages; ++s) {

@@ -25,6 +25,15 @@
 
 namespace flare::kda {
 
+// The chunks of sequence n, [begin, end): its row's chunks, or its varlen range.
+struct KdaChunkRange {
+  int begin, end;
+};
+__device__ __forceinline__ KdaChunkRange chunk_range(const detail::KdaFwdArgs& a, int n) {
+  if (a.varlen) return {a.seq_chunk_begin[n], a.seq_chunk_begin[n + 1]};
+  return {n * a.chunks_per_row, n * a.chunks_per_row + a.chunks_per_row};
+}
+
 using detail::KdaChunk;
 using detail::KdaFwdArgs;
 using detail::kKdaChunk;

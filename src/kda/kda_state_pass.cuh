@@ -86,22 +86,12 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
   const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * BV;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;  // this warp's columns within the slice
-  const int begin = a.varlen ? a.seq_chunk_begin[n] : n * a.chunks_per_row;
-  const int end = a.varlen ? a.seq_chunk_begin[n + 1] : begin + a.chunks_per_row;
+  const auto [begin, end] = chunk_range(a, n);
 
   // S^T: rows v = v0 + vw + g (+8), columns c = 8 nt + 2 t (+1).
   float S[K / 8][4];
   const int64_t state_base = (static_cast<int64_t>(n) * a.heads_v + hv) * K * V + v0 + vw + g;
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) {
-    const int c = nt * 8 + 2 * t;
-    if (a.initial_state) {
-      const float* h0 = a.initial_state + state_base + c * V;
-      S[nt][0] = h0[0], S[nt][1] = h0[V], S[nt][2] = h0[8], S[nt][3] = h0[V + 8];
-    } else {
-      S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
-    }
-  }
+  load_state_frag<K>(S, a.initial_state ? a.initial_state + state_base : nullptr, V, t);
 
 #pragma unroll
   for (int s = 0; s < C::kStages; ++s) {
@@ -196,13 +186,7 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
     cp_async_commit();
   }
 
-  if (a.final_state) {
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      float* ht = a.final_state + state_base + (nt * 8 + 2 * t) * V;
-      ht[0] = S[nt][0], ht[V] = S[nt][1], ht[8] = S[nt][2], ht[V + 8] = S[nt][3];
-    }
-  }
+  store_state_frag<K>(S, a.final_state ? a.final_state + state_base : nullptr, V, t);
 }
 
 }  // namespace flare::kda

@@ -100,4 +100,31 @@ __device__ __forceinline__ void zero(float (&acc)[N8][4]) {
   for (int i = 0; i < N8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
+// A warp's fragment of a transposed fp32 [K, V] state (rows v (+8), columns c = 8 nt + 2 t (+1)):
+// `state` points at the state's element (c = 0, v) of the thread's row v, the row stride is V.
+// Loaded as zeros when `state` is null.
+template <int K>
+__device__ __forceinline__ void load_state_frag(float (&S)[K / 8][4], const float* state, int V, int t) {
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+    if (state != nullptr) {
+      const float* src = state + (nt * 8 + 2 * t) * V;
+      S[nt][0] = src[0], S[nt][1] = src[V], S[nt][2] = src[8], S[nt][3] = src[V + 8];
+    } else {
+      S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
+    }
+  }
+}
+
+// The inverse of load_state_frag (nothing when `state` is null).
+template <int K>
+__device__ __forceinline__ void store_state_frag(const float (&S)[K / 8][4], float* state, int V, int t) {
+  if (state == nullptr) return;
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+    float* dst = state + (nt * 8 + 2 * t) * V;
+    dst[0] = S[nt][0], dst[V] = S[nt][1], dst[8] = S[nt][2], dst[V + 8] = S[nt][3];
+  }
+}
+
 }  // namespace flare::kda
