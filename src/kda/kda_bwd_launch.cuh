@@ -31,21 +31,10 @@ cudaError_t launch_state_passes(const KdaBwdArgs& b, cudaStream_t stream) {
 template <typename T, int K, int V>
 Status launch_backward(const KdaBwdArgs& b, cudaStream_t stream) {
   const KdaFwdArgs& a = b.fwd;
-  if (a.varlen) FLARE_CUDA_RETURN(launch_chunk_table(a, stream));
-  if (a.max_chunks > 0)
-    FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v), PrepConfig<K, V>::kThreads,
-                             sizeof(PrepSmem<T, K, V>), stream, a));
+  FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
   // The passes are sequential along T like the forward's: the same value-slice width.
-  switch (state_slice_width(a, detail::current_device_facts().num_sms)) {
-    case 64:
-      if constexpr (V % 64 == 0) FLARE_CUDA_RETURN((launch_state_passes<T, K, V, 64>(b, stream)));
-      break;
-    case 32:
-      FLARE_CUDA_RETURN((launch_state_passes<T, K, V, 32>(b, stream)));
-      break;
-    default:
-      FLARE_CUDA_RETURN((launch_state_passes<T, K, V, 16>(b, stream)));
-  }
+  FLARE_CUDA_RETURN(with_state_slice_width<V>(
+      a, [&](auto bv) { return launch_state_passes<T, K, V, decltype(bv)::value>(b, stream); }));
   if (a.max_chunks > 0)
     FLARE_CUDA_RETURN(launch(kda_chunk_grad_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v),
                              GradConfig<K, V>::kThreads, sizeof(GradSmem<T, K, V>), stream, b));

@@ -1,6 +1,8 @@
 // Launch of the KDA forward kernels for one (dtype, K, V); instantiated by kda_fwd_*.cu.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -45,22 +47,37 @@ cudaError_t launch_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
                 StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a);
 }
 
+// The chunk table (varlen) and every chunk's preparation: the first stages of the forward and of
+// the backward.
 template <typename T, int K, int V>
-Status launch_forward(const KdaFwdArgs& a, cudaStream_t stream) {
+Status launch_chunk_prep(const KdaFwdArgs& a, cudaStream_t stream) {
   if (a.varlen) FLARE_CUDA_RETURN(launch_chunk_table(a, stream));
   if (a.max_chunks > 0)
     FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v), PrepConfig<K, V>::kThreads,
                              sizeof(PrepSmem<T, K, V>), stream, a));
+  return Status::Ok();
+}
+
+// Calls launch(std::integral_constant<int, BV>) with the value-slice width of the sequential
+// state passes (state_slice_width; 64 only where it divides V).
+template <int V, typename Launch>
+cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
   switch (state_slice_width(a, detail::current_device_facts().num_sms)) {
     case 64:
-      if constexpr (V % 64 == 0) FLARE_CUDA_RETURN((launch_state_pass<T, K, V, 64>(a, stream)));
-      break;
+      if constexpr (V % 64 == 0) return launch(std::integral_constant<int, 64>{});
+      return cudaSuccess;
     case 32:
-      FLARE_CUDA_RETURN((launch_state_pass<T, K, V, 32>(a, stream)));
-      break;
+      return launch(std::integral_constant<int, 32>{});
     default:
-      FLARE_CUDA_RETURN((launch_state_pass<T, K, V, 16>(a, stream)));
+      return launch(std::integral_constant<int, 16>{});
   }
+}
+
+template <typename T, int K, int V>
+Status launch_forward(const KdaFwdArgs& a, cudaStream_t stream) {
+  FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
+  FLARE_CUDA_RETURN(with_state_slice_width<V>(
+      a, [&](auto bv) { return launch_state_pass<T, K, V, decltype(bv)::value>(a, stream); }));
   return Status::Ok();
 }
 
