@@ -31,6 +31,7 @@
 #include "reference/kda_ref.h"
 #include "tests/common/status_checks.h"
 #include "tests/gpu/gpu_harness.h"
+#include "tests/gpu/kda_option_cases.h"
 
 namespace flare::test {
 namespace {
@@ -361,26 +362,10 @@ TEST(KdaBackward, Varlen) {
 
 TEST(KdaBackward, InKernelOptions) {
   FLARE_REQUIRE_GPU();
-  auto with = [](std::string name, auto set) {
-    Case c;
-    c.name = std::move(name);
-    c.T = 100;
-    set(c);
-    return c;
-  };
-  run_case(with("l2norm", [](Case& c) { c.options.qk_l2norm = true; }), 6);
-  run_case(with("beta sigmoid", [](Case& c) { c.options.beta_sigmoid = true; }), 7);
-  run_case(with("neg eigval", [](Case& c) { c.options.beta_sigmoid = c.options.allow_neg_eigval = true; }), 8);
-  run_case(with("gate", [](Case& c) { c.options.gate_in_kernel = true; }), 9);
-  run_case(with("gate, no dt_bias", [](Case& c) { c.options.gate_in_kernel = true, c.dt_bias = false; }), 10);
-  run_case(with("gate lower bound", [](Case& c) { c.options.gate_in_kernel = true, c.options.lower_bound = -5.f; }), 11);
-  run_case(with("gate lower bound, no A_log", [](Case& c) {
-             c.options.gate_in_kernel = true, c.options.lower_bound = -5.f, c.A_log = false;
-           }), 12);
-  run_case(with("scale", [](Case& c) { c.options.scale = 0.3f; }), 13);
-  run_case(with("layer mode", [](Case& c) {
-             c.options.qk_l2norm = c.options.beta_sigmoid = c.options.gate_in_kernel = true;
-           }), 14);
+  Case base;
+  base.T = 100;
+  const std::vector<KdaOptionCase> cases = kda_option_cases();
+  for (size_t i = 0; i < cases.size(); ++i) run_case(with_option_case(base, cases[i]), 6 + i);
 }
 
 TEST(KdaBackward, GatedDeltaRule) {

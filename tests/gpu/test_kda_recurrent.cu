@@ -34,6 +34,7 @@
 #include "src/kda/kda_recurrent_params.h"
 #include "tests/common/status_checks.h"
 #include "tests/gpu/gpu_harness.h"
+#include "tests/gpu/kda_option_cases.h"
 
 namespace flare::test {
 namespace {
@@ -360,25 +361,10 @@ TEST(KdaRecurrent, Varlen) {
 
 TEST(KdaRecurrent, InKernelOptions) {
   FLARE_REQUIRE_GPU();
-  auto with = [](std::string name, auto set) {
-    Case c = named(std::move(name));
-    c.Tq = 4;
-    set(c);
-    return c;
-  };
-  run_case(with("l2norm", [](Case& c) { c.options.qk_l2norm = true; }), 700);
-  run_case(with("beta sigmoid", [](Case& c) { c.options.beta_sigmoid = true; }), 701);
-  run_case(with("neg eigval", [](Case& c) { c.options.beta_sigmoid = c.options.allow_neg_eigval = true; }), 702);
-  run_case(with("gate", [](Case& c) { c.options.gate_in_kernel = true; }), 703);
-  run_case(with("gate, no dt_bias", [](Case& c) { c.options.gate_in_kernel = true, c.dt_bias = false; }), 704);
-  run_case(with("gate lower bound", [](Case& c) { c.options.gate_in_kernel = true, c.options.lower_bound = -5.f; }), 705);
-  run_case(with("gate lower bound, no A_log", [](Case& c) {
-             c.options.gate_in_kernel = true, c.options.lower_bound = -5.f, c.A_log = false;
-           }), 706);
-  run_case(with("scale", [](Case& c) { c.options.scale = 0.3f; }), 707);
-  run_case(with("layer mode", [](Case& c) {
-             c.options.qk_l2norm = c.options.beta_sigmoid = c.options.gate_in_kernel = true;
-           }), 708);
+  Case base;
+  base.Tq = 4;
+  const std::vector<KdaOptionCase> cases = kda_option_cases();
+  for (size_t i = 0; i < cases.size(); ++i) run_case(with_option_case(base, cases[i]), 700 + i);
 }
 
 TEST(KdaRecurrent, GatedDeltaRule) {
