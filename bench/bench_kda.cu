@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bench/common/bench_common.h"
+#include "bench/common/kda_inputs.cuh"
 #include "flare/kda.h"
 
 namespace flare::bench {
@@ -28,26 +29,6 @@ struct Case {
   std::vector<int> seqlens;  // varlen (batch 1, seqlen = sum)
   bool layer_mode;
 };
-
-// k rows to unit norm (keeps the delta rule contractive), g to a log decay in [-0.6, -0.01]
-// (plain mode) or left raw (layer mode), beta into (0, 1) (plain) or raw (layer).
-__global__ void shape_inputs(__nv_bfloat16* k, float* g, __nv_bfloat16* beta, int64_t rows, bool layer_mode) {
-  const int64_t row = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
-  if (row >= rows) return;
-  const int lane = threadIdx.x;
-  float x[kDim / 32], sum = 0.f;
-  for (int e = 0; e < kDim / 32; ++e) {
-    x[e] = __bfloat162float(k[row * kDim + lane + 32 * e]);
-    sum += x[e] * x[e];
-  }
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  for (int e = 0; e < kDim / 32; ++e) {
-    k[row * kDim + lane + 32 * e] = __float2bfloat16(layer_mode ? x[e] : x[e] * rsqrtf(sum));
-    float& ge = g[row * kDim + lane + 32 * e];
-    if (!layer_mode) ge = -0.01f - 0.2f * fabsf(ge);
-  }
-  if (lane == 0 && !layer_mode) beta[row] = __float2bfloat16(0.5f + 0.4f * tanhf(__bfloat162float(beta[row])));
-}
 
 __global__ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
@@ -175,7 +156,7 @@ int run(int argc, char** argv) {
       FLARE_BENCH_CHECK(cudaMemcpyAsync(b.A_log, a_log.data(), kHeads * 4, cudaMemcpyHostToDevice, stream));
       FLARE_BENCH_CHECK(cudaMemcpyAsync(b.dt_bias, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice, stream));
     }
-    shape_inputs<<<(rows + 7) / 8, dim3(32, 8), 0, stream>>>(b.k, b.g, b.beta, rows, c.layer_mode);
+    shape_kda_inputs<kDim><<<(rows + 7) / 8, dim3(32, 8), 0, stream>>>(b.k, b.g, b.beta, rows, c.layer_mode, INFINITY);
     if (!c.seqlens.empty()) {
       std::vector<int> cu{0};
       for (int len : c.seqlens) cu.push_back(cu.back() + len);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench/common/bench_common.h"
+#include "bench/common/kda_inputs.cuh"
 #include "flare/kda.h"
 
 namespace flare::bench {
@@ -34,26 +35,6 @@ struct Case {
   int seqs, tokens;
   bool gdn = false, layer_mode = false;
 };
-
-// k rows to unit norm, g to a log decay in [-0.21, -0.01] (plain mode) or left raw (layer mode),
-// beta into (0.1, 0.9) (plain) or raw (layer).
-__global__ void shape_inputs(__nv_bfloat16* k, float* g, __nv_bfloat16* beta, int64_t rows, bool layer_mode) {
-  const int64_t row = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
-  if (row >= rows) return;
-  const int lane = threadIdx.x;
-  float x[kDim / 32], sum = 0.f;
-  for (int e = 0; e < kDim / 32; ++e) {
-    x[e] = __bfloat162float(k[row * kDim + lane + 32 * e]);
-    sum += x[e] * x[e];
-  }
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  for (int e = 0; e < kDim / 32; ++e) {
-    k[row * kDim + lane + 32 * e] = __float2bfloat16(layer_mode ? x[e] : x[e] * rsqrtf(sum));
-    float& ge = g[row * kDim + lane + 32 * e];
-    if (!layer_mode) ge = -0.01f - 0.2f * fminf(fabsf(ge), 1.f);
-  }
-  if (lane == 0 && !layer_mode) beta[row] = __float2bfloat16(0.5f + 0.4f * tanhf(__bfloat162float(beta[row])));
-}
 
 __global__ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
@@ -144,7 +125,7 @@ int run(int argc, char** argv) {
       fill_normal_bf16(b.out, elems, 4, stream);  // scratch for g
       bf16_to_f32<<<1024, 256, 0, stream>>>(b.out, b.g, elems, 1.f);
       fill_normal_bf16(b.beta, rows, 5, stream);
-      shape_inputs<<<(rows + 7) / 8, dim3(32, 8), 0, stream>>>(b.k, b.g, b.beta, rows, c.layer_mode);
+      shape_kda_inputs<kDim><<<(rows + 7) / 8, dim3(32, 8), 0, stream>>>(b.k, b.g, b.beta, rows, c.layer_mode, 1.f);
       // GDN: one decay per (token, head), the first channel's.
       FLARE_BENCH_CHECK(cudaMemcpy2DAsync(b.g_gdn, 4, b.g, kDim * 4, 4, rows, cudaMemcpyDeviceToDevice, stream));
       // The pool: small random states (the same every mode).
