@@ -66,7 +66,7 @@ def main():
                                     "bwd_ms": bms, "bwd_tflops": btf},
                                     "tags": {"backend": be, "head_dim": str(d), "seqlen": str(s),
                                              "causal": str(int(causal))}})
-                del q, k, v
+                q = k = v = None  # free before the next shape
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

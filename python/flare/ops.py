@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _C  # noqa: F401  (loading it registers torch.ops.flare.*)
 
+_C_loaded = _C  # kept by name: the import is for its side effect
+
 _f32 = torch.float32
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling

@@ -7,6 +7,7 @@ import torch
 
 import flare
 import reference as ref
+from conftest import assert_close_to_ref
 
 
 def inputs(B, T, H, HV, K, V, gdn=False, dtype=torch.bfloat16):
