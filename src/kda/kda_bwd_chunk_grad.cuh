@@ -82,6 +82,12 @@ struct GradSmem {
     struct {
       float dq[kKdaChunk][C::kLdG];
       float dk[kKdaChunk][C::kLdG];
+      // The raw gate again, for the gate's chain rule (layer mode): loaded during phase 3, so it
+      // lies past the intra operands (static_assert in the kernel).
+      union {
+        float f32[kKdaChunk][K];
+        T b16[kKdaChunk][K];
+      } g_raw;
     } out;
   } ph;
   float ref[C::kSubChunks][K];      // m_I
@@ -97,15 +103,25 @@ struct GradSmem {
 struct GateDerivative {
   float d_g, d_A_log;
 };
-__device__ __forceinline__ GateDerivative gate_derivative(const KdaFwdArgs& a, int hv, int channel, float g) {
-  const float z = g + (a.dt_bias ? a.dt_bias[a.scalar_gate ? hv : hv * a.key_dim + channel] : 0.f);
-  const float coef = a.A_log ? __expf(a.A_log[hv]) : 1.f;
-  if (a.lower_bound < 0.f) {  // lower_bound * sigmoid(coef z)
-    const float u = coef * z, s = sigmoidf(u), d_u = a.lower_bound * s * (1.f - s);
-    return {d_u * coef, a.A_log ? d_u * u : 0.f};
+// ... for one channel of one value head: its parameters read once (GateActivation's twin).
+struct GateChain {
+  float bias, coef, lower_bound;
+  bool has_A_log;
+  __device__ GateChain(const KdaFwdArgs& a, int hv, int channel) {
+    bias = a.dt_bias ? a.dt_bias[a.scalar_gate ? hv : hv * a.key_dim + channel] : 0.f;
+    coef = a.A_log ? __expf(a.A_log[hv]) : 1.f;
+    has_A_log = a.A_log != nullptr;
+    lower_bound = a.lower_bound;
   }
-  return {-coef * sigmoidf(z), -coef * softplusf(z)};  // -coef softplus(z)
-}
+  __device__ GateDerivative operator()(float g) const {
+    const float z = g + bias;
+    if (lower_bound < 0.f) {  // lower_bound * sigmoid(coef z)
+      const float u = coef * z, s = sigmoidf(u), d_u = lower_bound * s * (1.f - s);
+      return {d_u * coef, has_A_log ? d_u * u : 0.f};
+    }
+    return {-coef * sigmoidf(z), -coef * softplusf(z)};  // -coef softplus(z)
+  }
+};
 
 // A dense [ROWS][D] workspace tile into a padded shared tile, with 16-byte cp.async.
 template <typename T, int ROWS, int D, int LD>
@@ -171,6 +187,7 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
   const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
 
   // ---- load -----------------------------------------------------------------------------------
+  const int64_t g_base = ch.batch * a.g_st.batch + ch.t0 * a.g_st.token + hv * a.g_st.head;
   {
     const T* q = static_cast<const T*>(a.q) + ch.batch * a.q_st.batch + ch.t0 * a.q_st.token + h * a.q_st.head;
     const T* k = static_cast<const T*>(a.k) + ch.batch * a.k_st.batch + ch.t0 * a.k_st.token + h * a.k_st.head;
@@ -178,6 +195,8 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
                   hv * b.dout_st.head;
     load_rows<T, K>(s.q, q, a.q_st.token, len);
     load_rows<T, K>(s.k, k, a.k_st.token, len);
+    if (!a.scalar_gate && a.g_fp32)  // the raw gate, into gam
+      load_rows<float, K>(s.gam, static_cast<const float*>(a.g) + g_base, a.g_st.token, len);
     cp_async_commit();  // what the prologue needs; the rest arrives meanwhile
     load_rows<T, V>(s.ph.inter.dO, dO, b.dout_st.token, len);
     load_tile<T, V, K>(s.ph.inter.h, static_cast<const T*>(b.h) + slot * V * K);
@@ -187,11 +206,10 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
     load_tile<T, kKdaChunk, kKdaChunk>(s.A, static_cast<const T*>(a.A_inv) + slot * kKdaChunk * kKdaChunk);
     cp_async_commit();
   }
-  // The raw gate (into gam, as fp32; GDN: one value per row) and beta, by plain loads meanwhile.
-  const int64_t g_base = ch.batch * a.g_st.batch + ch.t0 * a.g_st.token + hv * a.g_st.head;
+  // A GDN gate (one value per row) or a 16-bit gate (into gam, as fp32) and beta, by plain loads.
   if (a.scalar_gate) {
     if (tid < kKdaChunk) s.gate_raw[tid] = tid < len ? load_scalar<T>(a.g, a.g_fp32, g_base + tid * a.g_st.token) : 0.f;
-  } else {
+  } else if (!a.g_fp32) {
     for (int idx = tid; idx < len * K; idx += C::kThreads) {
       const int i = idx / K, c = idx % K;
       s.gam[i][c] = load_scalar<T>(a.g, a.g_fp32, g_base + i * a.g_st.token + c);
@@ -211,17 +229,12 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
   // ---- prologue: l2norm, activated and cumulated gate, sub-chunk references -----------------------
   if (a.qk_l2norm) {
     constexpr int kRows = kKdaChunk / C::kWarps;
-    l2norm_rows<T, K>(s.q, warp * kRows, kRows, s.rstd_q);
-    l2norm_rows<T, K>(s.k, warp * kRows, kRows, s.rstd_k);
+    l2norm_rows<T, K, kRows>(s.q, warp * kRows, s.rstd_q);
+    l2norm_rows<T, K, kRows>(s.k, warp * kRows, s.rstd_k);
   }
+  cumulate_gate<K, C::kThreads>(
+      s.gam, a, hv, len, [&](int i, int c) { return a.scalar_gate ? s.gate_raw[i] : s.gam[i][c]; }, s.scratch);
   for (int c = tid; c < K; c += C::kThreads) {
-    const GateActivation activate(a, hv, c);
-    float run = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < kKdaChunk; ++i) {
-      if (i < len) run += activate(a.scalar_gate ? s.gate_raw[i] : s.gam[i][c]) * kRcpLn2;
-      s.gam[i][c] = run;
-    }
     float m[C::kSubChunks];
 #pragma unroll
     for (int J = 0; J < C::kSubChunks; ++J) s.ref[J][c] = m[J] = s.gam[J * kKdaSubChunk + kKdaSubChunk / 2 - 1][c];
@@ -459,6 +472,14 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
   }
 
   // ---- phase 3: the intra-chunk terms through P and L ------------------------------------------
+  // The epilogue's raw gate (layer mode) arrives meanwhile, past the intra operands.
+  static_assert(offsetof(decltype(s.ph.out), g_raw) >= sizeof(s.ph.intra), "g_raw clear of phase 3's operands");
+  const bool gate_chain = a.gate_in_kernel && !a.scalar_gate;
+  if (gate_chain) {
+    if (a.g_fp32) load_rows<float, K>(s.ph.out.g_raw.f32, static_cast<const float*>(a.g) + g_base, a.g_st.token, len);
+    else load_rows<T, K>(s.ph.out.g_raw.b16, static_cast<const T*>(a.g) + g_base, a.g_st.token, len);
+    cp_async_commit();
+  }
   {
     auto& in = s.ph.intra;
     for (int idx = tid; idx < kKdaChunk * K / 8; idx += C::kThreads) {
@@ -568,6 +589,7 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
     s.ph.out.dq[i][c] = dq[nt][e];
     s.ph.out.dk[i][c] = dk[nt][e];
   });
+  if (gate_chain) cp_async_wait<0>();
   __syncthreads();
 
   if (tid < len) {
@@ -580,15 +602,27 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
     if (b.dbeta_fp32) static_cast<float*>(b.dbeta)[at] = d;
     else static_cast<T*>(b.dbeta)[at] = from_float<T>(d);
   }
-  if (tid < K) {  // dg = reverse cumsum of dGam, with the last row's terms
-    float sum = s.decay_term[tid];
-#pragma unroll
-    for (int J = 0; J < C::kSubChunks; ++J) sum += s.dgam_last[J][tid];
-    float run = sum;
-    for (int i = last; i >= 0; --i) {
-      run += s.gam[i][tid];
-      s.gam[i][tid] = run;
+  {  // dg = reverse cumsum of dGam, with the last row's terms: kThreads / K threads per channel take
+     // consecutive row ranges and add the totals of the ranges after theirs (as cumulate_gate)
+    constexpr int kParts = C::kThreads / K, kRows = kKdaChunk / kParts;
+    const int c = tid % K, part = tid / K, i0 = part * kRows;
+    float run = 0.f;
+#pragma unroll 8
+    for (int r = kRows - 1; r >= 0; --r) {
+      const int i = i0 + r;
+      if (i <= last) run += s.gam[i][c];
+      s.gam[i][c] = run;
     }
+    s.scratch[tid] = run;
+    __syncthreads();
+    float offset = s.decay_term[c];
+#pragma unroll
+    for (int J = 0; J < C::kSubChunks; ++J) offset += s.dgam_last[J][c];
+#pragma unroll
+    for (int p = 1; p < kParts; ++p)
+      if (p > part) offset += s.scratch[p * K + c];
+#pragma unroll 8
+    for (int r = 0; r < kRows; ++r) s.gam[i0 + r][c] += offset;
   }
   __syncthreads();
 
@@ -605,7 +639,7 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
       float d = 0.f;
       for (int c = 0; c < K; ++c) d += s.gam[tid][c];
       if (a.gate_in_kernel) {
-        const GateDerivative gd = gate_derivative(a, hv, 0, s.gate_raw[tid]);
+        const GateDerivative gd = GateChain(a, hv, 0)(s.gate_raw[tid]);
         dA_log_acc = d * gd.d_A_log;
         d *= gd.d_g;
       }
@@ -613,17 +647,19 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
       s.scratch[tid] = d;
     }
   } else {
-    for (int idx = tid; idx < len * K; idx += C::kThreads) {
-      const int i = idx / K, c = idx % K;
-      float d = s.gam[i][c];
-      if (a.gate_in_kernel) {
-        const GateDerivative gd =
-            gate_derivative(a, hv, c, load_scalar<T>(a.g, a.g_fp32, g_base + i * a.g_st.token + c));
+    const int c = tid % K;  // a thread keeps its channel: K divides the CTA's threads
+    if (gate_chain) {
+      const GateChain chain(a, hv, c);
+      for (int i = tid / K; i < len; i += C::kThreads / K) {
+        const float raw = a.g_fp32 ? s.ph.out.g_raw.f32[i][c] : to_float(s.ph.out.g_raw.b16[i][c]);
+        const GateDerivative gd = chain(raw);
+        const float d = s.gam[i][c];
         dA_log_acc += d * gd.d_A_log;
-        d *= gd.d_g;
-        s.gam[i][c] = d;
+        s.gam[i][c] = d * gd.d_g;
+        write_dg(i, c, d * gd.d_g);
       }
-      write_dg(i, c, d);
+    } else {
+      for (int i = tid / K; i < len; i += C::kThreads / K) write_dg(i, c, s.gam[i][c]);
     }
   }
   if (gate_partials) {
@@ -634,17 +670,21 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
         for (int i = 0; i < len; ++i) sum += s.scratch[i];
         b.gate_partial[slot * K] = sum;
       }
-      __syncthreads();
     } else if (tid < K) {
       float sum = 0.f;
       for (int i = 0; i < len; ++i) sum += s.gam[i][tid];
       b.gate_partial[slot * K + tid] = sum;
     }
-    s.scratch[tid] = dA_log_acc;
+    float x = dA_log_acc;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    __syncthreads();  // the scalar gate's sum has read scratch
+    if (lane == 0) s.scratch[warp] = x;
     __syncthreads();
     if (tid == 0) {
       float sum = 0.f;
-      for (int i = 0; i < C::kThreads; ++i) sum += s.scratch[i];
+#pragma unroll
+      for (int w = 0; w < C::kWarps; ++w) sum += s.scratch[w];
       b.A_log_partial[slot] = sum;
     }
   }
@@ -653,27 +693,42 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
   const int64_t token = static_cast<int64_t>(ch.batch) * a.seqlen + ch.t0;
   auto finish_rows = [&](float (*d)[C::kLdG], const T (*y)[C::kLdK], const float* rstd, float* heads, void* out,
                          const detail::RowStrides& st) {
-    for (int i = warp; i < len; i += C::kWarps) {
-      float x[K / 32];
+    constexpr int kRows = kKdaChunk / C::kWarps;  // rows warp, warp + 8, ...: reductions interleaved
+    float x[kRows][K / 32], dot[kRows];
 #pragma unroll
-      for (int m = 0; m < K / 32; ++m) x[m] = d[i][lane + 32 * m];
-      if (a.qk_l2norm) {
-        float dot = 0.f;
+    for (int r = 0; r < kRows; ++r) {
+      const int i = warp + r * C::kWarps;
+      dot[r] = 0.f;
 #pragma unroll
-        for (int m = 0; m < K / 32; ++m) dot += to_float(y[i][lane + 32 * m]) * x[m];
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-#pragma unroll
-        for (int m = 0; m < K / 32; ++m) x[m] = (x[m] - to_float(y[i][lane + 32 * m]) * dot) * rstd[i];
+      for (int m = 0; m < K / 32; ++m) {
+        x[r][m] = d[i][lane + 32 * m];
+        if (a.qk_l2norm) dot[r] += to_float(y[i][lane + 32 * m]) * x[r][m];
       }
+    }
+    if (a.qk_l2norm) {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int i = warp + r * C::kWarps;
+#pragma unroll
+        for (int m = 0; m < K / 32; ++m) x[r][m] = (x[r][m] - to_float(y[i][lane + 32 * m]) * dot[r]) * rstd[i];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = warp + r * C::kWarps;
+      if (i >= len) break;
       if (heads != nullptr) {
         float* row = heads + ((token + i) * a.heads_v + hv) * K;
 #pragma unroll
-        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = x[m];
+        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = x[r][m];
       } else {
         T* row = static_cast<T*>(out) + ch.batch * st.batch + (ch.t0 + i) * st.token + h * st.head;
 #pragma unroll
-        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = from_float<T>(x[m]);
+        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = from_float<T>(x[r][m]);
       }
     }
   };

@@ -122,24 +122,63 @@ __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t to
   }
 }
 
-// x <- x / sqrt(sum x^2 + eps) for rows [row0, row0 + rows); rstd[i] = 1 / sqrt(...) when given.
-template <typename T, int K, int LD>
-__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, int rows, float* rstd = nullptr) {
+// x <- x / sqrt(sum x^2 + eps) for rows [row0, row0 + ROWS) by one warp; rstd[i] = 1 / sqrt(...)
+// when given. The rows' reductions are interleaved (ROWS independent shuffle chains).
+template <typename T, int K, int ROWS, int LD>
+__device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = nullptr) {
   const int lane = threadIdx.x % 32;
-  for (int i = row0; i < row0 + rows; ++i) {
-    float vals[K / 32], sum = 0.f;
+  float vals[ROWS][K / 32], sum[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    sum[r] = 0.f;
 #pragma unroll
     for (int e = 0; e < K / 32; ++e) {
-      vals[e] = to_float(x[i][lane + 32 * e]);
-      sum += vals[e] * vals[e];
+      vals[r][e] = to_float(x[row0 + r][lane + 32 * e]);
+      sum[r] += vals[r][e] * vals[r][e];
     }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float r = rsqrtf(sum + kL2NormEps);
-    if (rstd != nullptr && lane == 0) rstd[i] = r;
-#pragma unroll
-    for (int e = 0; e < K / 32; ++e) x[i][lane + 32 * e] = from_float<T>(vals[e] * r);
   }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], off);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const float rs = rsqrtf(sum[r] + kL2NormEps);
+    if (rstd != nullptr && lane == 0) rstd[row0 + r] = rs;
+#pragma unroll
+    for (int e = 0; e < K / 32; ++e) x[row0 + r][lane + 32 * e] = from_float<T>(vals[r][e] * rs);
+  }
+}
+
+// The cumulative activated gate (log2 units) of one chunk, in place over gam's 64 rows: row i
+// holds the sum over rows j <= i, j < len (rows from len on hold the total). raw(i, c) is the gate
+// as stored (it may read gam itself). Every thread works: kThreads / K threads per channel take
+// consecutive row ranges, then add the totals of the ranges before theirs, exchanged through
+// scratch[kThreads]. Ends with a barrier.
+template <int K, int kThreads, int LD, typename Raw>
+__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw,
+                                              float* scratch) {
+  constexpr int kParts = kThreads / K, kRows = kKdaChunk / kParts;
+  static_assert(kThreads % K == 0 && kParts > 1 && kKdaChunk % kParts == 0, "whole row ranges per thread");
+  const int c = threadIdx.x % K, part = threadIdx.x / K, i0 = part * kRows;
+  const GateActivation activate(a, hv, c);
+  float run = 0.f;
+#pragma unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const int i = i0 + r;
+    if (i < len) run += activate(raw(i, c)) * kRcpLn2;
+    gam[i][c] = run;
+  }
+  scratch[threadIdx.x] = run;
+  __syncthreads();
+  float offset = 0.f;
+#pragma unroll
+  for (int p = 0; p < kParts - 1; ++p)
+    if (p < part) offset += scratch[p * K + c];
+  if (part > 0)
+#pragma unroll 8
+    for (int r = 0; r < kRows; ++r) gam[i0 + r][c] += offset;
+  __syncthreads();
 }
 
 // A 16-bit pair scaled by a per-column factor pair, repacked.
@@ -198,18 +237,16 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   // ---- l2norm (per warp: its rows); gate activation, cumulative gate, references (per channel)
   if (a.qk_l2norm) {
     constexpr int kRows = kKdaChunk / C::kWarps;
-    l2norm_rows<T, K>(s.q, warp * kRows, kRows);
-    l2norm_rows<T, K>(s.k, warp * kRows, kRows);
+    l2norm_rows<T, K, kRows>(s.q, warp * kRows);
+    l2norm_rows<T, K, kRows>(s.k, warp * kRows);
   }
+  // s.ref is the scratch of the partial sums until the references fill it.
+  static_assert(sizeof(s.ref) >= C::kThreads * sizeof(float), "s.ref holds one partial sum per thread");
+  cumulate_gate<K, C::kThreads>(
+      s.gam, a, hv, ch.len,
+      [&](int i, int c) { return a.scalar_gate ? s.scalar_gate[i] : a.g_fp32 ? s.gam[i][c] : to_float(s.kb[i][c]); },
+      &s.ref[0][0]);
   for (int c = tid; c < K; c += C::kThreads) {
-    const GateActivation activate(a, hv, c);
-    float run = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < kKdaChunk; ++i) {
-      const float raw = a.scalar_gate ? s.scalar_gate[i] : a.g_fp32 ? s.gam[i][c] : to_float(s.kb[i][c]);
-      if (i < ch.len) run += activate(raw) * kRcpLn2;
-      s.gam[i][c] = run;
-    }
     float m[4];
 #pragma unroll
     for (int I = 0; I < 4; ++I) {
@@ -221,7 +258,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     for (int I = 1; I < 4; ++I)
 #pragma unroll
       for (int J = 0; J < I; ++J) s.cross[sub_pair(I, J)][c] = exp2_clamped(m[I] - m[J]);
-    a.decay[slot * K + c] = exp2_clamped(run);
+    a.decay[slot * K + c] = exp2_clamped(s.gam[kKdaChunk - 1][c]);
   }
   __syncthreads();
 
