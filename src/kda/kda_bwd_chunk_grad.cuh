@@ -602,27 +602,15 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
     if (b.dbeta_fp32) static_cast<float*>(b.dbeta)[at] = d;
     else static_cast<T*>(b.dbeta)[at] = from_float<T>(d);
   }
-  {  // dg = reverse cumsum of dGam, with the last row's terms: kThreads / K threads per channel take
-     // consecutive row ranges and add the totals of the ranges after theirs (as cumulate_gate)
-    constexpr int kParts = C::kThreads / K, kRows = kKdaChunk / kParts;
-    const int c = tid % K, part = tid / K, i0 = part * kRows;
-    float run = 0.f;
-#pragma unroll 8
-    for (int r = kRows - 1; r >= 0; --r) {
-      const int i = i0 + r;
-      if (i <= last) run += s.gam[i][c];
-      s.gam[i][c] = run;
+  if (tid < K) {  // dg = reverse cumsum of dGam, with the last row's terms
+    float sum = s.decay_term[tid];
+#pragma unroll
+    for (int J = 0; J < C::kSubChunks; ++J) sum += s.dgam_last[J][tid];
+    float run = sum;
+    for (int i = last; i >= 0; --i) {
+      run += s.gam[i][tid];
+      s.gam[i][tid] = run;
     }
-    s.scratch[tid] = run;
-    __syncthreads();
-    float offset = s.decay_term[c];
-#pragma unroll
-    for (int J = 0; J < C::kSubChunks; ++J) offset += s.dgam_last[J][c];
-#pragma unroll
-    for (int p = 1; p < kParts; ++p)
-      if (p > part) offset += s.scratch[p * K + c];
-#pragma unroll 8
-    for (int r = 0; r < kRows; ++r) s.gam[i0 + r][c] += offset;
   }
   __syncthreads();
 
@@ -693,42 +681,27 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
   const int64_t token = static_cast<int64_t>(ch.batch) * a.seqlen + ch.t0;
   auto finish_rows = [&](float (*d)[C::kLdG], const T (*y)[C::kLdK], const float* rstd, float* heads, void* out,
                          const detail::RowStrides& st) {
-    constexpr int kRows = kKdaChunk / C::kWarps;  // rows warp, warp + 8, ...: reductions interleaved
-    float x[kRows][K / 32], dot[kRows];
+    for (int i = warp; i < len; i += C::kWarps) {
+      float x[K / 32];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int i = warp + r * C::kWarps;
-      dot[r] = 0.f;
+      for (int m = 0; m < K / 32; ++m) x[m] = d[i][lane + 32 * m];
+      if (a.qk_l2norm) {
+        float dot = 0.f;
 #pragma unroll
-      for (int m = 0; m < K / 32; ++m) {
-        x[r][m] = d[i][lane + 32 * m];
-        if (a.qk_l2norm) dot[r] += to_float(y[i][lane + 32 * m]) * x[r][m];
+        for (int m = 0; m < K / 32; ++m) dot += to_float(y[i][lane + 32 * m]) * x[m];
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+#pragma unroll
+        for (int m = 0; m < K / 32; ++m) x[m] = (x[m] - to_float(y[i][lane + 32 * m]) * dot) * rstd[i];
       }
-    }
-    if (a.qk_l2norm) {
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int i = warp + r * C::kWarps;
-#pragma unroll
-        for (int m = 0; m < K / 32; ++m) x[r][m] = (x[r][m] - to_float(y[i][lane + 32 * m]) * dot[r]) * rstd[i];
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int i = warp + r * C::kWarps;
-      if (i >= len) break;
       if (heads != nullptr) {
         float* row = heads + ((token + i) * a.heads_v + hv) * K;
 #pragma unroll
-        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = x[r][m];
+        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = x[m];
       } else {
         T* row = static_cast<T*>(out) + ch.batch * st.batch + (ch.t0 + i) * st.token + h * st.head;
 #pragma unroll
-        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = from_float<T>(x[r][m]);
+        for (int m = 0; m < K / 32; ++m) row[lane + 32 * m] = from_float<T>(x[m]);
       }
     }
   };
