@@ -184,20 +184,20 @@ class AttnProblem {
 
   // block_mask: a block-sparse mask's CPU views (the oracle composes it with the dense mask).
   // lowp_out: the O that the run in the input dtype reads for D_i = dO_i . O_i, as the kernels read
-  // their forward's stored O (e.g. out_lowp, the oracle's forward in the input dtype). Without it
-  // that run is given `out` below, zeros, so D_i = 0 there and its dq/dk are far from the exact
-  // ones: a loose baseline for dq and dk.
+  // their forward's stored O. Without it that run recomputes O in the input dtype itself. (Until
+  // session 6 it was handed a zero O: D_i = 0 made its dq and dk far from the exact ones, a
+  // baseline loose enough to pass a kernel writing dq = 0.)
   void run_backward_oracle(const BlockMask* block_mask = nullptr, const ref::HostTensor* lowp_out = nullptr) {
     auto grads = [&](ref::HostTensor& dq, ref::HostTensor& dk, ref::HostTensor& dv, ref::HostTensor& ds, bool emulate) {
       dq.reset(DType::kFloat64, q_shape);
       dk.reset(DType::kFloat64, k_shape);
       dv.reset(DType::kFloat64, k_shape);
-      ref::HostTensor out(DType::kFloat64, q_shape), lse(DType::kFloat64, lse_shape);
+      ref::HostTensor lse(DType::kFloat64, lse_shape);
       AttentionBackwardParams p;
       p.q = q;
       p.k = k;
       p.v = v;
-      p.out = emulate && lowp_out != nullptr ? lowp_out->view() : out.view();
+      if (emulate && lowp_out != nullptr) p.out = lowp_out->view();
       p.lse = lse;
       p.dout = dout_host;
       p.dq = dq;
