@@ -35,6 +35,11 @@ struct KdaForwardParams {
   KdaOptions options;
   void* workspace = nullptr;  // device memory of kda_forward_workspace_size bytes (GPU forward)
   size_t workspace_bytes = 0;
+  // Training: keep the per-chunk WY form for kda_backward. The workspace then has the backward's
+  // layout (kda_forward_workspace_size returns kda_backward_workspace_size's figure for the same
+  // shapes and options) and the forward also stores A = (I + L)^-1 there; a kda_backward given this
+  // workspace, untouched, with workspace_from_forward = true skips recomputing it.
+  bool keep_for_backward = false;
   Stream stream = nullptr;
 };
 
@@ -48,6 +53,11 @@ struct KdaBackwardParams {
   KdaOptions options;
   void* workspace = nullptr;  // device memory of kda_backward_workspace_size bytes (GPU backward)
   size_t workspace_bytes = 0;
+  // The workspace is what kda_forward left with keep_for_backward, for these same inputs, shapes
+  // and options, unmodified since: the backward reads the forward's per-chunk WY form instead of
+  // recomputing it (its first kernel; gradients bitwise equal either way). The backward leaves
+  // that part intact, so it may run again from the same workspace.
+  bool workspace_from_forward = false;
   Stream stream = nullptr;
 };
 

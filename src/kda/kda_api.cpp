@@ -30,10 +30,19 @@ int64_t max_chunks_of(const detail::KdaShape& s) {
   return s.varlen ? per_row + s.num_seqs : per_row * s.batch;
 }
 
+// The backward's workspace layout (the forward's arrays first) for a shape and options.
+detail::KdaBwdWorkspaceLayout backward_layout(const detail::KdaShape& s, int64_t max_chunks, DType dtype,
+                                              const KdaOptions& o) {
+  return detail::kda_bwd_workspace_layout(max_chunks, s.heads, s.heads_v, s.key_dim, s.value_dim, s.num_seqs,
+                                          int64_t{s.batch} * s.seqlen, dtype_size(dtype), o.gate_in_kernel);
+}
+
 struct ForwardPlan {
   detail::KdaShape shape;
   int64_t max_chunks = 0;
   detail::KdaWorkspaceLayout layout;
+  size_t total = 0;      // the workspace's size: layout.total, or the backward's with keep_for_backward
+  size_t A_inv = 0;      // keep_for_backward: where A goes (the backward's offset)
 };
 
 Status plan_forward(const KdaForwardParams& p, ForwardPlan* plan) {
@@ -43,6 +52,12 @@ Status plan_forward(const KdaForwardParams& p, ForwardPlan* plan) {
   plan->max_chunks = max_chunks_of(s);
   plan->layout = detail::kda_workspace_layout(plan->max_chunks, s.heads_v, s.key_dim, s.value_dim, s.num_seqs,
                                               dtype_size(p.q.dtype));
+  plan->total = plan->layout.total;
+  if (p.keep_for_backward) {
+    const detail::KdaBwdWorkspaceLayout bwd = backward_layout(s, plan->max_chunks, p.q.dtype, p.options);
+    plan->total = bwd.total;
+    plan->A_inv = bwd.A_inv;
+  }
   return Status::Ok();
 }
 
@@ -101,9 +116,7 @@ Status plan_backward(const KdaBackwardParams& p, BackwardPlan* plan) {
   const detail::KdaShape& s = plan->shape;
   FLARE_RETURN_IF_ERROR(check_gpu_head_dims(s, "KDA backward"));
   plan->max_chunks = max_chunks_of(s);
-  plan->layout = detail::kda_bwd_workspace_layout(plan->max_chunks, s.heads, s.heads_v, s.key_dim, s.value_dim,
-                                                  s.num_seqs, int64_t{s.batch} * s.seqlen, dtype_size(p.q.dtype),
-                                                  p.options.gate_in_kernel);
+  plan->layout = backward_layout(s, plan->max_chunks, p.q.dtype, p.options);
   return Status::Ok();
 }
 
@@ -113,15 +126,16 @@ Status kda_forward_workspace_size(const KdaForwardParams& params, size_t* bytes)
   if (bytes == nullptr) return Status::InvalidArgument("bytes", "null pointer");
   ForwardPlan plan;
   FLARE_RETURN_IF_ERROR(plan_forward(params, &plan));
-  *bytes = plan.layout.total;
+  *bytes = plan.total;
   return Status::Ok();
 }
 
 Status kda_forward(const KdaForwardParams& p) {
   ForwardPlan plan;
   FLARE_RETURN_IF_ERROR(plan_forward(p, &plan));
-  FLARE_RETURN_IF_ERROR(check_workspace(p.workspace, p.workspace_bytes, plan.layout.total, "kda_forward_workspace_size"));
+  FLARE_RETURN_IF_ERROR(check_workspace(p.workspace, p.workspace_bytes, plan.total, "kda_forward_workspace_size"));
   detail::KdaFwdArgs a = input_args(p, plan.shape, plan.max_chunks, plan.layout);
+  if (p.keep_for_backward) a.A_inv = static_cast<char*>(p.workspace) + plan.A_inv;
   a.out = p.out.data, a.out_st = row_strides(p.out);
   a.final_state = p.final_state.defined() ? p.final_state.ptr<float>() : nullptr;
   return detail::launch_kda_forward(a, p.q.dtype, p.stream);
@@ -152,6 +166,7 @@ Status kda_backward_args(const KdaBackwardParams& p, KdaBwdArgs* out) {
   b.fwd = input_args(p, plan.shape, plan.max_chunks, l.fwd);
   char* ws = static_cast<char*>(p.workspace);
   b.fwd.A_inv = ws + l.A_inv;
+  b.prep_done = p.workspace_from_forward;
   b.dout = p.dout.data, b.dout_st = row_strides(p.dout);
   b.d_final_state = p.d_final_state.defined() ? p.d_final_state.ptr<const float>() : nullptr;
   b.dq = p.dq.data, b.dk = p.dk.data, b.dv = p.dv.data, b.dg = p.dg.data, b.dbeta = p.dbeta.data;

@@ -31,7 +31,7 @@ cudaError_t launch_state_passes(const KdaBwdArgs& b, cudaStream_t stream) {
 template <typename T, int K, int V>
 Status launch_backward(const KdaBwdArgs& b, cudaStream_t stream) {
   const KdaFwdArgs& a = b.fwd;
-  FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
+  if (!b.prep_done) FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
   // The passes are sequential along T like the forward's: the same value-slice width.
   FLARE_CUDA_RETURN(with_state_slice_width<V>(
       a, [&](auto bv) { return launch_state_passes<T, K, V, decltype(bv)::value>(b, stream); }));

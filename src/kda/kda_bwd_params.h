@@ -25,6 +25,7 @@ namespace flare::detail {
 
 struct KdaBwdArgs {
   KdaFwdArgs fwd;  // inputs, shapes, options; the prep's workspace (w, u, kg, qg, P, decay, A_inv)
+  bool prep_done = false;  // the forward (keep_for_backward) left the prep's workspace: skip it
 
   const void* dout;             // [B, T, HV, V], q's dtype
   RowStrides dout_st;

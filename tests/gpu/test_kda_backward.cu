@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -244,8 +245,9 @@ std::vector<const HostTensor*> all_tensors(const Problem& p, const Grads& g) {
           &g.dq, &g.dk, &g.dv, &g.dg, &g.dbeta, &g.dh0, &g.dA_log, &g.ddt_bias};
 }
 
-// Runs kda_backward on the device with poisoned outputs and workspace.
-void run_gpu(const Problem& p, Grads* out) {
+// Runs kda_backward on the device with poisoned outputs and workspace; with from_forward, first
+// kda_forward with keep_for_backward into that workspace, and the backward reads what it kept.
+void run_gpu(const Problem& p, Grads* out, bool from_forward = false) {
   KdaBackwardParams hp = p.params();
   out->attach(&hp);
   DeviceParams dp(hp, all_tensors(p, *out));
@@ -259,6 +261,24 @@ void run_gpu(const Problem& p, Grads* out) {
   FLARE_CUDA_OK(cudaMemset(workspace, 0xFF, std::max<size_t>(bytes, 256)));
   params.workspace = workspace;
   params.workspace_bytes = bytes;
+  std::unique_ptr<DeviceTensor> fwd_out;
+  if (from_forward) {
+    KdaForwardParams f;
+    f.q = params.q, f.k = params.k, f.v = params.v, f.g = params.g, f.beta = params.beta;
+    f.A_log = params.A_log, f.dt_bias = params.dt_bias, f.initial_state = params.initial_state;
+    f.cu_seqlens = params.cu_seqlens, f.options = params.options;
+    const TensorView& v = params.v;
+    fwd_out = std::make_unique<DeviceTensor>(HostTensor(params.q.dtype, {v.shape[0], v.shape[1], v.shape[2], v.shape[3]}));
+    f.out = fwd_out->view();
+    f.keep_for_backward = true;
+    size_t fwd_bytes = 0;
+    ASSERT_TRUE(kda_forward_workspace_size(f, &fwd_bytes).ok());
+    ASSERT_EQ(fwd_bytes, bytes) << "the kept forward's workspace is the backward's";
+    f.workspace = workspace, f.workspace_bytes = bytes;
+    const Status fs = kda_forward(f);
+    ASSERT_TRUE(fs.ok()) << fs.message();
+    params.workspace_from_forward = true;
+  }
   const Status s = kda_backward(params);
   ASSERT_TRUE(s.ok()) << s.message();
   FLARE_CUDA_OK(cudaDeviceSynchronize());
@@ -358,6 +378,33 @@ TEST(KdaBackward, Varlen) {
   c.H = 1, c.HV = 2, c.initial_state = true, c.options.gate_in_kernel = true;
   c.seqlens = {70, 0, 1, 129};
   run_case(c, 6);
+}
+
+// The backward from the forward's kept workspace (its prep skipped) gives the same bits as the
+// one that recomputes it.
+TEST(KdaBackward, FromTheForwardsWorkspace) {
+  FLARE_REQUIRE_GPU();
+  std::vector<Case> cases(3);
+  cases[0].name = "kept T 300";
+  cases[0].T = 300;
+  cases[1].name = "kept varlen GVA 2 layer options";
+  cases[1].H = 1, cases[1].HV = 2, cases[1].options.gate_in_kernel = true, cases[1].options.qk_l2norm = true;
+  cases[1].options.beta_sigmoid = true, cases[1].seqlens = {70, 0, 1, 129};
+  cases[2] = with_option_case(cases[0], kda_option_cases().back());
+  cases[2].name = "kept " + cases[2].name;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].name);
+    Problem p;
+    make_problem(cases[i], 40 + i, &p);
+    const Case& c = p.c;
+    Grads recomputed(p, c.dtype, c.dg_dtype, c.dbeta_dtype, DType::kFloat32);
+    Grads kept(p, c.dtype, c.dg_dtype, c.dbeta_dtype, DType::kFloat32);
+    ASSERT_NO_FATAL_FAILURE(run_gpu(p, &recomputed));
+    ASSERT_NO_FATAL_FAILURE(run_gpu(p, &kept, /*from_forward=*/true));
+    const auto a = recomputed.named(), b = kept.named();
+    for (size_t t = 0; t < a.size(); ++t)
+      EXPECT_EQ(std::memcmp(a[t].second->data(), b[t].second->data(), a[t].second->nbytes()), 0) << a[t].first;
+  }
 }
 
 TEST(KdaBackward, InKernelOptions) {
