@@ -224,9 +224,9 @@ int run(int argc, char** argv) {
     KdaForwardParams pk = p;
     pk.keep_for_backward = true;
     size_t kept_bytes = 0;
-    if (!kda_forward_workspace_size(pk, &kept_bytes).ok() || kept_bytes != bwd_workspace_bytes) {
+    if (!kda_forward_workspace_size(pk, &kept_bytes).ok() || kept_bytes != bytes) {
       std::fprintf(stderr, "%s: the kept forward's workspace (%zu) is not the backward's (%zu)\n", c.name.c_str(),
-                   kept_bytes, bwd_workspace_bytes);
+                   kept_bytes, bytes);
       return 1;
     }
     pk.workspace = bwd_workspace, pk.workspace_bytes = bwd_workspace_bytes;
