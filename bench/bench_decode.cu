@@ -64,12 +64,6 @@ std::vector<int> cache_lengths(int from, int to) {
   return lens;
 }
 
-void check_ok(const Status& s, const std::string& what) {
-  if (s.ok()) return;
-  std::fprintf(stderr, "%s: %s\n", what.c_str(), s.message().c_str());
-  std::exit(1);
-}
-
 // ---- device data --------------------------------------------------------------------------------
 
 // The floor of a timed sample: an empty kernel, timed like the decode steps (what no decode step

@@ -169,11 +169,7 @@ int run(int argc, char** argv) {
     KdaForwardParams p = make_params(c, b);
     p.stream = stream;
     size_t bytes = 0;
-    Status s = kda_forward_workspace_size(p, &bytes);
-    if (!s.ok()) {
-      std::fprintf(stderr, "%s: %s\n", c.name.c_str(), s.message().c_str());
-      return 1;
-    }
+    check_ok(kda_forward_workspace_size(p, &bytes), c.name);
     if (bytes > b.workspace_bytes) {
       if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
       FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, bytes));
@@ -181,24 +177,10 @@ int run(int argc, char** argv) {
     }
     p.workspace = b.workspace;
     p.workspace_bytes = b.workspace_bytes;
-    const Timing t = time_kernel(
-        [&](cudaStream_t st) {
-          KdaForwardParams q = p;
-          q.stream = st;
-          const Status r = kda_forward(q);
-          if (!r.ok()) {
-            std::fprintf(stderr, "%s: %s\n", c.name.c_str(), r.message().c_str());
-            std::exit(1);
-          }
-        },
-        args.timing(), stream);
+    const Timing t = time_op(kda_forward, p, c.name, args.timing(), stream);
 
     KdaBackwardParams bp = make_backward_params(p, b);
-    const Status sb = kda_backward_workspace_size(bp, &bytes);
-    if (!sb.ok()) {
-      std::fprintf(stderr, "%s backward: %s\n", c.name.c_str(), sb.message().c_str());
-      return 1;
-    }
+    check_ok(kda_backward_workspace_size(bp, &bytes), c.name + " backward");
     if (bytes > bwd_workspace_bytes) {
       if (bwd_workspace) FLARE_BENCH_CHECK(cudaFree(bwd_workspace));
       FLARE_BENCH_CHECK(cudaMalloc(&bwd_workspace, bytes));
@@ -206,17 +188,7 @@ int run(int argc, char** argv) {
     }
     bp.workspace = bwd_workspace;
     bp.workspace_bytes = bwd_workspace_bytes;
-    const Timing tb = time_kernel(
-        [&](cudaStream_t st) {
-          KdaBackwardParams q = bp;
-          q.stream = st;
-          const Status r = kda_backward(q);
-          if (!r.ok()) {
-            std::fprintf(stderr, "%s backward: %s\n", c.name.c_str(), r.message().c_str());
-            std::exit(1);
-          }
-        },
-        args.timing(), stream);
+    const Timing tb = time_op(kda_backward, bp, c.name + " backward", args.timing(), stream);
 
     // Training: the forward keeps its per-chunk WY form in the backward's workspace and the
     // backward reads it (its prep skipped). Timed the same way; the backward runs repeatedly from
@@ -224,35 +196,17 @@ int run(int argc, char** argv) {
     KdaForwardParams pk = p;
     pk.keep_for_backward = true;
     size_t kept_bytes = 0;
-    if (!kda_forward_workspace_size(pk, &kept_bytes).ok() || kept_bytes != bytes) {
+    check_ok(kda_forward_workspace_size(pk, &kept_bytes), c.name + " kept forward");
+    if (kept_bytes != bytes) {
       std::fprintf(stderr, "%s: the kept forward's workspace (%zu) is not the backward's (%zu)\n", c.name.c_str(),
                    kept_bytes, bytes);
       return 1;
     }
     pk.workspace = bwd_workspace, pk.workspace_bytes = bwd_workspace_bytes;
-    auto run_forward = [&](const KdaForwardParams& fp, cudaStream_t st) {
-      KdaForwardParams q = fp;
-      q.stream = st;
-      const Status r = kda_forward(q);
-      if (!r.ok()) {
-        std::fprintf(stderr, "%s: %s\n", c.name.c_str(), r.message().c_str());
-        std::exit(1);
-      }
-    };
-    const Timing tk = time_kernel([&](cudaStream_t st) { run_forward(pk, st); }, args.timing(), stream);
+    const Timing tk = time_op(kda_forward, pk, c.name + " kept forward", args.timing(), stream);
     KdaBackwardParams bk = bp;
     bk.workspace_from_forward = true;
-    const Timing tbk = time_kernel(
-        [&](cudaStream_t st) {
-          KdaBackwardParams q = bk;
-          q.stream = st;
-          const Status r = kda_backward(q);
-          if (!r.ok()) {
-            std::fprintf(stderr, "%s backward from the forward: %s\n", c.name.c_str(), r.message().c_str());
-            std::exit(1);
-          }
-        },
-        args.timing(), stream);
+    const Timing tbk = time_op(kda_backward, bk, c.name + " backward from the forward", args.timing(), stream);
 
     FLARE_BENCH_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
     count_nonfinite<<<1024, 256, 0, stream>>>(b.out, elems, bad);

@@ -142,17 +142,8 @@ int run(int argc, char** argv) {
     FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
 
     const KdaRecurrentParams p = make_params(c, b);
-    const Timing t = time_kernel(
-        [&](cudaStream_t st) {
-          KdaRecurrentParams q = p;
-          q.stream = st;
-          const Status r = kda_recurrent_step(q);
-          if (!r.ok()) {
-            std::fprintf(stderr, "%s: %s\n", c.name.c_str(), r.message().c_str());
-            std::exit(1);
-          }
-        },
-        args.timing({.warmup = 10, .repeats = 50, .flush_l2 = true, .cuda_graph = true}), stream);
+    const Timing t = time_op(kda_recurrent_step, p, c.name,
+                             args.timing({.warmup = 10, .repeats = 50, .flush_l2 = true, .cuda_graph = true}), stream);
 
     const int64_t out_elems = int64_t{c.seqs} * c.tokens * kHeads * kDim;
     FLARE_BENCH_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));

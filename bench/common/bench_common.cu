@@ -11,6 +11,12 @@
 
 namespace flare::bench {
 
+void check_ok(const Status& s, const std::string& what) {
+  if (s.ok()) return;
+  std::fprintf(stderr, "%s: %s\n", what.c_str(), s.message().c_str());
+  std::exit(1);
+}
+
 namespace detail {
 void check_cuda(cudaError_t err, const char* expr, const char* file, int line) {
   if (err == cudaSuccess) return;

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "bench/common/bench_stats.h"
+#include "flare/status.h"
 
 // Evaluates a cudaError_t expression; on failure prints the CUDA error with file:line and
 // exits(1). A benchmark that hits a CUDA error has no result worth continuing for.
@@ -65,6 +66,23 @@ void flush_l2(cudaStream_t stream);
 // failure exits(1) with its message.
 Timing time_kernel(const std::function<void(cudaStream_t)>& launch, const TimingOptions& options,
                    cudaStream_t stream);
+
+// Prints "<what>: <message>" to stderr and exits(1) unless `s` is ok.
+void check_ok(const Status& s, const std::string& what);
+
+// time_kernel of a flare call that takes its params (stream inside): each sample calls op on a
+// copy of `params` given the sample's stream; a failing call exits with `what` and its message.
+template <typename Params, typename Op>
+Timing time_op(Op op, const Params& params, const std::string& what, const TimingOptions& options,
+               cudaStream_t stream) {
+  return time_kernel(
+      [&](cudaStream_t st) {
+        Params q = params;
+        q.stream = st;
+        check_ok(op(q), what);
+      },
+      options, stream);
+}
 
 // ---- ceilings ----------------------------------------------------------------------------------
 
