@@ -10,25 +10,11 @@ the GPU machine: carry the fla-core and einops wheels (pip download --no-deps in
 them on PYTHONPATH. Prints a note and exits 0 when fla cannot be imported. Writes JSON with --json."""
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
-
-def time_ms(fn, warmup=3, repeats=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from cuda_timing import time_ms
 
 
 def main():
@@ -78,7 +64,7 @@ def main():
                     return chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw)
 
             name = label + (" layer" if layer else "")
-            ms = time_ms(fwd)
+            ms = time_ms(fwd, 3, 10)
             print(f"fla chunk_kda fwd {name}: {ms:.3f} ms", flush=True)
             records.append({"name": "fla_kda_fwd " + name, "metrics": {"median_ms": ms}})
             if args.no_backward:
@@ -94,7 +80,7 @@ def main():
                 o, ht = chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw)
                 return torch.autograd.grad([o, ht], leaves, [do, dht])
 
-            ms = time_ms(fwd_bwd)
+            ms = time_ms(fwd_bwd, 3, 10)
             print(f"fla chunk_kda fwd+bwd {name}: {ms:.3f} ms", flush=True)
             records.append({"name": "fla_kda_fwd_bwd " + name, "metrics": {"median_ms": ms}})
     if args.json:

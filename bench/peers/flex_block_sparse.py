@@ -25,9 +25,10 @@ extension built in place by tools/python-check, python/ on PYTHONPATH or found n
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from cuda_timing import time_ms
 
 ROOT = Path(__file__).resolve().parents[2]
 MASKS = ("causal", "window", "document", "random")
@@ -66,22 +67,6 @@ def random_blocks(num_blocks, density, seed):
     count = round(density * num_blocks * num_blocks)
     chosen = set(rng.sample(range(num_blocks * num_blocks), count))
     return [[m * num_blocks + n in chosen for n in range(num_blocks)] for m in range(num_blocks)]
-
-
-def time_ms(fn, warmup, repeats):
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def import_flare():

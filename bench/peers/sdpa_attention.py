@@ -5,28 +5,15 @@ Forward and backward, median of CUDA-event timings after warm-up, FLOPs counted 
 counts them (4*b*h*s*s*d forward, halved for causal; backward 2.5x). Writes JSON with --json."""
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import time_ms
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def time_ms(fn, warmup=5, repeats=30):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -51,12 +38,12 @@ def main():
                     try:
                         with sdpa_kernel([BACKENDS[be]]):
                             fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                            fms = time_ms(fwd)
+                            fms = time_ms(fwd, 5, 30)
                             bms = float("nan")
                             if not args.no_backward:
                                 out = fwd()
                                 g = torch.randn_like(out)
-                                bms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
+                                bms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 5, 30)
                     except RuntimeError as e:
                         print(f"{name:28s} {be:10s} unsupported: {str(e).splitlines()[0][:60]}")
                         continue
