@@ -2,7 +2,7 @@
 
 The GPU is first put to sleep (torch.cuda._sleep) so that every timed launch only queues: the wall
 time of a loop of launches is then the host's cost per call, whatever the kernel's duration.
-Variants, each `--iters` calls, median of `--repeats` loops:
+Variants, each `--iters` calls per loop, one loop of each per round, `--repeats` rounds:
   cpp            flare::decode_run in a C++ loop (plan made once): the C++ launch
   op             torch.ops.flare.decode (dispatcher + binding, plan re-derived per call)
   direct         flare._C.decode: the binding without the dispatcher (the API's eager path)
@@ -44,7 +44,7 @@ def host_us_per_call(fn, iters, repeats):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--json")
     args = parser.parse_args()
     dev = "cuda"
@@ -72,38 +72,51 @@ def main():
     variants["fwd_op"] = lambda: torch.ops.flare.fwd(qf, qf, qf, None, None, 0, 0, None, 0.0, True, -1, -1, 0.0,
                                                      False)
 
-    results = {}
-    with torch.no_grad():
-        for name, fn in variants.items():
-            if name == "cpp":
-                samples = []
-                for _ in range(args.repeats):
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(200_000_000)
-                    samples.append(1e6 * _C.bench_decode_run_loop(q, k_cache, v_cache, seqlens, ws,
-                                                                  plan.num_splits, args.iters))
-                    torch.cuda.synchronize()
-                us = statistics.median(samples)
-            else:
-                for _ in range(20):
-                    fn()
-                us = host_us_per_call(fn, args.iters, args.repeats)
-            results[name] = us
-        # The Python wrapper alone: the API with flare._C.decode replaced by a stub that does nothing.
-        real_c = kvcache._C
-        kvcache._C = types.SimpleNamespace(decode=lambda q, *rest: (q, q))
+    def cpp_loop():
+        return 1e6 * _C.bench_decode_run_loop(q, k_cache, v_cache, seqlens, ws, plan.num_splits, args.iters)
+
+    # The Python wrapper alone: the API with flare._C.decode replaced by a stub that does nothing.
+    real_c = kvcache._C
+    stub_c = types.SimpleNamespace(decode=lambda q, *rest: (q, q))
+
+    def wrapper_only():
+        kvcache._C = stub_c
         try:
-            results["api_wrapper_only"] = host_us_per_call(variants["api"], args.iters, args.repeats)
+            return host_us_per_call(variants["api"], args.iters, 1)
         finally:
             kvcache._C = real_c
+
+    # Rounds: every variant once per round, in the same order, so a slow stretch of the (virtual)
+    # host hits all of them alike; each variant's figure is its median over the rounds, and the
+    # overhead of a path is the median over rounds of (path - cpp) within the round.
+    samples = {name: [] for name in variants}
+    samples["api_wrapper_only"] = []
+    with torch.no_grad():
+        for name, fn in variants.items():
+            if fn is not None:
+                for _ in range(20):
+                    fn()
+        for _ in range(args.repeats):
+            for name, fn in variants.items():
+                if name == "cpp":
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(200_000_000)
+                    samples[name].append(cpp_loop())
+                    torch.cuda.synchronize()
+                else:
+                    samples[name].append(host_us_per_call(fn, args.iters, 1))
+            samples["api_wrapper_only"].append(wrapper_only())
+    results = {name: statistics.median(v) for name, v in samples.items()}
+    over = {name: statistics.median(a - c for a, c in zip(samples[name], samples["cpp"]))
+            for name in ("op", "direct", "api", "api_autoplan")}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; decode bf16 batch {batch}, heads "
           f"{heads}/{heads_kv}, d {d}, cache {cache_len}, plan {plan.kernel} x{plan.num_splits} ({plan.source})")
     for name, us in results.items():
-        extra = f"  (+{us - results['cpp']:.2f} us over cpp)" if name in ("op", "direct", "api", "api_autoplan") else ""
+        extra = f"  (+{over[name]:.2f} us over cpp, median of the rounds)" if name in over else ""
         print(f"  {name:14s} {us:7.2f} us/call host{extra}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"median_us": results, "over_cpp_us": over, "samples": samples}, f, indent=1)
 
 
 if __name__ == "__main__":

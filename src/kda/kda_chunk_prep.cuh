@@ -152,32 +152,54 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
 
 // The cumulative activated gate (log2 units) of one chunk, in place over gam's 64 rows: row i
 // holds the sum over rows j <= i, j < len (rows from len on hold the total). raw(i, c) is the gate
-// as stored (it may read gam itself). Every thread works: kThreads / K threads per channel take
-// consecutive row ranges, then add the totals of the ranges before theirs, exchanged through
-// scratch[kThreads]. Ends with a barrier.
+// as stored (it may read gam itself). Every thread works on kSegs / (kThreads / K) segments of 8
+// rows of one channel (independent chains), then adds the totals of the segments before each: those
+// are the segments' last rows, read before anyone adds (a barrier between). Ends with a barrier.
 template <int K, int kThreads, int LD, typename Raw>
-__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw,
-                                              float* scratch) {
-  constexpr int kParts = kThreads / K, kRows = kKdaChunk / kParts;
-  static_assert(kThreads % K == 0 && kParts > 1 && kKdaChunk % kParts == 0, "whole row ranges per thread");
-  const int c = threadIdx.x % K, part = threadIdx.x / K, i0 = part * kRows;
+__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
+  constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K, kMine = kSegs / kStep;
+  static_assert(kThreads % K == 0 && kSegs % kStep == 0, "whole segments per thread");
+  const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
   const GateActivation activate(a, hv, c);
-  float run = 0.f;
-#pragma unroll 8
-  for (int r = 0; r < kRows; ++r) {
-    const int i = i0 + r;
-    if (i < len) run += activate(raw(i, c)) * kRcpLn2;
-    gam[i][c] = run;
-  }
-  scratch[threadIdx.x] = run;
-  __syncthreads();
-  float offset = 0.f;
+  // Segment sums, the segments' chains interleaved. With the activation the row loop stays rolled
+  // (its softplus and sigmoid are long: unrolled, their copies made the code outgrow the
+  // instruction cache).
+  float run[kMine];
 #pragma unroll
-  for (int p = 0; p < kParts - 1; ++p)
-    if (p < part) offset += scratch[p * K + c];
-  if (part > 0)
-#pragma unroll 8
-    for (int r = 0; r < kRows; ++r) gam[i0 + r][c] += offset;
+  for (int m = 0; m < kMine; ++m) run[m] = 0.f;
+  auto add_row = [&](int r, auto act) {
+#pragma unroll
+    for (int m = 0; m < kMine; ++m) {
+      const int i = (seg0 + m * kStep) * kSegRows + r;
+      if (i < len) run[m] += act(raw(i, c)) * kRcpLn2;
+      gam[i][c] = run[m];
+    }
+  };
+  if (activate.on) {
+#pragma unroll 1
+    for (int r = 0; r < kSegRows; ++r) add_row(r, activate);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) add_row(r, [](float g) { return g; });
+  }
+  __syncthreads();
+  float total[kSegs - 1], offset[kMine];
+#pragma unroll
+  for (int q = 0; q < kSegs - 1; ++q) total[q] = gam[q * kSegRows + kSegRows - 1][c];
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) {
+    offset[m] = 0.f;
+#pragma unroll
+    for (int q = 0; q < kSegs - 1; ++q)
+      if (q < seg0 + m * kStep) offset[m] += total[q];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) {
+    const int i0 = (seg0 + m * kStep) * kSegRows;
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) gam[i0 + r][c] += offset[m];
+  }
   __syncthreads();
 }
 
@@ -240,12 +262,9 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     l2norm_rows<T, K, kRows>(s.q, warp * kRows);
     l2norm_rows<T, K, kRows>(s.k, warp * kRows);
   }
-  // s.ref is the scratch of the partial sums until the references fill it.
-  static_assert(sizeof(s.ref) >= C::kThreads * sizeof(float), "s.ref holds one partial sum per thread");
-  cumulate_gate<K, C::kThreads>(
-      s.gam, a, hv, ch.len,
-      [&](int i, int c) { return a.scalar_gate ? s.scalar_gate[i] : a.g_fp32 ? s.gam[i][c] : to_float(s.kb[i][c]); },
-      &s.ref[0][0]);
+  cumulate_gate<K, C::kThreads>(s.gam, a, hv, ch.len, [&](int i, int c) {
+    return a.scalar_gate ? s.scalar_gate[i] : a.g_fp32 ? s.gam[i][c] : to_float(s.kb[i][c]);
+  });
   for (int c = tid; c < K; c += C::kThreads) {
     float m[4];
 #pragma unroll
