@@ -89,8 +89,19 @@ __device__ __forceinline__ float load_scalar(const void* p, bool fp32, int64_t a
   return fp32 ? static_cast<const float*>(p)[at] : to_float(static_cast<const T*>(p)[at]);
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
-__device__ __forceinline__ float softplusf(float x) { return x > 0.f ? x + log1pf(__expf(-x)) : log1pf(__expf(x)); }
+// The activations on the fast units (MUFU exp2, log2, reciprocal), without IEEE division or the
+// libm log1pf: their relative error (a few 1e-6) is far below the 16-bit operands they feed, and
+// in the layer mode's kernels the accurate forms took a quarter of the time.
+// 1 / (1 + e^-x): 0 where e^-x overflows.
+__device__ __forceinline__ float sigmoidf(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+// log(1 + e) for e in [0, 1]: the series to e^4 below 1/16 (relative error < e^4 / 5), else the
+// MUFU log (absolute error 2^-22, relative < 4e-6 above log(17/16)).
+__device__ __forceinline__ float log1p_unit(float e) {
+  if (e < 0.0625f) return e * (1.f - e * (0.5f - e * (1.f / 3.f - e * 0.25f)));
+  return __logf(1.f + e);
+}
+// log(1 + e^x) = max(x, 0) + log(1 + e^-|x|)
+__device__ __forceinline__ float softplusf(float x) { return fmaxf(x, 0.f) + log1p_unit(__expf(-fabsf(x))); }
 
 // The gate activation of one key channel of one value head, as in flare::KdaOptions:
 // the activated log decay (natural log) of a raw gate value.
