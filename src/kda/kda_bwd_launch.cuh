@@ -32,9 +32,9 @@ template <typename T, int K, int V>
 Status launch_backward(const KdaBwdArgs& b, cudaStream_t stream) {
   const KdaFwdArgs& a = b.fwd;
   if (!b.prep_done) FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
-  // The passes are sequential along T like the forward's: the same value-slice width.
-  FLARE_CUDA_RETURN(with_state_slice_width<V>(
-      a, [&](auto bv) { return launch_state_passes<T, K, V, decltype(bv)::value>(b, stream); }));
+  // The passes are sequential along T like the forward's: the same value-slice width, at most 64.
+  FLARE_CUDA_RETURN((with_state_slice_width<V, 64>(
+      a, [&](auto bv) { return launch_state_passes<T, K, V, decltype(bv)::value>(b, stream); })));
   if (a.max_chunks > 0)
     FLARE_CUDA_RETURN(launch(kda_chunk_grad_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v),
                              GradConfig<K, V>::kThreads, sizeof(GradSmem<T, K, V>), stream, b));

@@ -20,15 +20,18 @@ cudaError_t launch_chunk_table(const KdaFwdArgs& a, cudaStream_t stream);
 
 // Value columns per state-pass CTA: the widest slice that still gives (about) every SM a CTA:
 // the pass is sequential along T, so CTAs, not chunks, are its parallelism, and a wider slice
-// re-reads each chunk's w, qg, kg fewer times. Measured on the H100 (B1 T32768, 32 heads): 32
-// columns (128 CTAs) 5.19 ms, 64 (64 CTAs) 5.28, 16 (256 CTAs, one per SM for shared memory) 6.75. FLARE_KDA_STATE_BV overrides it (tuning).
-inline int state_slice_width(const KdaFwdArgs& a, int num_sms) {
+// re-reads each chunk's w, qg, kg fewer times and puts more warps on an SM (shared memory holds one
+// CTA per SM at every width). Measured on the H100 (B1 T32768, 32 heads): 32 columns (128 CTAs)
+// 5.19 ms, 64 (64 CTAs) 5.28, 16 (256 CTAs, one per SM for shared memory) 6.75. max_bv: the
+// widest slice the caller's kernels take. FLARE_KDA_STATE_BV overrides it (tuning).
+inline int state_slice_width(const KdaFwdArgs& a, int num_sms, int max_bv) {
   if (const char* env = std::getenv("FLARE_KDA_STATE_BV")) {
     const int bv = std::atoi(env);
-    if ((bv == 16 || bv == 32 || bv == 64) && a.value_dim % bv == 0) return bv;
+    if ((bv == 16 || bv == 32 || bv == 64 || bv == 128) && bv <= max_bv && a.value_dim % bv == 0) return bv;
   }
   const int64_t heads = int64_t{a.num_seqs} * a.heads_v;
   auto ctas = [&](int bv) { return heads * (a.value_dim / bv); };
+  if (max_bv >= 128 && a.value_dim % 128 == 0 && ctas(128) >= num_sms) return 128;
   if (a.value_dim % 64 == 0 && ctas(64) >= num_sms) return 64;
   return ctas(32) * 2 >= num_sms ? 32 : 16;
 }
@@ -59,10 +62,13 @@ Status launch_chunk_prep(const KdaFwdArgs& a, cudaStream_t stream) {
 }
 
 // Calls launch(std::integral_constant<int, BV>) with the value-slice width of the sequential
-// state passes (state_slice_width; 64 only where it divides V).
-template <int V, typename Launch>
+// state passes (state_slice_width; a width only where it divides V and is at most MaxBV).
+template <int V, int MaxBV, typename Launch>
 cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
-  switch (state_slice_width(a, detail::current_device_facts().num_sms)) {
+  switch (state_slice_width(a, detail::current_device_facts().num_sms, MaxBV)) {
+    case 128:
+      if constexpr (V % 128 == 0 && MaxBV >= 128) return launch(std::integral_constant<int, 128>{});
+      return cudaSuccess;
     case 64:
       if constexpr (V % 64 == 0) return launch(std::integral_constant<int, 64>{});
       return cudaSuccess;
@@ -76,8 +82,8 @@ cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
 template <typename T, int K, int V>
 Status launch_forward(const KdaFwdArgs& a, cudaStream_t stream) {
   FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
-  FLARE_CUDA_RETURN(with_state_slice_width<V>(
-      a, [&](auto bv) { return launch_state_pass<T, K, V, decltype(bv)::value>(a, stream); }));
+  FLARE_CUDA_RETURN((with_state_slice_width<V, 128>(
+      a, [&](auto bv) { return launch_state_pass<T, K, V, decltype(bv)::value>(a, stream); })));
   return Status::Ok();
 }
 

@@ -19,10 +19,12 @@ namespace flare::kda {
 
 template <int K, int BV>
 struct StateConfig {
-  static_assert(BV % 16 == 0 && BV <= 64, "BV: 16, 32 or 64 value columns");
+  static_assert(BV % 16 == 0 && BV <= 128, "BV: 16, 32, 64 or 128 value columns");
   static constexpr int kWarps = BV / 16;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kStages = 3;  // two chunks in flight while one is computed
+  // Two chunks in flight while one is computed; one at the widest slice, whose 8 warps hide the
+  // loads' latency instead (three stages would not fit in shared memory).
+  static constexpr int kStages = BV > 64 ? 2 : 3;
   static constexpr int kLdK = K + 8;  // 16-byte padding: conflict-free ldmatrix
   static constexpr int kLdP = kKdaChunk + 8;
   static constexpr int kLdU = BV + 8;

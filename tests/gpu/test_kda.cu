@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -197,6 +198,20 @@ TEST(KdaForward, HeadDims) {
       c.K = K, c.V = V, c.T = 130, c.initial_state = true;
       run_case(c, 20 + K + V);
     }
+}
+
+// Every value-slice width of the state pass (the heuristic takes the widest that fills the GPU,
+// so the small cases above see only the narrow ones), forced through FLARE_KDA_STATE_BV.
+TEST(KdaForward, StateSliceWidths) {
+  FLARE_REQUIRE_GPU();
+  for (int bv : {16, 32, 64, 128}) {
+    ASSERT_EQ(setenv("FLARE_KDA_STATE_BV", std::to_string(bv).c_str(), 1), 0);
+    Case c;
+    c.name = "BV " + std::to_string(bv);
+    c.T = 300, c.HV = 4, c.H = 2, c.initial_state = true;
+    run_case(c, 40 + bv);
+  }
+  unsetenv("FLARE_KDA_STATE_BV");
 }
 
 TEST(KdaForward, GroupedValueHeads) {
