@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -350,6 +351,21 @@ TEST(KdaBackward, HeadDims) {
       c.K = K, c.V = V, c.T = 130;
       run_case(c, 20 + K + V);
     }
+}
+
+// Every value-slice width of the record and reverse state passes (16 to 64; 128 columns were
+// measured no faster there), forced through FLARE_KDA_STATE_BV: the small cases above see only the
+// narrow ones.
+TEST(KdaBackward, StateSliceWidths) {
+  FLARE_REQUIRE_GPU();
+  for (int bv : {16, 32, 64}) {
+    ASSERT_EQ(setenv("FLARE_KDA_STATE_BV", std::to_string(bv).c_str(), 1), 0);
+    Case c;
+    c.name = "BV " + std::to_string(bv);
+    c.T = 200, c.H = 2, c.HV = 4, c.initial_state = true;
+    run_case(c, 40 + bv);
+  }
+  unsetenv("FLARE_KDA_STATE_BV");
 }
 
 TEST(KdaBackward, GroupedValueHeads) {
