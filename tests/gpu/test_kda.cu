@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +24,7 @@
 #include "reference/kda_ref.h"
 #include "tests/gpu/gpu_harness.h"
 #include "tests/gpu/kda_option_cases.h"
+#include "tests/gpu/kda_state_slice.h"
 
 namespace flare::test {
 namespace {
@@ -204,14 +204,12 @@ TEST(KdaForward, HeadDims) {
 // so the small cases above see only the narrow ones), forced through FLARE_KDA_STATE_BV.
 TEST(KdaForward, StateSliceWidths) {
   FLARE_REQUIRE_GPU();
-  for (int bv : {16, 32, 64, 128}) {
-    ASSERT_EQ(setenv("FLARE_KDA_STATE_BV", std::to_string(bv).c_str(), 1), 0);
+  with_each_state_slice_width({16, 32, 64, 128}, [](int bv) {
     Case c;
     c.name = "BV " + std::to_string(bv);
     c.T = 300, c.HV = 4, c.H = 2, c.initial_state = true;
     run_case(c, 40 + bv);
-  }
-  unsetenv("FLARE_KDA_STATE_BV");
+  });
 }
 
 TEST(KdaForward, GroupedValueHeads) {

@@ -20,7 +20,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -34,6 +33,7 @@
 #include "tests/common/status_checks.h"
 #include "tests/gpu/gpu_harness.h"
 #include "tests/gpu/kda_option_cases.h"
+#include "tests/gpu/kda_state_slice.h"
 
 namespace flare::test {
 namespace {
@@ -358,14 +358,12 @@ TEST(KdaBackward, HeadDims) {
 // narrow ones.
 TEST(KdaBackward, StateSliceWidths) {
   FLARE_REQUIRE_GPU();
-  for (int bv : {16, 32, 64}) {
-    ASSERT_EQ(setenv("FLARE_KDA_STATE_BV", std::to_string(bv).c_str(), 1), 0);
+  with_each_state_slice_width({16, 32, 64}, [](int bv) {
     Case c;
     c.name = "BV " + std::to_string(bv);
     c.T = 200, c.H = 2, c.HV = 4, c.initial_state = true;
     run_case(c, 40 + bv);
-  }
-  unsetenv("FLARE_KDA_STATE_BV");
+  });
 }
 
 TEST(KdaBackward, GroupedValueHeads) {
