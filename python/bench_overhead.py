@@ -28,17 +28,22 @@ import flare  # noqa: E402
 from flare import _C, kvcache  # noqa: E402
 
 
-def host_us_per_call(fn, iters, repeats):
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the launches below only queue
+def asleep(measure):
+    """measure() while the GPU sleeps (~0.1 s of GPU time): the launches it makes only queue."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    result = measure()
+    torch.cuda.synchronize()
+    return result
+
+
+def host_us_per_call(fn, iters):
+    def loop():
         start = time.perf_counter()
         for _ in range(iters):
             fn()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+        return (time.perf_counter() - start) / iters * 1e6
+    return asleep(loop)
 
 
 def main():
@@ -82,7 +87,7 @@ def main():
     def wrapper_only():
         kvcache._C = stub_c
         try:
-            return host_us_per_call(variants["api"], args.iters, 1)
+            return host_us_per_call(variants["api"], args.iters)
         finally:
             kvcache._C = real_c
 
@@ -98,13 +103,7 @@ def main():
                     fn()
         for _ in range(args.repeats):
             for name, fn in variants.items():
-                if name == "cpp":
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(200_000_000)
-                    samples[name].append(cpp_loop())
-                    torch.cuda.synchronize()
-                else:
-                    samples[name].append(host_us_per_call(fn, args.iters, 1))
+                samples[name].append(asleep(cpp_loop) if fn is None else host_us_per_call(fn, args.iters))
             samples["api_wrapper_only"].append(wrapper_only())
     results = {name: statistics.median(v) for name, v in samples.items()}
     over = {name: statistics.median(a - c for a, c in zip(samples[name], samples["cpp"]))

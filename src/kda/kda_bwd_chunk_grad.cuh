@@ -119,9 +119,8 @@ struct GateChain {
       const float u = coef * z, s = sigmoidf(u), d_u = lower_bound * s * (1.f - s);
       return {d_u * coef, has_A_log ? d_u * u : 0.f};
     }
-    // -coef softplus(z): d/dz = -coef sigmoid(z); both from e = e^-|z|
-    const float e = __expf(-fabsf(z)), r = __fdividef(1.f, 1.f + e);
-    return {-coef * (z >= 0.f ? r : e * r), -coef * (fmaxf(z, 0.f) + log1p_unit(e))};
+    const Softplus sp = softplus_with_slope(z);  // -coef softplus(z): d/dz = -coef sigmoid(z)
+    return {-coef * sp.slope, -coef * sp.value};
   }
 };
 

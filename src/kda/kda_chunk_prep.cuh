@@ -100,8 +100,15 @@ __device__ __forceinline__ float log1p_unit(float e) {
   if (e < 0.0625f) return e * (1.f - e * (0.5f - e * (1.f / 3.f - e * 0.25f)));
   return __logf(1.f + e);
 }
-// log(1 + e^x) = max(x, 0) + log(1 + e^-|x|)
-__device__ __forceinline__ float softplusf(float x) { return fmaxf(x, 0.f) + log1p_unit(__expf(-fabsf(x))); }
+// softplus(x) = log(1 + e^x) = max(x, 0) + log(1 + e^-|x|) and its slope sigmoid(x), from one e^-|x|.
+struct Softplus {
+  float value, slope;
+};
+__device__ __forceinline__ Softplus softplus_with_slope(float x) {
+  const float e = __expf(-fabsf(x)), r = __fdividef(1.f, 1.f + e);
+  return {fmaxf(x, 0.f) + log1p_unit(e), x >= 0.f ? r : e * r};
+}
+__device__ __forceinline__ float softplusf(float x) { return softplus_with_slope(x).value; }
 
 // The gate activation of one key channel of one value head, as in flare::KdaOptions:
 // the activated log decay (natural log) of a raw gate value.
