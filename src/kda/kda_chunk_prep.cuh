@@ -5,9 +5,9 @@
 //
 //   load      q, k, v (cp.async), the gate (activated in flight), beta
 //   cumsum    Gam = cumulative gate; per sub-chunk the reference m_I = Gam at row 16 I + 7
-//   scale     qa = q 2^(Gam - m_I), ka = beta k 2^(Gam - m_I), kb = k 2^(m_J - Gam)   (smem)
+//   scale     qa = scale q 2^(Gam - m_I), ka = beta k 2^(Gam - m_I), kb = k 2^(m_J - Gam) (smem)
 //             qg = scale q 2^Gam, kg = k 2^(Gam_last - Gam)                        (global)
-//   L, P      block (I, J <= I): P = scale (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T
+//   L, P      block (I, J <= I): P = (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T (bf16 products)
 //   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by block
 //             substitution A_IJ = -A_II sum_{M=J}^{I-1} L_IM A_MJ (fp32)
 //   w, u      w = A (beta k 2^Gam), u = A (beta v)                               (global)
@@ -19,6 +19,8 @@
 // Beyond that the exponents are clamped (results degrade, never inf or NaN). qg and kg, which
 // carry the state between chunks, are formed from exact exponent differences.
 #pragma once
+
+#include <type_traits>
 
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_tiles.cuh"
@@ -129,14 +131,21 @@ struct GateActivation {
   }
 };
 
-// rows [0, 64) of a [token][dim] operand into smem with 16-byte cp.async; rows >= len are zeros.
-template <typename T, int D, int LD>
+// rows [0, 64) of a [token][dim] operand into smem with 16-byte cp.async by kThreads threads;
+// rows >= len are zeros. Each thread keeps one 16-byte column and steps its row pointer (the
+// index arithmetic of a flat loop cost some 26 instructions per copy).
+template <typename T, int D, int LD, int kThreads = 256>
 __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t token_stride, int len) {
-  constexpr int kPerVec = 16 / sizeof(T), kVecs = D / kPerVec;
-  for (int idx = threadIdx.x; idx < kKdaChunk * kVecs; idx += blockDim.x) {
-    const int i = idx / kVecs, c = (idx % kVecs) * kPerVec;
-    const bool valid = i < len;
-    cp_async_16(&dst[i][c], src + (valid ? i * token_stride + c : 0), valid);
+  constexpr int kPerVec = 16 / sizeof(T), kVecs = D / kPerVec, kRowStep = kThreads / kVecs;
+  static_assert(kThreads % kVecs == 0 && kKdaChunk % kRowStep == 0, "whole rows per pass");
+  const int c = (threadIdx.x % kVecs) * kPerVec, r0 = threadIdx.x / kVecs;
+  const T* p = src + r0 * token_stride + c;
+  const int64_t step = kRowStep * token_stride;
+#pragma unroll
+  for (int n = 0; n < kKdaChunk / kRowStep; ++n) {
+    const int i = r0 + n * kRowStep;
+    cp_async_16(&dst[i][c], i < len ? p : src, i < len);
+    p += step;
   }
 }
 
@@ -221,11 +230,49 @@ __device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs
   __syncthreads();
 }
 
+// acc[0..3] += sum over k in [k0, k1) of x[k] y[k][0..3]: x a row of fp32 in smem, y fp32 rows of
+// LDY floats; k0 and k1 multiples of 4, all 16-byte aligned.
+template <int LDY>
+__device__ __forceinline__ void row_times_cols4(float (&acc)[4], const float* x, const float* y, int k0, int k1) {
+#pragma unroll 2
+  for (int k = k0; k < k1; k += 4) {
+    const float4 xv = *reinterpret_cast<const float4*>(x + k);
+    const float xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      const float4 yv = *reinterpret_cast<const float4*>(y + (k + d) * LDY);
+      acc[0] += xs[d] * yv.x;
+      acc[1] += xs[d] * yv.y;
+      acc[2] += xs[d] * yv.z;
+      acc[3] += xs[d] * yv.w;
+    }
+  }
+}
+__device__ __forceinline__ void store4(float* dst, const float (&v)[4], float factor = 1.f) {
+  *reinterpret_cast<float4*>(dst) = make_float4(factor * v[0], factor * v[1], factor * v[2], factor * v[3]);
+}
+
 // A 16-bit pair scaled by a per-column factor pair, repacked.
 template <typename T>
 __device__ __forceinline__ uint32_t scale2(uint32_t x, float2 f) {
   const float2 v = unpack2<T>(x);
   return pack2<T>(v.x * f.x, v.y * f.y);
+}
+
+// An A fragment (16 x 16, T) scaled by per-column factors: lo for its columns 2t, 2t + 1, hi for
+// 2t + 8, 2t + 9. bf16 by packed multiplies (the factors rounded to bf16 first: fp32's exponent
+// range, one more rounding); fp16 through fp32, since there factors below 2^-14 would lose their
+// precision as subnormals and the product would carry that loss times the operand.
+template <typename T>
+__device__ __forceinline__ void scale_a_fragment(uint32_t (&out)[4], const uint32_t (&a)[4], float2 lo, float2 hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t l = pack2<T>(lo.x, lo.y), h = pack2<T>(hi.x, hi.y);
+    out[0] = mul2<T>(a[0], l), out[1] = mul2<T>(a[1], l);
+    out[2] = mul2<T>(a[2], h), out[3] = mul2<T>(a[3], h);
+  } else {
+    out[0] = scale2<T>(a[0], lo), out[1] = scale2<T>(a[1], lo);
+    out[2] = scale2<T>(a[2], hi), out[3] = scale2<T>(a[3], hi);
+  }
 }
 
 template <typename T, int K, int V>
@@ -316,7 +363,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
         const float G = s.gam[i][c], x = G - s.ref[I][c];
         const float up = exp2_clamped(x), down = exp2_clamped(-x);
         const float qf = to_float(qv[e]), kf = to_float(kv[e]);
-        qa[e] = from_float<T>(qf * up);
+        qa[e] = from_float<T>(a.scale * qf * up);
         ka[e] = from_float<T>(beta * kf * up);
         kb[e] = from_float<T>(kf * down);
         qgv[e] = from_float<T>(a.scale * qf * exp2_clamped(G));
@@ -351,11 +398,9 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
           if (J == I) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) a_r[r] = ar[kk][r];
-          } else {
+          } else {  // columns kk 16 + 2t (+1) and kk 16 + 2t + 8 (+1)
             const float* f = s.cross[sub_pair(I, J)] + kk * 16 + 2 * t;
-            const float2 lo = make_float2(f[0], f[1]), hi = make_float2(f[8], f[9]);
-            a_r[0] = scale2<T>(ar[kk][0], lo), a_r[1] = scale2<T>(ar[kk][1], lo);
-            a_r[2] = scale2<T>(ar[kk][2], hi), a_r[3] = scale2<T>(ar[kk][3], hi);
+            scale_a_fragment<T>(a_r, ar[kk], make_float2(f[0], f[1]), make_float2(f[8], f[9]));
           }
           load_b_rows(b, &s.kb[0][0], C::kLdK, J * 16, kk * 16);
           mma_pair<T>(acc[0], acc[1], a_r, b);
@@ -373,9 +418,9 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
           if (is_L) {
             s.wy.L[i][j] = j < i ? acc[nt][2 * half] : 0.f;
             s.wy.L[i][j + 1] = j + 1 < i ? acc[nt][2 * half + 1] : 0.f;
-          } else {
-            const float p0 = j <= i ? a.scale * acc[nt][2 * half] : 0.f;
-            const float p1 = j + 1 <= i ? a.scale * acc[nt][2 * half + 1] : 0.f;
+          } else {  // (qa carries the scale)
+            const float p0 = J < I || j <= i ? acc[nt][2 * half] : 0.f;
+            const float p1 = J < I || j + 1 <= i ? acc[nt][2 * half + 1] : 0.f;
             *reinterpret_cast<uint32_t*>(P + i * kKdaChunk + j) = pack2<T>(p0, p1);
           }
         }
@@ -421,31 +466,42 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   }
   __syncthreads();
 
-  // ---- (I + L)^-1, off-diagonal blocks by block substitution, one block row at a time ---------
+  // ---- (I + L)^-1, off-diagonal blocks by doubling: 16 -> 32 -> 64 rows ---------------------
+  // With B1 = A[0:32, 0:32] and B2 = A[32:64, 32:64] the inverse's lower-left block is
+  // -B2 L[32:64, 0:32] B1; each 32 x 32 diagonal block's own lower-left 16 x 16 block is found the
+  // same way from its diagonal blocks. Two products per level, four outputs per thread.
   {
-    float(*scratch)[kKdaSubChunk][kKdaSubChunk] = reinterpret_cast<float(*)[kKdaSubChunk][kKdaSubChunk]>(&s.kb[0][0]);
-    for (int I = 1; I < 4; ++I) {
-      // scratch[J] = sum_{M=J}^{I-1} L_IM A_MJ
-      for (int e = tid; e < I * 256; e += C::kThreads) {
-        const int J = e / 256, r = (e / 16) % 16, col = e % 16;
-        float acc = 0.f;
-        for (int M = J; M < I; ++M)
-#pragma unroll
-          for (int m = 0; m < kKdaSubChunk; ++m)
-            acc += s.wy.L[I * 16 + r][M * 16 + m] * s.wy.A[M * 16 + m][J * 16 + col];
-        scratch[J][r][col] = acc;
+    float* scratch = reinterpret_cast<float*>(&s.kb[0][0]);
+    constexpr int kLdA = C::kLdA;
+    {  // A_10 and A_32 = -A_II (L_IJ A_JJ), (I, J) = (1, 0) and (3, 2): threads 0-127
+      const bool mine = tid < 128;
+      const int b = (tid / 64) % 2, r = (tid / 4) % 16, c = (tid % 4) * 4, I = 2 * b + 1, J = 2 * b;
+      float* prod = scratch + b * 256;  // [16][16]
+      if (mine) {
+        float acc[4] = {};
+        row_times_cols4<kLdA>(acc, &s.wy.L[I * 16 + r][0], &s.wy.A[0][J * 16 + c], J * 16, J * 16 + 16);
+        store4(prod + r * 16 + c, acc);
       }
       __syncthreads();
-      // A_IJ = -A_II scratch[J]
-      for (int e = tid; e < I * 256; e += C::kThreads) {
-        const int J = e / 256, r = (e / 16) % 16, col = e % 16;
-        float acc = 0.f;
-#pragma unroll
-        for (int m = 0; m < kKdaSubChunk; ++m) acc += s.wy.A[I * 16 + r][I * 16 + m] * scratch[J][m][col];
-        s.wy.A[I * 16 + r][J * 16 + col] = -acc;
+      if (mine) {
+        float out[4] = {};
+        row_times_cols4<16>(out, &s.wy.A[I * 16 + r][I * 16], prod + c, 0, 16);
+        store4(&s.wy.A[I * 16 + r][J * 16 + c], out, -1.f);
       }
-      __syncthreads();
     }
+    __syncthreads();
+    {  // A[32:64, 0:32] = -B2 (L[32:64, 0:32] B1): row r, columns c .. c + 3 of each 32 x 32 product
+      const int r = tid / 8, c = (tid % 8) * 4;
+      float* prod = scratch;  // [32][32]
+      float acc[4] = {};
+      row_times_cols4<kLdA>(acc, &s.wy.L[32 + r][0], &s.wy.A[0][c], c < 16 ? 0 : 16, 32);
+      store4(prod + r * 32 + c, acc);
+      __syncthreads();
+      float out[4] = {};
+      row_times_cols4<32>(out, &s.wy.A[32 + r][32], prod + c, 0, r < 16 ? 16 : 32);
+      store4(&s.wy.A[32 + r][c], out, -1.f);
+    }
+    __syncthreads();
   }
 
   // ---- w = A x (warps 0-3), u = A (beta v) (warps 4-7): the 16 rows of block I ---------------
