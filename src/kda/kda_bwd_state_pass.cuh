@@ -48,24 +48,15 @@ __device__ __forceinline__ void load_bwd_chunk(BwdStateStage<T, K, BV>& st, cons
   const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
   const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
-  for (int idx = threadIdx.x; idx < kKdaChunk * K / 8; idx += kThreads) {
-    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    cp_async_16(&st.w[i][c], w + i * K + c, true);
-    cp_async_16(&st.qg[i][c], qg + i * K + c, true);
-    cp_async_16(&st.kg[i][c], kg + i * K + c, true);
-  }
-  for (int idx = threadIdx.x; idx < kKdaChunk * kKdaChunk / 8; idx += kThreads) {
-    const int i = idx / (kKdaChunk / 8), c = (idx % (kKdaChunk / 8)) * 8;
-    cp_async_16(&st.P[i][c], P + i * kKdaChunk + c, true);
-  }
+  using C = BwdStateConfig<K, BV>;
+  load_rows<T, K, C::kLdK, kThreads>(st.w, w, K, kKdaChunk);
+  load_rows<T, K, C::kLdK, kThreads>(st.qg, qg, K, kKdaChunk);
+  load_rows<T, K, C::kLdK, kThreads>(st.kg, kg, K, kKdaChunk);
+  load_rows<T, kKdaChunk, C::kLdP, kThreads>(st.P, P, kKdaChunk, kKdaChunk);
   const KdaChunk ch = chunk_at(a, chunk);
   const T* dO = static_cast<const T*>(b.dout) + ch.batch * b.dout_st.batch + ch.t0 * b.dout_st.token +
                 hv * b.dout_st.head + v0;
-  for (int idx = threadIdx.x; idx < kKdaChunk * BV / 8; idx += kThreads) {
-    const int i = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
-    const bool valid = i < ch.len;
-    cp_async_16(&st.dO[i][c], dO + (valid ? i * b.dout_st.token + c : 0), valid);
-  }
+  load_rows<T, BV, C::kLdO, kThreads>(st.dO, dO, b.dout_st.token, ch.len);
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
 }

@@ -44,15 +44,10 @@ __device__ __forceinline__ void load_record_chunk(RecordStage<T, K, BV>& st, con
   const T* w = static_cast<const T*>(a.w) + slot * kKdaChunk * K;
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
   const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
-  for (int idx = threadIdx.x; idx < kKdaChunk * K / 8; idx += kThreads) {
-    const int i = idx / (K / 8), c = (idx % (K / 8)) * 8;
-    cp_async_16(&st.w[i][c], w + i * K + c, true);
-    cp_async_16(&st.kg[i][c], kg + i * K + c, true);
-  }
-  for (int idx = threadIdx.x; idx < kKdaChunk * BV / 8; idx += kThreads) {
-    const int i = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
-    cp_async_16(&st.u[i][c], u + i * V + c, true);
-  }
+  using C = RecordConfig<K, BV>;
+  load_rows<T, K, C::kLdK, kThreads>(st.w, w, K, kKdaChunk);
+  load_rows<T, K, C::kLdK, kThreads>(st.kg, kg, K, kKdaChunk);
+  load_rows<T, BV, C::kLdU, kThreads>(st.u, u, V, kKdaChunk);
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
 }

@@ -8,8 +8,8 @@
 //   scale     qa = scale q 2^(Gam - m_I), ka = beta k 2^(Gam - m_I), kb = k 2^(m_J - Gam) (smem)
 //             qg = scale q 2^Gam, kg = k 2^(Gam_last - Gam)                        (global)
 //   L, P      block (I, J <= I): P = (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T (bf16 products)
-//   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by block
-//             substitution A_IJ = -A_II sum_{M=J}^{I-1} L_IM A_MJ (fp32)
+//   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by
+//             doubling: 32x32 diagonal blocks, then the lower-left 32x32 block (fp32)
 //   w, u      w = A (beta k 2^Gam), u = A (beta v)                               (global)
 //             (and A itself when a.A_inv is set: the backward's copy)
 //
@@ -141,7 +141,7 @@ __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t to
   const int c = (threadIdx.x % kVecs) * kPerVec, r0 = threadIdx.x / kVecs;
   const T* p = src + r0 * token_stride + c;
   const int64_t step = kRowStep * token_stride;
-#pragma unroll
+#pragma unroll 4  // (narrow CTAs have many rows per thread: unrolled fully they spilled)
   for (int n = 0; n < kKdaChunk / kRowStep; ++n) {
     const int i = r0 + n * kRowStep;
     cp_async_16(&dst[i][c], i < len ? p : src, i < len);
