@@ -10,7 +10,7 @@
 //   L, P      block (I, J <= I): P = (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T (bf16 products)
 //   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by
 //             doubling: 32x32 diagonal blocks, then the lower-left 32x32 block (fp32)
-//   w, u      w = A (beta k 2^Gam), u = A (beta v)                               (global)
+//   w, u      w = A (beta k 2^Gam), u = A Diag(beta) v                            (global)
 //             (and A itself when a.A_inv is set: the backward's copy)
 //
 // Safe exponents. Every factor 2^x that an MMA operand carries has |x| at most the gate summed
@@ -63,7 +63,7 @@ struct PrepSmem {
   using C = PrepConfig<K, V>;
   T q[kKdaChunk][C::kLdK];   // q -> qa
   T k[kKdaChunk][C::kLdK];   // k -> ka -> x = beta k 2^Gam
-  T v[kKdaChunk][C::kLdV];   // v -> beta v
+  T v[kKdaChunk][C::kLdV];   // v
   T kb[kKdaChunk][C::kLdK];  // kb; then the block substitution's scratch
   union {
     float gam[kKdaChunk][C::kLdG];  // cumulative gate (log2)
@@ -98,9 +98,11 @@ __device__ __forceinline__ float load_scalar(const void* p, bool fp32, int64_t a
 __device__ __forceinline__ float sigmoidf(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 // log(1 + e) for e in [0, 1]: the series to e^4 below 1/16 (relative error < e^4 / 5), else the
 // MUFU log (absolute error 2^-22, relative < 4e-6 above log(17/16)).
+// Both evaluated and one selected: the lanes of a warp rarely agree, and a branch ran both anyway.
 __device__ __forceinline__ float log1p_unit(float e) {
-  if (e < 0.0625f) return e * (1.f - e * (0.5f - e * (1.f / 3.f - e * 0.25f)));
-  return __logf(1.f + e);
+  const float series = e * (1.f - e * (0.5f - e * (1.f / 3.f - e * 0.25f)));
+  const float logf_ = __logf(1.f + e);
+  return e < 0.0625f ? series : logf_;
 }
 // softplus(x) = log(1 + e^x) = max(x, 0) + log(1 + e^-|x|) and its slope sigmoid(x), from one e^-|x|.
 struct Softplus {
@@ -150,18 +152,24 @@ __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t to
 }
 
 // x <- x / sqrt(sum x^2 + eps) for rows [row0, row0 + ROWS) by one warp; rstd[i] = 1 / sqrt(...)
-// when given. The rows' reductions are interleaved (ROWS independent shuffle chains).
+// when given. Each lane holds K / 32 adjacent elements of a row (one 4- or 8-byte access); the
+// rows' reductions are interleaved (ROWS independent shuffle chains).
 template <typename T, int K, int ROWS, int LD>
 __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = nullptr) {
-  const int lane = threadIdx.x % 32;
-  float vals[ROWS][K / 32], sum[ROWS];
+  static_assert(K == 64 || K == 128, "two or four elements per lane");
+  constexpr int kPer = K / 32;
+  using Vec = std::conditional_t<kPer == 4, uint2, uint32_t>;
+  const int lane = threadIdx.x % 32, c0 = lane * kPer;
+  float vals[ROWS][kPer], sum[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
+    alignas(8) T e[kPer];
+    *reinterpret_cast<Vec*>(e) = *reinterpret_cast<const Vec*>(&x[row0 + r][c0]);
     sum[r] = 0.f;
 #pragma unroll
-    for (int e = 0; e < K / 32; ++e) {
-      vals[r][e] = to_float(x[row0 + r][lane + 32 * e]);
-      sum[r] += vals[r][e] * vals[r][e];
+    for (int i = 0; i < kPer; ++i) {
+      vals[r][i] = to_float(e[i]);
+      sum[r] += vals[r][i] * vals[r][i];
     }
   }
 #pragma unroll
@@ -172,8 +180,10 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
   for (int r = 0; r < ROWS; ++r) {
     const float rs = rsqrtf(sum[r] + kL2NormEps);
     if (rstd != nullptr && lane == 0) rstd[row0 + r] = rs;
+    alignas(8) T e[kPer];
 #pragma unroll
-    for (int e = 0; e < K / 32; ++e) x[row0 + r][lane + 32 * e] = from_float<T>(vals[r][e] * rs);
+    for (int i = 0; i < kPer; ++i) e[i] = from_float<T>(vals[r][i] * rs);
+    *reinterpret_cast<Vec*>(&x[row0 + r][c0]) = *reinterpret_cast<const Vec*>(e);
   }
 }
 
@@ -429,7 +439,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   __syncthreads();
 
   // ---- (I + L)^-1, diagonal blocks: lane j < 16 of warp I solves column j of block (I, I) -----
-  // Meanwhile warps 4-7 turn ka into x = beta k 2^Gam and v into beta v, for w and u.
+  // Meanwhile warps 4-7 turn ka into x = beta k 2^Gam, for w.
   if (warp < C::kSubChunks) {
     if (lane < kKdaSubChunk) {
       const int o = warp * kKdaSubChunk, j = lane;
@@ -445,23 +455,19 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
       for (int r = 0; r < kKdaSubChunk; ++r) s.wy.A[o + r][o + j] = col[r];
     }
   } else {
-    const int id = tid - C::kThreads / 2;  // 128 threads
-    for (int idx = id; idx < kKdaChunk * K / 8; idx += C::kThreads / 2) {
-      const int i = idx / (K / 8), c0 = (idx % (K / 8)) * 8;
+    const int id = tid - C::kThreads / 2;  // 128 threads, each on 8 columns of every kStep-th row
+    constexpr int kVecs = K / 8, kStep = C::kThreads / 2 / kVecs;
+    const int c0 = (id % kVecs) * 8;
+#pragma unroll 2
+    for (int i = id / kVecs; i < kKdaChunk; i += kStep) {
       alignas(16) T x[8];
+      alignas(16) float f[8];
       *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(&s.k[i][c0]);
+      *reinterpret_cast<float4*>(f) = *reinterpret_cast<const float4*>(&s.ref_exp[i / kKdaSubChunk][c0]);
+      *reinterpret_cast<float4*>(f + 4) = *reinterpret_cast<const float4*>(&s.ref_exp[i / kKdaSubChunk][c0 + 4]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = from_float<T>(to_float(x[e]) * s.ref_exp[i / kKdaSubChunk][c0 + e]);
+      for (int e = 0; e < 8; ++e) x[e] = from_float<T>(to_float(x[e]) * f[e]);
       *reinterpret_cast<uint4*>(&s.k[i][c0]) = *reinterpret_cast<const uint4*>(x);
-    }
-    for (int idx = id; idx < kKdaChunk * V / 8; idx += C::kThreads / 2) {
-      const int i = idx / (V / 8), c0 = (idx % (V / 8)) * 8;
-      const float beta = s.beta[i];
-      alignas(16) T x[8];
-      *reinterpret_cast<uint4*>(x) = *reinterpret_cast<const uint4*>(&s.v[i][c0]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = from_float<T>(to_float(x[e]) * beta);
-      *reinterpret_cast<uint4*>(&s.v[i][c0]) = *reinterpret_cast<const uint4*>(x);
     }
   }
   __syncthreads();
@@ -504,18 +510,22 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     __syncthreads();
   }
 
-  // ---- w = A x (warps 0-3), u = A (beta v) (warps 4-7): the 16 rows of block I ---------------
+  // ---- w = A x (warps 0-3), u = (A Diag(beta)) v (warps 4-7): the 16 rows of block I ---------
   {
     const int I = warp % C::kSubChunks;
+    // A's fragments; for u, A Diag(beta) (beta scales the columns of A instead of the rows of v).
+    const bool for_u = warp >= C::kSubChunks;
     uint32_t aA[4][4];
 #pragma unroll
     for (int J = 0; J < 4; ++J) {
       const float* r0 = &s.wy.A[I * 16 + g][J * 16 + 2 * t];
       const float* r1 = &s.wy.A[I * 16 + g + 8][J * 16 + 2 * t];
-      aA[J][0] = pack2<T>(r0[0], r0[1]);
-      aA[J][1] = pack2<T>(r1[0], r1[1]);
-      aA[J][2] = pack2<T>(r0[8], r0[9]);
-      aA[J][3] = pack2<T>(r1[8], r1[9]);
+      const float* bj = &s.beta[J * 16 + 2 * t];
+      const float b0 = for_u ? bj[0] : 1.f, b1 = for_u ? bj[1] : 1.f, b8 = for_u ? bj[8] : 1.f, b9 = for_u ? bj[9] : 1.f;
+      aA[J][0] = pack2<T>(r0[0] * b0, r0[1] * b1);
+      aA[J][1] = pack2<T>(r1[0] * b0, r1[1] * b1);
+      aA[J][2] = pack2<T>(r0[8] * b8, r0[9] * b9);
+      aA[J][3] = pack2<T>(r1[8] * b8, r1[9] * b9);
     }
     if (a.A_inv != nullptr && warp < C::kSubChunks) {  // the backward keeps A, as rounded for w and u
       T* Ag = static_cast<T*>(a.A_inv) + slot * kKdaChunk * kKdaChunk + (I * 16 + g) * kKdaChunk + 2 * t;
