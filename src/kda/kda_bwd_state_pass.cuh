@@ -49,10 +49,10 @@ __device__ __forceinline__ void load_bwd_chunk(BwdStateStage<T, K, BV>& st, cons
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
   const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
   using C = BwdStateConfig<K, BV>;
-  load_rows<T, K, C::kLdK, kThreads>(st.w, w, K, kKdaChunk);
-  load_rows<T, K, C::kLdK, kThreads>(st.qg, qg, K, kKdaChunk);
-  load_rows<T, K, C::kLdK, kThreads>(st.kg, kg, K, kKdaChunk);
-  load_rows<T, kKdaChunk, C::kLdP, kThreads>(st.P, P, kKdaChunk, kKdaChunk);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
+  load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
   const KdaChunk ch = chunk_at(a, chunk);
   const T* dO = static_cast<const T*>(b.dout) + ch.batch * b.dout_st.batch + ch.t0 * b.dout_st.token +
                 hv * b.dout_st.head + v0;

@@ -45,9 +45,9 @@ __device__ __forceinline__ void load_record_chunk(RecordStage<T, K, BV>& st, con
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
   const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
   using C = RecordConfig<K, BV>;
-  load_rows<T, K, C::kLdK, kThreads>(st.w, w, K, kKdaChunk);
-  load_rows<T, K, C::kLdK, kThreads>(st.kg, kg, K, kKdaChunk);
-  load_rows<T, BV, C::kLdU, kThreads>(st.u, u, V, kKdaChunk);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
+  load_rows<T, BV, C::kLdU, kThreads, true>(st.u, u, V);
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
 }

@@ -134,20 +134,22 @@ struct GateActivation {
 };
 
 // rows [0, 64) of a [token][dim] operand into smem with 16-byte cp.async by kThreads threads;
-// rows >= len are zeros. Each thread keeps one 16-byte column and steps its row pointer (the
-// index arithmetic of a flat loop cost some 26 instructions per copy).
-template <typename T, int D, int LD, int kThreads = 256>
-__device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t token_stride, int len) {
+// rows >= len are zeros (kFull: len is 64, no row checks). Each thread keeps one 16-byte column and
+// steps its row pointers (the index arithmetic of a flat loop cost some 26 instructions per copy).
+template <typename T, int D, int LD, int kThreads = 256, bool kFull = false>
+__device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t token_stride, int len = kKdaChunk) {
   constexpr int kPerVec = 16 / sizeof(T), kVecs = D / kPerVec, kRowStep = kThreads / kVecs;
   static_assert(kThreads % kVecs == 0 && kKdaChunk % kRowStep == 0, "whole rows per pass");
   const int c = (threadIdx.x % kVecs) * kPerVec, r0 = threadIdx.x / kVecs;
   const T* p = src + r0 * token_stride + c;
+  T* d = &dst[r0][c];
   const int64_t step = kRowStep * token_stride;
-#pragma unroll 4  // (narrow CTAs have many rows per thread: unrolled fully they spilled)
+#pragma unroll 8  // (narrow CTAs have many rows per thread: unrolled fully they spilled)
   for (int n = 0; n < kKdaChunk / kRowStep; ++n) {
-    const int i = r0 + n * kRowStep;
-    cp_async_16(&dst[i][c], i < len ? p : src, i < len);
+    const bool valid = kFull || r0 + n * kRowStep < len;
+    cp_async_16(d, valid ? p : src, valid);
     p += step;
+    d += kRowStep * LD;
   }
 }
 

@@ -60,21 +60,12 @@ __device__ __forceinline__ void load_chunk(StateStage<T, K, BV>& st, const KdaFw
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
   const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
   const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
-  constexpr int kRowVecs = K / 8;
-  for (int idx = threadIdx.x; idx < kKdaChunk * kRowVecs; idx += kThreads) {
-    const int i = idx / kRowVecs, c = (idx % kRowVecs) * 8;
-    cp_async_16(&st.w[i][c], w + i * K + c, true);
-    cp_async_16(&st.qg[i][c], qg + i * K + c, true);
-    cp_async_16(&st.kg[i][c], kg + i * K + c, true);
-  }
-  for (int idx = threadIdx.x; idx < kKdaChunk * kKdaChunk / 8; idx += kThreads) {
-    const int i = idx / (kKdaChunk / 8), c = (idx % (kKdaChunk / 8)) * 8;
-    cp_async_16(&st.P[i][c], P + i * kKdaChunk + c, true);
-  }
-  for (int idx = threadIdx.x; idx < kKdaChunk * BV / 8; idx += kThreads) {
-    const int i = idx / (BV / 8), c = (idx % (BV / 8)) * 8;
-    cp_async_16(&st.u[i][c], u + i * V + c, true);
-  }
+  using C = StateConfig<K, BV>;
+  load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
+  load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
+  load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
+  load_rows<T, BV, C::kLdU, kThreads, true>(st.u, u, V);
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
 }
@@ -148,24 +139,28 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
         mma_pair<T>(o[2 * np], o[2 * np + 1], aV[jj], b);
       }
 
-    // out: through this warp's smem tile, 32 bytes per token
+    // out: through this warp's smem tile (stmatrix: O^T's fragments land as O's rows), 32 bytes
+    // per token
     const KdaChunk ch = chunk_at(a, chunk);
     T(*ot)[C::kLdO] = sm.out[warp];
 #pragma unroll
-    for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
-      const int j = nt * 8 + 2 * t;
-      ot[j][g] = from_float<T>(o[nt][0]);
-      ot[j + 1][g] = from_float<T>(o[nt][1]);
-      ot[j][g + 8] = from_float<T>(o[nt][2]);
-      ot[j + 1][g + 8] = from_float<T>(o[nt][3]);
+    for (int nt = 0; nt < kKdaChunk / 8; nt += 2) {
+      // matrix m: tokens 8 (nt + m / 2) .. + 7, values 8 (m % 2) .. + 7
+      const uint32_t r[4] = {pack2<T>(o[nt][0], o[nt][1]), pack2<T>(o[nt][2], o[nt][3]),
+                             pack2<T>(o[nt + 1][0], o[nt + 1][1]), pack2<T>(o[nt + 1][2], o[nt + 1][3])};
+      const int m = lane / 8;
+      stmatrix_x4_trans(r, &ot[8 * (nt + m / 2) + lane % 8][8 * (m % 2)]);
     }
     __syncwarp();
-    T* out = static_cast<T*>(a.out) + ch.batch * a.out_st.batch + ch.t0 * a.out_st.token + hv * a.out_st.head + v0 + vw;
+    {  // lane: token 16 r + lane / 2, value half lane % 2
+      T* out = static_cast<T*>(a.out) + ch.batch * a.out_st.batch + (ch.t0 + lane / 2) * a.out_st.token +
+               hv * a.out_st.head + v0 + vw + (lane % 2) * 8;
+      const int64_t step = 16 * a.out_st.token;
 #pragma unroll
-    for (int r = 0; r < kKdaChunk * 2 / 32; ++r) {
-      const int idx = r * 32 + lane, i = idx / 2, half = idx % 2;
-      if (i < ch.len)
-        *reinterpret_cast<uint4*>(out + i * a.out_st.token + half * 8) = *reinterpret_cast<const uint4*>(&ot[i][half * 8]);
+      for (int r = 0; r < kKdaChunk / 16; ++r, out += step) {
+        const int i = r * 16 + lane / 2;
+        if (i < ch.len) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(&ot[i][(lane % 2) * 8]);
+      }
     }
 
     // S^T <- S^T Diag(decay) + vnew^T kg

@@ -24,6 +24,7 @@ using portable::ElemTraits;
 using portable::fast_exp2;
 using portable::ldmatrix_x4;
 using portable::ldmatrix_x4_trans;
+using portable::stmatrix_x4_trans;
 using portable::mma_16x8x16;
 
 constexpr float kRcpLn2 = 1.4426950408889634f;  // gates are cumulated in log2 units: exp -> exp2

@@ -78,6 +78,28 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(row_ptr)));
 }
 
+// Four 8x8 b16 matrices from fragment registers (lane l holds row l / 4, columns 2 (l % 4) and
+// + 1 of matrix q in r[q]) to shared memory transposed: lane 8 q + j supplies the address of row j
+// of matrix q's transpose (16-byte aligned). stmatrix on sm_90; before it, 16-bit stores to the
+// addresses the other lanes supply.
+__device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], void* row_ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(row_ptr)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  const int lane = threadIdx.x % 32;
+  const uint32_t mine = smem_addr(row_ptr);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t lo_row = __shfl_sync(0xffffffffu, mine, q * 8 + 2 * (lane % 4));
+    const uint32_t hi_row = __shfl_sync(0xffffffffu, mine, q * 8 + 2 * (lane % 4) + 1);
+    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(lo_row + 2 * (lane / 4)), "h"(static_cast<unsigned short>(r[q] & 0xffffu)) : "memory");
+    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(hi_row + 2 * (lane / 4)), "h"(static_cast<unsigned short>(r[q] >> 16)) : "memory");
+  }
+#endif
+}
+
 // 16-byte global -> shared copy that bypasses L1; zero-fills when `valid` is false.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),

@@ -93,6 +93,22 @@ inline void ldmatrix(uint32_t (&r)[4], const void* row_ptr, bool trans) {
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_ptr) { ldmatrix(r, row_ptr, false); }
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_ptr) { ldmatrix(r, row_ptr, true); }
 
+// stmatrix .x4 .trans: matrix q's fragment element (row l / 4, column 2 (l % 4) (+1)) of lane l
+// lands in row 2 (l % 4) (+1), column l / 4, of the rows whose addresses lanes 8 q .. 8 q + 7 give.
+inline void stmatrix_x4_trans(const uint32_t (&r)[4], void* row_ptr) {
+  auto& e = cuda_emu::exchange();
+  const int l = cuda_emu::lane();
+  e.addr[l] = row_ptr;
+  cuda_emu::warp_barrier();
+  for (int q = 0; q < 4; ++q) {
+    uint16_t* lo_row = static_cast<uint16_t*>(const_cast<void*>(e.addr[q * 8 + 2 * (l % 4)]));
+    uint16_t* hi_row = static_cast<uint16_t*>(const_cast<void*>(e.addr[q * 8 + 2 * (l % 4) + 1]));
+    lo_row[l / 4] = half_of(r[q], 0);
+    hi_row[l / 4] = half_of(r[q], 1);
+  }
+  cuda_emu::warp_barrier();
+}
+
 // The copy happens at once (zero-filled when not valid); commit and wait have nothing to do.
 inline void cp_async_16(void* smem, const void* gmem, bool valid) {
   if (valid) std::memcpy(smem, gmem, 16);
