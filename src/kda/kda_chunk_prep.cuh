@@ -395,25 +395,32 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   {
     const int I = warp % C::kSubChunks;
     const bool is_L = warp >= C::kSubChunks;
-    T* P = static_cast<T*>(a.P) + slot * kKdaChunk * kKdaChunk;
     uint32_t ar[K / 16][4];  // qa (P) or ka (L), rows of block I
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) load_a(ar[kk], is_L ? &s.k[0][0] : &s.q[0][0], C::kLdK, I * 16, kk * 16);
+    // This thread's rows i0 = 16 I + g and i0 + 8 of P (columns 2t, 2t + 1 of each 8-column tile)
+    // and of L.
+    const int i0 = I * 16 + g;
+    T* P = static_cast<T*>(a.P) + slot * kKdaChunk * kKdaChunk + i0 * kKdaChunk + 2 * t;
+    float* Lrow = &s.wy.L[i0][2 * t];
 #pragma unroll
     for (int J = 0; J < C::kSubChunks; ++J) {
       float acc[2][4];
       zero(acc);
-      if (J <= I) {
+      if (J == I) {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+          uint32_t b[4];
+          load_b_rows(b, &s.kb[0][0], C::kLdK, J * 16, kk * 16);
+          mma_pair<T>(acc[0], acc[1], ar[kk], b);
+        }
+      } else if (J < I) {  // ar scaled by 2^(m_I - m_J) per column: kk 16 + 2t (+1), kk 16 + 2t + 8 (+1)
+        const float* f = s.cross[sub_pair(I, J)] + 2 * t;
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
           uint32_t a_r[4], b[4];
-          if (J == I) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) a_r[r] = ar[kk][r];
-          } else {  // columns kk 16 + 2t (+1) and kk 16 + 2t + 8 (+1)
-            const float* f = s.cross[sub_pair(I, J)] + kk * 16 + 2 * t;
-            scale_a_fragment<T>(a_r, ar[kk], make_float2(f[0], f[1]), make_float2(f[8], f[9]));
-          }
+          scale_a_fragment<T>(a_r, ar[kk], make_float2(f[kk * 16], f[kk * 16 + 1]),
+                              make_float2(f[kk * 16 + 8], f[kk * 16 + 9]));
           load_b_rows(b, &s.kb[0][0], C::kLdK, J * 16, kk * 16);
           mma_pair<T>(acc[0], acc[1], a_r, b);
         }
@@ -421,19 +428,21 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
         for (int e = lane; e < kKdaSubChunk * kKdaSubChunk; e += 32)
           s.wy.A[I * 16 + e / 16][J * 16 + e % 16] = 0.f;
       }
-      // P keeps j <= i (scaled), L keeps j < i; blocks above the diagonal are zeros.
+      // P keeps j <= i, L keeps j < i (only the diagonal block needs the test); blocks above the
+      // diagonal are zeros. (qa carries the scale.)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int i = I * 16 + g + half * 8, j = J * 16 + nt * 8 + 2 * t;
+          const int i = i0 + half * 8, j = J * 16 + nt * 8 + 2 * t;
+          float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
+          const int at = half * 8 * kKdaChunk + J * 16 + nt * 8;
           if (is_L) {
-            s.wy.L[i][j] = j < i ? acc[nt][2 * half] : 0.f;
-            s.wy.L[i][j + 1] = j + 1 < i ? acc[nt][2 * half + 1] : 0.f;
-          } else {  // (qa carries the scale)
-            const float p0 = J < I || j <= i ? acc[nt][2 * half] : 0.f;
-            const float p1 = J < I || j + 1 <= i ? acc[nt][2 * half + 1] : 0.f;
-            *reinterpret_cast<uint32_t*>(P + i * kKdaChunk + j) = pack2<T>(p0, p1);
+            if (J == I) v0 = j < i ? v0 : 0.f, v1 = j + 1 < i ? v1 : 0.f;
+            *reinterpret_cast<float2*>(Lrow + at) = make_float2(v0, v1);
+          } else {
+            if (J == I) v0 = j <= i ? v0 : 0.f, v1 = j + 1 <= i ? v1 : 0.f;
+            *reinterpret_cast<uint32_t*>(P + at) = pack2<T>(v0, v1);
           }
         }
     }
