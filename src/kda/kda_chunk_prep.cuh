@@ -362,24 +362,35 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   {
     T* qg = static_cast<T*>(a.qg) + slot * kKdaChunk * K;
     T* kg = static_cast<T*>(a.kg) + slot * kKdaChunk * K;
-    constexpr int kVecs = K / 8;
-    for (int idx = tid; idx < kKdaChunk * kVecs; idx += C::kThreads) {
-      const int i = idx / kVecs, c0 = (idx % kVecs) * 8, I = i / kKdaSubChunk;
+    // Each thread keeps 8 columns c0.. (the last row's gate for them loaded once) and steps rows.
+    constexpr int kVecs = K / 8, kRowStep = C::kThreads / kVecs;
+    const int c0 = (tid % kVecs) * 8;
+    alignas(16) float last[8];
+    *reinterpret_cast<float4*>(last) = *reinterpret_cast<const float4*>(&s.gam[kKdaChunk - 1][c0]);
+    *reinterpret_cast<float4*>(last + 4) = *reinterpret_cast<const float4*>(&s.gam[kKdaChunk - 1][c0 + 4]);
+    const float scale = a.scale;
+#pragma unroll 2
+    for (int i = tid / kVecs; i < kKdaChunk; i += kRowStep) {
+      const int I = i / kKdaSubChunk;
       const float beta = s.beta[i];
       alignas(16) T qv[8], kv[8], qa[8], ka[8], kb[8], qgv[8], kgv[8];
+      alignas(16) float G[8], m[8];
       *reinterpret_cast<uint4*>(qv) = *reinterpret_cast<const uint4*>(&s.q[i][c0]);
       *reinterpret_cast<uint4*>(kv) = *reinterpret_cast<const uint4*>(&s.k[i][c0]);
+      *reinterpret_cast<float4*>(G) = *reinterpret_cast<const float4*>(&s.gam[i][c0]);
+      *reinterpret_cast<float4*>(G + 4) = *reinterpret_cast<const float4*>(&s.gam[i][c0 + 4]);
+      *reinterpret_cast<float4*>(m) = *reinterpret_cast<const float4*>(&s.ref[I][c0]);
+      *reinterpret_cast<float4*>(m + 4) = *reinterpret_cast<const float4*>(&s.ref[I][c0 + 4]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const int c = c0 + e;
-        const float G = s.gam[i][c], x = G - s.ref[I][c];
+        const float x = G[e] - m[e];
         const float up = exp2_clamped(x), down = exp2_clamped(-x);
-        const float qf = to_float(qv[e]), kf = to_float(kv[e]);
-        qa[e] = from_float<T>(a.scale * qf * up);
+        const float qs = scale * to_float(qv[e]), kf = to_float(kv[e]);
+        qa[e] = from_float<T>(qs * up);
         ka[e] = from_float<T>(beta * kf * up);
         kb[e] = from_float<T>(kf * down);
-        qgv[e] = from_float<T>(a.scale * qf * exp2_clamped(G));
-        kgv[e] = from_float<T>(kf * exp2_clamped(s.gam[kKdaChunk - 1][c] - G));
+        qgv[e] = from_float<T>(qs * exp2_clamped(G[e]));
+        kgv[e] = from_float<T>(kf * exp2_clamped(last[e] - G[e]));
       }
       *reinterpret_cast<uint4*>(&s.q[i][c0]) = *reinterpret_cast<const uint4*>(qa);
       *reinterpret_cast<uint4*>(&s.k[i][c0]) = *reinterpret_cast<const uint4*>(ka);
