@@ -7,7 +7,8 @@
 //   cumsum    Gam = cumulative gate; per sub-chunk the reference m_I = Gam at row 16 I + 7
 //   scale     qa = scale q 2^(Gam - m_I), ka = beta k 2^(Gam - m_I), kb = k 2^(m_J - Gam) (smem)
 //             qg = scale q 2^Gam, kg = k 2^(Gam_last - Gam)                        (global)
-//   L, P      block (I, J <= I): P = (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T (bf16 products)
+//   L, P      block (I, J <= I): P = (qa 2^(m_I - m_J)) kb^T, L = (ka 2^(m_I - m_J)) kb^T
+//             (the factors 2^(m_I - m_J) applied to qa, ka's fragments: scale_a_fragment)
 //   inverse   A = (I + L)^-1: 16x16 diagonal blocks by forward substitution, the rest by
 //             doubling: 32x32 diagonal blocks, then the lower-left 32x32 block (fp32)
 //   w, u      w = A (beta k 2^Gam), u = A Diag(beta) v                            (global)
@@ -64,7 +65,7 @@ struct PrepSmem {
   T q[kKdaChunk][C::kLdK];   // q -> qa
   T k[kKdaChunk][C::kLdK];   // k -> ka -> x = beta k 2^Gam
   T v[kKdaChunk][C::kLdV];   // v
-  T kb[kKdaChunk][C::kLdK];  // kb; then the block substitution's scratch
+  T kb[kKdaChunk][C::kLdK];  // kb; then the inverse's scratch
   union {
     float gam[kKdaChunk][C::kLdG];  // cumulative gate (log2)
     struct {
