@@ -280,8 +280,8 @@ template <typename T>
 __device__ __forceinline__ void scale_a_fragment(uint32_t (&out)[4], const uint32_t (&a)[4], float2 lo, float2 hi) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     const uint32_t l = pack2<T>(lo.x, lo.y), h = pack2<T>(hi.x, hi.y);
-    out[0] = mul2<T>(a[0], l), out[1] = mul2<T>(a[1], l);
-    out[2] = mul2<T>(a[2], h), out[3] = mul2<T>(a[3], h);
+    out[0] = mul2_bf16(a[0], l), out[1] = mul2_bf16(a[1], l);
+    out[2] = mul2_bf16(a[2], h), out[3] = mul2_bf16(a[3], h);
   } else {
     out[0] = scale2<T>(a[0], lo), out[1] = scale2<T>(a[1], lo);
     out[2] = scale2<T>(a[2], hi), out[3] = scale2<T>(a[3], hi);

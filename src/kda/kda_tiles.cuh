@@ -57,17 +57,10 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   return make_float2(to_float(p[0]), to_float(p[1]));
 }
 
-// A 16-bit pair times a 16-bit pair (each product rounded to T): one packed multiply.
-template <typename T>
-__device__ __forceinline__ uint32_t mul2(uint32_t x, uint32_t f);
-template <>
-__device__ __forceinline__ uint32_t mul2<__nv_bfloat16>(uint32_t x, uint32_t f) {
+// A bf16 pair times a bf16 pair (each product rounded to bf16): one packed multiply. (fp16 scales
+// through fp32 instead: scale_a_fragment.)
+__device__ __forceinline__ uint32_t mul2_bf16(uint32_t x, uint32_t f) {
   const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&x), *reinterpret_cast<const __nv_bfloat162*>(&f));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-template <>
-__device__ __forceinline__ uint32_t mul2<__half>(uint32_t x, uint32_t f) {
-  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&x), *reinterpret_cast<const __half2*>(&f));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
