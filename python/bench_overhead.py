@@ -9,6 +9,8 @@ Variants, each `--iters` calls per loop, one loop of each per round, `--repeats`
   api            flare.flash_attn_with_kvcache with num_splits and workspace from plan_kvcache
   api_autoplan   flare.flash_attn_with_kvcache with no plan given (plans, allocates its workspace)
   api_wrapper_only  the API's Python code alone (flare._C.decode stubbed out)
+  decoder        flare.KVCacheDecoder(...).run: planned once, the binding called with no Python between
+  decoder_out    the same with out= (the step allocates nothing)
   fwd_api        flare.flash_attn_func on a tiny prefill (no grad), for comparison; fwd_op the op
 Usage: python3 python/bench_overhead.py [--json PATH]
 """
@@ -61,6 +63,9 @@ def main():
     plan = flare.plan_kvcache(q, k_cache, causal=True)
     ws = plan.workspace(dev)
     decode = torch.ops.flare.decode
+    decoder = flare.KVCacheDecoder(q, k_cache, v_cache, causal=True, workspace=ws)
+    run = decoder.run
+    out_buf = torch.empty_like(q)
 
     variants = {
         "cpp": None,
@@ -71,6 +76,8 @@ def main():
                                                      num_splits=plan.num_splits, workspace=ws),
         "api_autoplan": lambda: flare.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                               causal=True),
+        "decoder": lambda: run(q, k_cache, v_cache, seqlens),
+        "decoder_out": lambda: run(q, k_cache, v_cache, seqlens, out=out_buf),
     }
     qf = torch.randn(1, 64, 8, 64, device=dev, dtype=torch.bfloat16)
     variants["fwd_api"] = lambda: flare.flash_attn_func(qf, qf, qf, causal=True)
@@ -107,15 +114,19 @@ def main():
             samples["api_wrapper_only"].append(wrapper_only())
     results = {name: statistics.median(v) for name, v in samples.items()}
     over = {name: statistics.median(a - c for a, c in zip(samples[name], samples["cpp"]))
-            for name in ("op", "direct", "api", "api_autoplan")}
+            for name in ("op", "direct", "api", "api_autoplan", "decoder", "decoder_out")}
+    quartiles = {name: statistics.quantiles([a - c for a, c in zip(samples[name], samples["cpp"])], n=4)
+                 for name in over}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; decode bf16 batch {batch}, heads "
           f"{heads}/{heads_kv}, d {d}, cache {cache_len}, plan {plan.kernel} x{plan.num_splits} ({plan.source})")
     for name, us in results.items():
-        extra = f"  (+{over[name]:.2f} us over cpp, median of the rounds)" if name in over else ""
+        extra = (f"  (+{over[name]:.2f} us over cpp, median of the rounds; quartiles {quartiles[name][0]:+.2f} "
+                 f"{quartiles[name][2]:+.2f})" if name in over else "")
         print(f"  {name:14s} {us:7.2f} us/call host{extra}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"median_us": results, "over_cpp_us": over, "samples": samples}, f, indent=1)
+            json.dump({"median_us": results, "over_cpp_us": over, "over_cpp_quartiles_us": quartiles,
+                       "samples": samples}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from .flash_attn import flash_attn_func, flash_attn_varlen_func
 from . import masks
 from .flex import FlexMask, flex_attention, prepare_block_mask
 from .kda import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
-from .kvcache import KVCachePlan, flash_attn_with_kvcache, load_decode_tuning_table, merge_states, plan_kvcache
+from .kvcache import (KVCacheDecoder, KVCachePlan, flash_attn_with_kvcache, load_decode_tuning_table, merge_states,
+                      plan_kvcache)
 
 __all__ = [
     "FlexMask",
+    "KVCacheDecoder",
     "KVCachePlan",
     "chunk_gated_delta_rule",
     "chunk_kda",

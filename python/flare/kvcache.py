@@ -17,6 +17,8 @@ from . import _C, _checks
 from .ops import eager
 
 _decode_op = torch.ops.flare.decode
+_Tensor = torch.Tensor
+_NO_WINDOW = (-1, -1)
 _merge_states_op = torch.ops.flare.merge_states
 
 # The measured split counts shipped with flare (bench_decode --tune on an H100), used on H100s.
@@ -88,6 +90,44 @@ def plan_kvcache(q, k_cache, block_table=None, causal=False, window_size=(-1, -1
     return KVCachePlan(**d)
 
 
+class KVCacheDecoder:
+    """A decode step planned once and run many times: the eager fast path of a decode loop.
+
+        decoder = flare.KVCacheDecoder(q, k_cache, v_cache, block_table=table, causal=True)
+        for step in ...:
+            out = decoder.run(q, k_cache, v_cache, cache_seqlens, table, out=out_buffer)
+
+    The constructor takes the tensors of one step (or tensors of the same shapes, dtype and device),
+    validates them, plans (as plan_kvcache) and keeps a workspace (the one given, or its own).
+    run(q, k_cache, v_cache, cache_seqlens, block_table=None, *, out=None, lse=None) is the C++
+    binding itself, with no Python in between: it checks that the tensors have the planned shapes
+    and device (ValueError otherwise; dtypes, strides and alignment are checked by flare's C++
+    validation on every call) and launches. It returns out, or (out, lse) when the decoder was made
+    with return_softmax_lse=True; with out= (and lse=) buffers a step allocates nothing. The same
+    arguments as flash_attn_with_kvcache, without appending new tokens (write k/v into the cache
+    first). Eager only: torch.compile and autograd go through flash_attn_with_kvcache. Capturable
+    in a CUDA graph. The plan is fixed at construction: a tuning table loaded later does not
+    change it.
+    """
+
+    def __init__(self, q, k_cache, v_cache, block_table=None, softmax_scale=None, causal=False,
+                 window_size=(-1, -1), num_splits=0, return_softmax_lse=False, workspace=None):
+        _checks.tensor("q", q)
+        _checks.tensor("k_cache", k_cache)
+        _checks.tensor("v_cache", v_cache)
+        _checks.optional_tensor("block_table", block_table)
+        _checks.optional_tensor("workspace", workspace)
+        causal, window_left = _decode_window(causal, window_size)
+        num_splits = _checks.integer("num_splits", num_splits)
+        if not _table_checked and num_splits == 0:
+            _default_table(q.device)
+        self._runner = _C.DecodeRunner(q, k_cache, v_cache, block_table, workspace,
+                                       _checks.softmax_scale(softmax_scale), causal, window_left, num_splits,
+                                       bool(return_softmax_lse))
+        self.plan = KVCachePlan(**self._runner.plan_info())
+        self.run = self._runner.run
+
+
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Writes the new tokens k/v [B, S_new, Hkv, D] into the cache at cache_seqlens."""
     b, s_new = k.shape[0], k.shape[1]
@@ -128,9 +168,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     splits (1: no split). workspace: a uint8 buffer of at least plan_kvcache(...).workspace_bytes.
     Returns out [B, q_len, H, D], and with return_softmax_lse=True (out, lse [B, H, q_len]).
     """
-    _checks.tensor("q", q)
-    _checks.tensor("k_cache", k_cache)
-    _checks.tensor("v_cache", v_cache)
+    # Plain tensors pass with one check each (the common decode step: a few microseconds matter).
+    if not (type(q) is _Tensor and type(k_cache) is _Tensor and type(v_cache) is _Tensor):
+        _checks.tensor("q", q)
+        _checks.tensor("k_cache", k_cache)
+        _checks.tensor("v_cache", v_cache)
     if block_table is not None:
         _checks.tensor("block_table", block_table)
     if workspace is not None:
@@ -138,14 +180,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None
             or alibi_slopes is not None or softcap != 0.0):
         _reject_unsupported(rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes, softcap)
-    causal, window_left = _decode_window(causal, window_size)
+    if window_size == _NO_WINDOW and (causal is True or causal is False):
+        window_left = -1
+    else:
+        causal, window_left = _decode_window(causal, window_size)
     if cache_seqlens is None:
         if block_table is not None:
             raise ValueError("argument 'cache_seqlens': required with a paged cache (block_table)")
         cache_seqlens = k_cache.shape[1] - (0 if k is None else k.shape[1])
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    _checks.tensor("cache_seqlens", cache_seqlens)
+    elif type(cache_seqlens) is not _Tensor:
+        _checks.tensor("cache_seqlens", cache_seqlens)
     if (k is None) != (v is None):
         raise ValueError(f"argument '{'v' if k is not None else 'k'}': k and v must be given together")
     if k is not None:
@@ -155,9 +201,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = cache_seqlens + k.shape[1]
     if not _table_checked and num_splits == 0:
         _default_table(q.device)
+    if type(num_splits) is not int:
+        num_splits = _checks.integer("num_splits", num_splits)
+    scale = 0.0 if softmax_scale is None else _checks.number("softmax_scale", softmax_scale)
     run = _C.decode if eager(q) else _decode_op
-    out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, workspace, _checks.softmax_scale(softmax_scale),
-                   causal, window_left, _checks.integer("num_splits", num_splits), bool(return_softmax_lse))
+    out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, workspace, scale, causal, window_left, num_splits,
+                   bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
 
 

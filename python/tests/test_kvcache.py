@@ -120,6 +120,85 @@ def test_plan_and_cuda_graph_replay():
                             ref.decode(q, k_cache, v_cache, seqlens, upcast=False), what=f"replay {lengths}")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [0, 1, 8])
+def test_decoder_matches_flash_attn_with_kvcache(layout, num_splits):
+    """KVCacheDecoder.run gives what flash_attn_with_kvcache gives (same plan: bitwise), fills out=/lse=
+    buffers in place, and follows new cache lengths and page tables from call to call."""
+    batch, heads, heads_kv, d, max_len = 3, 32, 8, 128, 2048
+    k_cache, v_cache = cache(batch, max_len, heads_kv, d)
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+    kw = {}
+    if layout == "paged":
+        k_in, v_in, kw["block_table"] = paged(k_cache, v_cache, 16)
+    else:
+        k_in, v_in = k_cache, v_cache
+    table = kw.get("block_table")
+    decoder = flare.KVCacheDecoder(q, k_in, v_in, causal=True, num_splits=num_splits, return_softmax_lse=True,
+                                   **kw)
+    assert decoder.plan.num_splits >= 1 and (num_splits == 0 or decoder.plan.num_splits == num_splits)
+    out_buf = torch.full_like(q, float("nan"))
+    lse_buf = torch.full((batch, heads, 1), float("nan"), device="cuda")
+    for lengths in ([5, 2048, 700], [1, 17, 2047]):
+        seqlens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+        expect_out, expect_lse = flare.flash_attn_with_kvcache(q, k_in, v_in, cache_seqlens=seqlens, causal=True,
+                                                               num_splits=decoder.plan.num_splits,
+                                                               return_softmax_lse=True, **kw)
+        out, lse = decoder.run(q, k_in, v_in, seqlens, table)
+        assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
+        out2, lse2 = decoder.run(q, k_in, v_in, seqlens, table, out=out_buf, lse=lse_buf)
+        assert out2.data_ptr() == out_buf.data_ptr() and lse2.data_ptr() == lse_buf.data_ptr()
+        assert torch.equal(out_buf, expect_out) and torch.equal(lse_buf, expect_lse)
+        assert_close_to_ref(out, ref.decode(q, k_cache, v_cache, seqlens),
+                            ref.decode(q, k_cache, v_cache, seqlens, upcast=False), what=f"decoder {lengths}")
+
+
+def test_decoder_cuda_graph_and_errors():
+    batch, heads, heads_kv, d, max_len = 2, 8, 2, 64, 1024
+    k_cache, v_cache = cache(batch, max_len, heads_kv, d)
+    q = torch.randn(batch, 2, heads, d, device="cuda", dtype=torch.bfloat16)
+    decoder = flare.KVCacheDecoder(q, k_cache, v_cache, causal=True, num_splits=4)
+    seqlens = torch.full((batch,), 100, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    decoder.run(q, k_cache, v_cache, seqlens, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(q, k_cache, v_cache, seqlens, out=out)
+    for lengths in ([1000, 2], [1024, 1024]):
+        out.fill_(float("nan"))
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_ref(out, ref.decode(q, k_cache, v_cache, seqlens),
+                            ref.decode(q, k_cache, v_cache, seqlens, upcast=False), what=f"replay {lengths}")
+    # A step whose shapes differ from the plan's, a tensor elsewhere, a buffer of another shape or
+    # dtype, a block table the contiguous plan does not take, an lse the decoder does not return.
+    with pytest.raises(ValueError, match="'q'.*planned"):
+        decoder.run(q[:, :1], k_cache, v_cache, seqlens)
+    with pytest.raises(ValueError, match="'k_cache'.*planned"):
+        decoder.run(q, k_cache[:, :512], v_cache, seqlens)
+    with pytest.raises(ValueError, match="'v_cache'"):
+        decoder.run(q, k_cache, v_cache.cpu(), seqlens)
+    with pytest.raises(ValueError, match="'cache_seqlens'"):
+        decoder.run(q, k_cache, v_cache, seqlens.cpu())
+    with pytest.raises(ValueError, match="'out'"):
+        decoder.run(q, k_cache, v_cache, seqlens, out=out[:1])
+    with pytest.raises(TypeError, match="'out'"):
+        decoder.run(q, k_cache, v_cache, seqlens, out=out.half())
+    with pytest.raises(TypeError, match="'cache_seqlens'"):
+        decoder.run(q, k_cache, v_cache, seqlens.long())
+    with pytest.raises(ValueError, match="'block_table'"):
+        decoder.run(q, k_cache, v_cache, seqlens, seqlens[:, None])
+    with pytest.raises(ValueError, match="'lse'"):
+        decoder.run(q, k_cache, v_cache, seqlens, lse=torch.empty(batch, heads, 2, device="cuda"))
+    with pytest.raises(ValueError, match="'workspace'"):
+        flare.KVCacheDecoder(q, k_cache, v_cache, num_splits=4, workspace=torch.empty(16, dtype=torch.uint8,
+                                                                                        device="cuda"))
+    with pytest.raises(ValueError, match="'q'"):
+        flare.KVCacheDecoder(q[0], k_cache, v_cache)
+
+
 def test_merge_states():
     rows, states, d = (3, 5), 4, 128
     partial_out = torch.randn(*rows, states, d, device="cuda")

@@ -386,10 +386,10 @@ Status decode_run(const DecodePlan& plan, const DecodeParams& params, void* work
   FLARE_RETURN_IF_ERROR(check_decode_plan(plan, key));
   const bool split = plan.kernel == DecodeKernel::kSplitKv;
   if (split) {
-    const std::string need = std::to_string(plan.workspace_bytes) + " bytes (plan.workspace_bytes)";
-    if (workspace == nullptr) return Status::InvalidArgument("workspace", "null, but the split-KV plan needs " + need);
+    const auto need = [&] { return std::to_string(plan.workspace_bytes) + " bytes (plan.workspace_bytes)"; };
+    if (workspace == nullptr) return Status::InvalidArgument("workspace", "null, but the split-KV plan needs " + need());
     if (workspace_bytes < plan.workspace_bytes)
-      return Status::InvalidArgument("workspace", "needs " + need + ", got " + std::to_string(workspace_bytes));
+      return Status::InvalidArgument("workspace", "needs " + need() + ", got " + std::to_string(workspace_bytes));
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
       return Status::InvalidArgument("workspace", "must be 16-byte aligned");
   }

@@ -365,6 +365,14 @@ flare::DecodeShapeKey decode_key(int64_t batch, int64_t heads_q, int64_t heads_k
   return key;
 }
 
+const char* plan_source_name(flare::DecodePlanSource source) {
+  switch (source) {
+    case flare::DecodePlanSource::kTuningTable: return "tuning_table";
+    case flare::DecodePlanSource::kForced: return "forced";
+    default: return "heuristic";
+  }
+}
+
 // The plan of a decode shape, for Python to size a workspace once (CUDA graphs): a dict with
 // kernel, num_splits, kv_chunk, workspace_bytes and source.
 py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t q_len,
@@ -378,9 +386,7 @@ py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
   d["num_splits"] = plan.num_splits;
   d["kv_chunk"] = plan.kv_chunk;
   d["workspace_bytes"] = plan.workspace_bytes;
-  d["source"] = plan.source == flare::DecodePlanSource::kTuningTable ? "tuning_table"
-                : plan.source == flare::DecodePlanSource::kForced    ? "forced"
-                                                                     : "heuristic";
+  d["source"] = plan_source_name(plan.source);
   return d;
 }
 
@@ -477,6 +483,128 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tens
   throw_if_error(flare::decode_run(plan, p, ws, ws_bytes), kDecodeNames);
   return {out, lse};
 }
+
+// The eager fast path of a decode loop (flare.KVCacheDecoder): everything that depends on shapes only
+// (validation of the shapes, the plan, the workspace) happens once, at construction; run() checks
+// that the step's tensors have the planned shapes and sit on the planned device, and hands them to
+// flare::decode_run (which validates dtypes, strides and alignment on every call, as it does for a
+// C++ caller). An out= (and lse=) buffer makes a step allocate nothing.
+class DecodeRunner {
+ public:
+  DecodeRunner(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const OptTensor& page_table, const OptTensor& workspace, double softmax_scale, bool causal,
+               int64_t window_left, int64_t num_splits, bool return_lse)
+      : device_(q.device()), return_lse_(return_lse), paged_(page_table.has_value()) {
+    check_cuda(q, "q", device_);
+    check_cuda(k_cache, "k_cache", device_);
+    check_cuda(v_cache, "v_cache", device_);
+    check_cuda(page_table, "block_table", device_);
+    check_cuda(workspace, "workspace", device_);
+    TORCH_CHECK_VALUE(q.dim() == 4, "argument 'q': expected rank 4 [batch, q_len, heads, head_dim], got rank ",
+                      q.dim());
+    const c10::cuda::CUDAGuard guard(device_);
+    q_sizes_ = q.sizes().vec();
+    k_sizes_ = k_cache.sizes().vec();
+    v_sizes_ = v_cache.sizes().vec();
+    if (paged_) table_sizes_ = page_table->sizes().vec();
+    params_.softmax_scale = static_cast<float>(softmax_scale);
+    params_.causal = causal;
+    params_.window_left = static_cast<int>(window_left);
+    // The shape key of these tensors (validated as a call would be: a throwaway out and lengths).
+    const at::Tensor out = empty_like_cuda(q);
+    const at::Tensor lengths = empty_cuda({q.size(0)}, at::kInt, device_);
+    flare::DecodeParams p = step_params(loadable(q), k_cache, v_cache, lengths, page_table, out, std::nullopt);
+    flare::DecodeShapeKey key;
+    throw_if_error(flare::decode_shape_key(p, &key), kDecodeNames);
+    plan_ = plan_for(key, num_splits, device_.index());
+    if (plan_.workspace_bytes > 0) {
+      if (workspace.has_value()) {
+        const auto bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
+        TORCH_CHECK_VALUE(workspace->is_contiguous() && bytes >= plan_.workspace_bytes,
+                          "argument 'workspace': the plan (", plan_.num_splits,
+                          " splits) needs a contiguous buffer of ", plan_.workspace_bytes, " bytes, got ", bytes,
+                          " bytes");
+        workspace_ = *workspace;
+      } else {
+        workspace_ = workspace_tensor(plan_.workspace_bytes, device_);
+      }
+      workspace_bytes_ = static_cast<std::size_t>(workspace_.numel()) * workspace_.element_size();
+    }
+  }
+
+  // out [batch, q_len, heads, head_dim] (and lse [batch, heads, q_len] when return_lse).
+  py::object run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& cache_seqlens, const OptTensor& page_table, const OptTensor& out_in,
+                 const OptTensor& lse_in) {
+    check_step(q_in, "q", q_sizes_);
+    check_step(k_cache, "k_cache", k_sizes_);
+    check_step(v_cache, "v_cache", v_sizes_);
+    TORCH_CHECK_VALUE(cache_seqlens.device() == device_, "argument 'cache_seqlens': is on ", cache_seqlens.device(),
+                      ", expected ", device_, " (the decoder's device)");
+    TORCH_CHECK_VALUE(page_table.has_value() == paged_, "argument 'block_table': the decoder was planned ",
+                      paged_ ? "for a paged cache: pass its block_table" : "for a contiguous cache: pass None");
+    if (paged_) check_step(*page_table, "block_table", table_sizes_);
+    const c10::cuda::CUDAGuard guard(device_);
+    const at::Tensor q = loadable(q_in);
+    at::Tensor out = out_in.has_value() ? *out_in : empty_like_cuda(q);
+    if (out_in.has_value()) check_step(out, "out", q_sizes_);
+    at::Tensor lse;
+    if (return_lse_) {
+      lse = lse_in.has_value() ? *lse_in : empty_cuda({q.size(0), q.size(2), q.size(1)}, at::kFloat, device_);
+      if (lse_in.has_value()) check_step(lse, "lse", {q.size(0), q.size(2), q.size(1)});
+    } else {
+      TORCH_CHECK_VALUE(!lse_in.has_value(), "argument 'lse': the decoder was made with return_softmax_lse=False");
+    }
+    flare::DecodeParams p = step_params(q, k_cache, v_cache, cache_seqlens, page_table, out, lse);
+    throw_if_error(flare::decode_run(plan_, p, workspace_.defined() ? workspace_.data_ptr() : nullptr,
+                                     workspace_bytes_),
+                   kDecodeNames);
+    if (!return_lse_) return py::cast(out);
+    return py::cast(std::make_tuple(out, lse));
+  }
+
+  py::dict plan_info() const {
+    py::dict d;
+    d["kernel"] = flare::decode_kernel_name(plan_.kernel);
+    d["num_splits"] = plan_.num_splits;
+    d["kv_chunk"] = plan_.kv_chunk;
+    d["workspace_bytes"] = plan_.workspace_bytes;
+    d["source"] = plan_source_name(plan_.source);
+    return d;
+  }
+
+ private:
+  void check_step(const at::Tensor& t, const char* name, at::IntArrayRef sizes) const {
+    TORCH_CHECK_VALUE(t.device() == device_, "argument '", name, "': is on ", t.device(), ", expected ", device_,
+                      " (the decoder's device)");
+    TORCH_CHECK_VALUE(t.sizes() == sizes, "argument '", name, "': shape ", t.sizes(), " differs from the ", sizes,
+                      " the decoder was planned for");
+  }
+
+  flare::DecodeParams step_params(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const OptTensor& page_table,
+                                  const at::Tensor& out, const OptTensor& lse) const {
+    flare::DecodeParams p = params_;
+    p.q = view(q, "q");
+    p.k_cache = view(k_cache, "k_cache");
+    p.v_cache = view(v_cache, "v_cache");
+    p.page_table = view(page_table, "page_table");
+    p.cache_seqlens = view(cache_seqlens, "cache_seqlens");
+    p.out = view(out, "out");
+    p.lse = view(lse, "lse");
+    p.stream = current_stream(device_);
+    return p;
+  }
+
+  at::Device device_;
+  bool return_lse_;
+  bool paged_;
+  std::vector<int64_t> q_sizes_, k_sizes_, v_sizes_, table_sizes_;
+  flare::DecodeParams params_;  // the scalars of every step
+  flare::DecodePlan plan_;
+  at::Tensor workspace_;
+  std::size_t workspace_bytes_ = 0;
+};
 
 // The C++ side of the Python-overhead benchmark (python/bench_overhead.py): `iters` decode launches
 // of one plan straight through flare::decode_run, no torch in the loop; the host seconds per call.
@@ -1003,6 +1131,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace);
   m.def("flex_fwd", &flare_torch::flex_fwd);
   m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
+  py::class_<flare_torch::DecodeRunner>(m, "DecodeRunner", "A planned decode step (flare.KVCacheDecoder)")
+      .def(py::init<const at::Tensor&, const at::Tensor&, const at::Tensor&, const flare_torch::OptTensor&,
+                    const flare_torch::OptTensor&, double, bool, int64_t, int64_t, bool>())
+      .def("run", &flare_torch::DecodeRunner::run, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("cache_seqlens"), py::arg("block_table") = py::none(), py::kw_only(),
+           py::arg("out") = py::none(), py::arg("lse") = py::none())
+      .def("plan_info", &flare_torch::DecodeRunner::plan_info);
   m.def("load_decode_tuning_table", &flare_torch::load_decode_tuning_table,
         "Use a measured decode tuning table (bench_decode --tune); an empty path clears it");
   m.def("bench_decode_run_loop", &flare_torch::bench_decode_run_loop,
