@@ -1,11 +1,14 @@
 // The KDA / GDN entry points: validate, size the workspace, build the device args once, launch.
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "flare/kda.h"
 #include "src/kda/kda_args.h"
 #include "src/kda/kda_bwd_params.h"
+#include "src/common/device_facts.h"
 #include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_state_segments.h"
 
 namespace flare {
 namespace {
@@ -43,7 +46,20 @@ struct ForwardPlan {
   detail::KdaWorkspaceLayout layout;
   size_t total = 0;      // the workspace's size: layout.total, or the backward's with keep_for_backward
   size_t A_inv = 0;      // keep_for_backward: where A goes (the backward's offset)
+  detail::KdaStateSegments segments;
+  size_t seg_transition = 0, seg_start = 0;  // offsets of the segmented pass's arrays (after the rest)
 };
+
+// The segmentation of the state pass on the current device (FLARE_KDA_STATE_SEGMENT=<chunks>
+// forces a segment length: tests, tuning).
+detail::KdaStateSegments state_segments_of(const detail::KdaShape& s) {
+  const int64_t chunks_per_row = (int64_t{s.seqlen} + detail::kKdaChunk - 1) / detail::kKdaChunk;
+  const int64_t wide_ctas = int64_t{s.num_seqs} * s.heads_v * (s.value_dim / (s.value_dim < 128 ? s.value_dim : 128));
+  const char* env = std::getenv("FLARE_KDA_STATE_SEGMENT");
+  const int forced = env != nullptr ? std::atoi(env) : 0;
+  return detail::kda_state_segments(wide_ctas, chunks_per_row, s.varlen, detail::current_device_facts().num_sms,
+                                    forced);
+}
 
 Status plan_forward(const KdaForwardParams& p, ForwardPlan* plan) {
   FLARE_RETURN_IF_ERROR(detail::validate_kda_forward(p, DeviceKind::kCUDA, &plan->shape));
@@ -53,11 +69,27 @@ Status plan_forward(const KdaForwardParams& p, ForwardPlan* plan) {
   plan->layout = detail::kda_workspace_layout(plan->max_chunks, s.heads_v, s.key_dim, s.value_dim, s.num_seqs,
                                               dtype_size(p.q.dtype));
   plan->total = plan->layout.total;
+  plan->segments = state_segments_of(s);
+  size_t transition_bytes = 0;
+  const size_t seg_bytes = plan->segments.count > 1
+                               ? detail::kda_segment_bytes(s.num_seqs, s.heads_v, s.key_dim, s.value_dim,
+                                                           plan->segments.count, &transition_bytes)
+                               : 0;
   if (p.keep_for_backward) {
+    // The backward's layout, whose size is the contract of keep_for_backward; the segmented pass's
+    // arrays go in its dh array (the backward's scratch, untouched by the forward), which holds
+    // them for every count the rule picks (at least 16 chunks per segment); a forced count that
+    // does not fit runs unsegmented.
     const detail::KdaBwdWorkspaceLayout bwd = backward_layout(s, plan->max_chunks, p.q.dtype, p.options);
     plan->total = bwd.total;
     plan->A_inv = bwd.A_inv;
+    if (seg_bytes > bwd.vnew - bwd.dh) plan->segments = {};
+    plan->seg_transition = bwd.dh;
+  } else {
+    plan->seg_transition = plan->total;
+    plan->total += seg_bytes;
   }
+  plan->seg_start = plan->seg_transition + transition_bytes;
   return Status::Ok();
 }
 
@@ -136,6 +168,11 @@ Status kda_forward(const KdaForwardParams& p) {
   FLARE_RETURN_IF_ERROR(check_workspace(p.workspace, p.workspace_bytes, plan.total, "kda_forward_workspace_size"));
   detail::KdaFwdArgs a = input_args(p, plan.shape, plan.max_chunks, plan.layout);
   if (p.keep_for_backward) a.A_inv = static_cast<char*>(p.workspace) + plan.A_inv;
+  if (plan.segments.count > 1) {
+    a.state_segments = plan.segments.count, a.segment_chunks = plan.segments.chunks;
+    a.seg_transition = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.seg_transition);
+    a.seg_start = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.seg_start);
+  }
   a.out = p.out.data, a.out_st = row_strides(p.out);
   a.final_state = p.final_state.defined() ? p.final_state.ptr<float>() : nullptr;
   return detail::launch_kda_forward(a, p.q.dtype, p.stream);

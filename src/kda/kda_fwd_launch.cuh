@@ -24,11 +24,16 @@ cudaError_t launch_chunk_table(const KdaFwdArgs& a, cudaStream_t stream);
 // CTA per SM at every width). Measured on the H100 (B1 T32768, 32 heads): 32 columns (128 CTAs)
 // 5.19 ms, 64 (64 CTAs) 5.28, 16 (256 CTAs, one per SM for shared memory) 6.75. max_bv: the
 // widest slice the caller's kernels take. FLARE_KDA_STATE_BV overrides it (tuning).
-inline int state_slice_width(const KdaFwdArgs& a, int num_sms, int max_bv) {
+inline int forced_state_slice_width(const KdaFwdArgs& a, int max_bv) {
   if (const char* env = std::getenv("FLARE_KDA_STATE_BV")) {
     const int bv = std::atoi(env);
     if ((bv == 16 || bv == 32 || bv == 64 || bv == 128) && bv <= max_bv && a.value_dim % bv == 0) return bv;
   }
+  return 0;
+}
+
+inline int state_slice_width(const KdaFwdArgs& a, int num_sms, int max_bv) {
+  if (const int bv = forced_state_slice_width(a, max_bv)) return bv;
   const int64_t heads = int64_t{a.num_seqs} * a.heads_v;
   auto ctas = [&](int bv) { return heads * (a.value_dim / bv); };
   if (max_bv >= 128 && a.value_dim % 128 == 0 && ctas(128) >= num_sms) return 128;
@@ -79,9 +84,54 @@ cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
   }
 }
 
+// Calls launch(std::integral_constant<int, BV>) for a width bv in {16, 32, 64, 128} dividing V.
+template <int V, typename Launch>
+cudaError_t with_width(int bv, Launch&& launch) {
+  switch (bv) {
+    case 128:
+      if constexpr (V % 128 == 0) return launch(std::integral_constant<int, 128>{});
+      return cudaErrorInvalidValue;
+    case 64:
+      return launch(std::integral_constant<int, 64>{});
+    case 32:
+      return launch(std::integral_constant<int, 32>{});
+    default:
+      return launch(std::integral_constant<int, 16>{});
+  }
+}
+
+// The segmented state pass (kda_state_segments.h): every segment's transition, the combine, then
+// the output pass over all segments. The output pass takes the widest slice (FLARE_KDA_STATE_BV
+// overrides it), the transition pass the same width where it divides K.
+template <typename T, int K, int V>
+cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
+  const int forced = forced_state_slice_width(a, 128);
+  const int bv = forced != 0 ? forced : (V < 128 ? V : 128);
+  const int bv_transition = bv < K ? bv : K;
+  const int transitions = a.state_segments - 1;
+  cudaError_t e = with_width<V>(bv_transition, [&](auto w) {
+    constexpr int BV = decltype(w)::value;
+    return launch(kda_state_transition_kernel<T, K, V, BV>, dim3((V + K) / BV, a.heads_v, a.num_seqs * transitions),
+                  StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV, StatePass::kTransition>), stream, a);
+  });
+  if (e != cudaSuccess) return e;
+  e = launch(kda_state_segment_combine_kernel<K, V>, dim3(V / kSegmentCombineCols, a.heads_v, a.num_seqs), K,
+             sizeof(float) * K * kSegmentCombineCols, stream, a);
+  if (e != cudaSuccess) return e;
+  return with_width<V>(bv, [&](auto w) {
+    constexpr int BV = decltype(w)::value;
+    return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs * a.state_segments),
+                  StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a);
+  });
+}
+
 template <typename T, int K, int V>
 Status launch_forward(const KdaFwdArgs& a, cudaStream_t stream) {
   FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
+  if (a.state_segments > 1) {
+    FLARE_CUDA_RETURN((launch_segmented_state_pass<T, K, V>(a, stream)));
+    return Status::Ok();
+  }
   FLARE_CUDA_RETURN((with_state_slice_width<V, 128>(
       a, [&](auto bv) { return launch_state_pass<T, K, V, decltype(bv)::value>(a, stream); })));
   return Status::Ok();

@@ -8,7 +8,8 @@
 //     gate, cumulative gate, L and P, (I + L)^-1, and writes w, u, kg, qg, P, decay;
 //   kda_state_pass  (kda_state_pass.cuh), one CTA per (sequence, value head, value slice),
 //     walks the chunks in order with the state in registers and writes the output and the
-//     final state.
+//     final state. For small batches the pass is cut into segments along the sequence
+//     (kda_state_segments.h: a transition kernel and a combine kernel first).
 #pragma once
 
 #include <cstddef>
@@ -63,7 +64,20 @@ struct KdaFwdArgs {
   void* A_inv = nullptr;      // [s][64][64]: (I + L)^-1, written only when set (the backward reads it)
   KdaChunk* chunks;           // [max_chunks] (varlen)
   int* seq_chunk_begin;       // [N + 1] (varlen): chunks of sequence n are [begin[n], begin[n+1])
+
+  // The segmented state pass (kda_state_segments.h); state_segments 1: not segmented.
+  int state_segments = 1, segment_chunks = 0;
+  float* seg_transition = nullptr;  // [N][HV][state_segments - 1][K][V + K]: S0 | X of each segment
+  float* seg_start = nullptr;       // [N][HV][state_segments - 1][K][V]: the state where segments 1.. start
 };
+
+// Bytes of the segmented pass's two arrays (0 when not segmented), each 256-byte aligned.
+inline size_t kda_segment_bytes(int64_t num_seqs, int64_t heads_v, int64_t K, int64_t V, int segments,
+                                size_t* transition_bytes) {
+  const size_t blocks = static_cast<size_t>(num_seqs * heads_v * (segments - 1));
+  *transition_bytes = (blocks * K * (V + K) * sizeof(float) + 255) / 256 * 256;
+  return *transition_bytes + (blocks * K * V * sizeof(float) + 255) / 256 * 256;
+}
 
 struct KdaWorkspaceLayout {
   size_t w = 0, u = 0, kg = 0, qg = 0, P = 0, decay = 0, chunks = 0, seq_chunk_begin = 0;

@@ -1,6 +1,7 @@
 // KDA forward, stage 2: the sequential pass over the chunks of one sequence, carrying the fp32
-// state, and the output. One CTA per (sequence, value head, BV-wide value slice); warp w owns the
-// 16 value columns [16 w, 16 w + 16) of the slice and never needs another warp's data.
+// state, and the output. One CTA per (sequence, value head, BV-wide value slice) (and segment,
+// when the pass is segmented: kda_state_segments.h); warp w owns the 16 value columns
+// [16 w, 16 w + 16) of the slice and never needs another warp's data.
 //
 // The state is kept transposed, S^T [16 values x K keys] per warp, as MMA accumulators. Then
 // every product of the chunk step has S^T or vnew^T as its A operand, and an accumulator block
@@ -9,13 +10,20 @@
 //   O^T    = S^T qg^T + vnew^T P^T               (qg and P carry the scale)
 //   S^T    = S^T Diag(decay) + vnew^T kg
 // The chunk's w, u, qg, kg, P come from kda_chunk_prep through a 3-stage cp.async pipeline.
+// The segmented pass's transition kernel runs the same step without the output (no qg, P) on
+// K x (V + K) columns: value columns from a zero state, identity columns with u = 0.
 #pragma once
+
+#include <type_traits>
 
 #include "src/kda/kda_chunk_prep.cuh"
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_tiles.cuh"
 
 namespace flare::kda {
+
+// kOutput: the pass that writes the output; kTransition: a segment's S0 | X (no output).
+enum class StatePass { kOutput, kTransition };
 
 template <int K, int BV>
 struct StateConfig {
@@ -31,70 +39,159 @@ struct StateConfig {
   static constexpr int kLdO = 16 + 8;
 };
 
+// One stage of the pipeline: a chunk's operands (the transition pass reads no qg, P).
 template <typename T, int K, int BV>
-struct StateStage {
+struct StateStageCore {
   using C = StateConfig<K, BV>;
   T w[kKdaChunk][C::kLdK];
-  T qg[kKdaChunk][C::kLdK];
   T kg[kKdaChunk][C::kLdK];
-  T P[kKdaChunk][C::kLdP];
   T u[kKdaChunk][C::kLdU];  // this CTA's value slice
   float decay[K];
 };
 
 template <typename T, int K, int BV>
+struct StateStageFull : StateStageCore<T, K, BV> {
+  using C = StateConfig<K, BV>;
+  T qg[kKdaChunk][C::kLdK];
+  T P[kKdaChunk][C::kLdP];
+};
+
+template <typename T, int K, int BV, StatePass kPass>
+using StateStage =
+    std::conditional_t<kPass == StatePass::kOutput, StateStageFull<T, K, BV>, StateStageCore<T, K, BV>>;
+
+template <typename T, int K, int BV, StatePass kPass = StatePass::kOutput>
 struct StateSmem {
   using C = StateConfig<K, BV>;
-  StateStage<T, K, BV> stage[C::kStages];
+  StateStage<T, K, BV, kPass> stage[C::kStages];
+};
+
+template <typename T, int K, int BV>
+struct StateSmem<T, K, BV, StatePass::kOutput> {
+  using C = StateConfig<K, BV>;
+  StateStage<T, K, BV, StatePass::kOutput> stage[C::kStages];
   T out[C::kWarps][kKdaChunk][C::kLdO];  // each warp's output tile, staged for 16-byte stores
 };
 
-// cp.async of chunk `chunk`'s operands (value columns [v0, v0 + BV) of u) into one stage.
-template <typename T, int K, int V, int BV>
-__device__ __forceinline__ void load_chunk(StateStage<T, K, BV>& st, const KdaFwdArgs& a, int chunk, int hv,
-                                           int v0) {
+// cp.async of chunk `chunk`'s operands (value columns [v0, v0 + BV) of u, when with_u) into one
+// stage.
+template <typename T, int K, int V, int BV, StatePass kPass>
+__device__ __forceinline__ void load_chunk(StateStage<T, K, BV, kPass>& st, const KdaFwdArgs& a, int chunk, int hv,
+                                           int v0, bool with_u) {
   constexpr int kThreads = StateConfig<K, BV>::kThreads;
   const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
   const T* w = static_cast<const T*>(a.w) + slot * kKdaChunk * K;
-  const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
-  const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
   const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
   using C = StateConfig<K, BV>;
   load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
-  load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
+  if constexpr (kPass == StatePass::kOutput) {
+    const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
+    const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
+    load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
+    load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
+  }
   load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
-  load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
-  load_rows<T, BV, C::kLdU, kThreads, true>(st.u, u, V);
+  if (with_u) load_rows<T, BV, C::kLdU, kThreads, true>(st.u, u, V);
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
 }
 
-template <typename T, int K, int V, int BV>
-__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_kernel(const KdaFwdArgs a) {
-  using C = StateConfig<K, BV>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<StateSmem<T, K, BV>*>(smem_raw);
+// S^T = the identity's columns [j0, j0 + 16) (transposed): row v = j0 + g (+8) is e_v.
+template <int K>
+__device__ __forceinline__ void identity_state_frag(float (&S)[K / 8][4], int j0, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+    const int c = nt * 8 + 2 * t;
+    S[nt][0] = c == j0 + g ? 1.f : 0.f;
+    S[nt][1] = c + 1 == j0 + g ? 1.f : 0.f;
+    S[nt][2] = c == j0 + g + 8 ? 1.f : 0.f;
+    S[nt][3] = c + 1 == j0 + g + 8 ? 1.f : 0.f;
+  }
+}
 
-  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * BV;
+// O^T's tile of one chunk: O^T += vnew^T P^T, then through this warp's smem tile (stmatrix: O^T's
+// fragments land as O's rows), 32 bytes per token, into out's columns [vc, vc + 16).
+template <typename T, int K, int V, int BV>
+__device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdO],
+                                             const StateStage<T, K, BV, StatePass::kOutput>& st,
+                                             float (&o)[kKdaChunk / 8][4], const uint32_t (&aV)[kKdaChunk / 16][4],
+                                             const KdaFwdArgs& a, int chunk, int hv, int vc, int lane) {
+  using C = StateConfig<K, BV>;
+  // O^T += vnew^T P^T   (P is lower triangular: token block i sees blocks j <= i)
+#pragma unroll
+  for (int jj = 0; jj < kKdaChunk / 16; ++jj)
+#pragma unroll
+    for (int np = jj; np < kKdaChunk / 16; ++np) {
+      uint32_t b[4];
+      load_b_rows(b, &st.P[0][0], C::kLdP, np * 16, jj * 16);
+      mma_pair<T>(o[2 * np], o[2 * np + 1], aV[jj], b);
+    }
+
+  const KdaChunk ch = chunk_at(a, chunk);
+#pragma unroll
+  for (int nt = 0; nt < kKdaChunk / 8; nt += 2) {
+    // matrix m: tokens 8 (nt + m / 2) .. + 7, values 8 (m % 2) .. + 7
+    const uint32_t r[4] = {pack2<T>(o[nt][0], o[nt][1]), pack2<T>(o[nt][2], o[nt][3]),
+                           pack2<T>(o[nt + 1][0], o[nt + 1][1]), pack2<T>(o[nt + 1][2], o[nt + 1][3])};
+    const int m = lane / 8;
+    stmatrix_x4_trans(r, &ot[8 * (nt + m / 2) + lane % 8][8 * (m % 2)]);
+  }
+  __syncwarp();
+  // lane: token 16 r + lane / 2, value half lane % 2
+  T* out = static_cast<T*>(a.out) + ch.batch * a.out_st.batch + (ch.t0 + lane / 2) * a.out_st.token +
+           hv * a.out_st.head + vc + (lane % 2) * 8;
+  const int64_t step = 16 * a.out_st.token;
+#pragma unroll
+  for (int r = 0; r < kKdaChunk / 16; ++r, out += step) {
+    const int i = r * 16 + lane / 2;
+    if (i < ch.len) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(&ot[i][(lane % 2) * 8]);
+  }
+}
+
+template <typename T, int K, int V, int BV, StatePass kPass>
+__device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
+  using C = StateConfig<K, BV>;
+  constexpr bool kOut = kPass == StatePass::kOutput;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<StateSmem<T, K, BV, kPass>*>(smem_raw);
+
+  // Segments: the output pass runs all of them, the transition pass all but the last.
+  const int segments = kOut ? a.state_segments : a.state_segments - 1;
+  const int n = blockIdx.z / segments, seg = blockIdx.z % segments, hv = blockIdx.y, v0 = blockIdx.x * BV;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;  // this warp's columns within the slice
-  const auto [begin, end] = chunk_range(a, n);
+  auto [begin, end] = chunk_range(a, n);
+  if (a.state_segments > 1) {
+    begin += seg * a.segment_chunks;
+    end = min(end, begin + a.segment_chunks);
+  }
+  const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
+  // Transition pass: slices past V are identity columns (no u).
+  const bool value_slice = kOut || v0 < V;
 
   // S^T: rows v = v0 + vw + g (+8), columns c = 8 nt + 2 t (+1).
   float S[K / 8][4];
-  const int64_t state_base = (static_cast<int64_t>(n) * a.heads_v + hv) * K * V + v0 + vw + g;
-  load_state_frag<K>(S, a.initial_state ? a.initial_state + state_base : nullptr, V, t);
+  if constexpr (kOut) {
+    if (seg == 0)
+      load_state_frag<K>(S, a.initial_state ? a.initial_state + head * K * V + v0 + vw + g : nullptr, V, t);
+    else
+      load_state_frag<K>(S, a.seg_start + (head * (a.state_segments - 1) + seg - 1) * K * V + v0 + vw + g, V, t);
+  } else if (value_slice) {
+    load_state_frag<K>(S, nullptr, V, t);
+  } else {
+    identity_state_frag<K>(S, v0 - V + vw, g, t);
+  }
 
 #pragma unroll
   for (int s = 0; s < C::kStages; ++s) {
-    if (begin + s < end) load_chunk<T, K, V, BV>(sm.stage[s], a, begin + s, hv, v0);
+    if (begin + s < end) load_chunk<T, K, V, BV, kPass>(sm.stage[s], a, begin + s, hv, v0, value_slice);
     cp_async_commit();
   }
 
   for (int chunk = begin; chunk < end; ++chunk) {
     const int stage = (chunk - begin) % C::kStages;
-    const StateStage<T, K, BV>& st = sm.stage[stage];
+    const StateStage<T, K, BV, kPass>& st = sm.stage[stage];
     cp_async_wait<C::kStages - 1>();
     __syncthreads();
 
@@ -102,13 +199,17 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
     // start) becomes an A operand one k-step at a time, which keeps registers free for the
     // loads in flight.
     float vnew[kKdaChunk / 8][4], o[kKdaChunk / 8][4];
+    if (value_slice) {
 #pragma unroll
-    for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
-      const int j = nt * 8 + 2 * t;
-      vnew[nt][0] = to_float(st.u[j][vw + g]);
-      vnew[nt][1] = to_float(st.u[j + 1][vw + g]);
-      vnew[nt][2] = to_float(st.u[j][vw + g + 8]);
-      vnew[nt][3] = to_float(st.u[j + 1][vw + g + 8]);
+      for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
+        const int j = nt * 8 + 2 * t;
+        vnew[nt][0] = to_float(st.u[j][vw + g]);
+        vnew[nt][1] = to_float(st.u[j + 1][vw + g]);
+        vnew[nt][2] = to_float(st.u[j][vw + g + 8]);
+        vnew[nt][3] = to_float(st.u[j + 1][vw + g + 8]);
+      }
+    } else {
+      zero(vnew);
     }
     zero(o);
 #pragma unroll
@@ -118,50 +219,21 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
       const uint32_t neg_s[4] = {neg2(s_a[0]), neg2(s_a[1]), neg2(s_a[2]), neg2(s_a[3])};
 #pragma unroll
       for (int np = 0; np < kKdaChunk / 16; ++np) {
-        uint32_t bw[4], bq[4];
+        uint32_t bw[4];
         load_b_rows(bw, &st.w[0][0], C::kLdK, np * 16, kk * 16);
-        load_b_rows(bq, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
         mma_pair<T>(vnew[2 * np], vnew[2 * np + 1], neg_s, bw);
-        mma_pair<T>(o[2 * np], o[2 * np + 1], s_a, bq);
+        if constexpr (kOut) {
+          uint32_t bq[4];
+          load_b_rows(bq, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
+          mma_pair<T>(o[2 * np], o[2 * np + 1], s_a, bq);
+        }
       }
     }
     uint32_t aV[kKdaChunk / 16][4];
 #pragma unroll
     for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
 
-    // O^T += vnew^T P^T   (P is lower triangular: token block i sees blocks j <= i)
-#pragma unroll
-    for (int jj = 0; jj < kKdaChunk / 16; ++jj)
-#pragma unroll
-      for (int np = jj; np < kKdaChunk / 16; ++np) {
-        uint32_t b[4];
-        load_b_rows(b, &st.P[0][0], C::kLdP, np * 16, jj * 16);
-        mma_pair<T>(o[2 * np], o[2 * np + 1], aV[jj], b);
-      }
-
-    // out: through this warp's smem tile (stmatrix: O^T's fragments land as O's rows), 32 bytes
-    // per token
-    const KdaChunk ch = chunk_at(a, chunk);
-    T(*ot)[C::kLdO] = sm.out[warp];
-#pragma unroll
-    for (int nt = 0; nt < kKdaChunk / 8; nt += 2) {
-      // matrix m: tokens 8 (nt + m / 2) .. + 7, values 8 (m % 2) .. + 7
-      const uint32_t r[4] = {pack2<T>(o[nt][0], o[nt][1]), pack2<T>(o[nt][2], o[nt][3]),
-                             pack2<T>(o[nt + 1][0], o[nt + 1][1]), pack2<T>(o[nt + 1][2], o[nt + 1][3])};
-      const int m = lane / 8;
-      stmatrix_x4_trans(r, &ot[8 * (nt + m / 2) + lane % 8][8 * (m % 2)]);
-    }
-    __syncwarp();
-    {  // lane: token 16 r + lane / 2, value half lane % 2
-      T* out = static_cast<T*>(a.out) + ch.batch * a.out_st.batch + (ch.t0 + lane / 2) * a.out_st.token +
-               hv * a.out_st.head + v0 + vw + (lane % 2) * 8;
-      const int64_t step = 16 * a.out_st.token;
-#pragma unroll
-      for (int r = 0; r < kKdaChunk / 16; ++r, out += step) {
-        const int i = r * 16 + lane / 2;
-        if (i < ch.len) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(&ot[i][(lane % 2) * 8]);
-      }
-    }
+    if constexpr (kOut) write_output<T, K, V, BV>(sm.out[warp], st, o, aV, a, chunk, hv, v0 + vw, lane);
 
     // S^T <- S^T Diag(decay) + vnew^T kg
 #pragma unroll
@@ -179,11 +251,68 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_k
       }
 
     __syncthreads();  // every warp is done with this stage (and its out tile)
-    if (chunk + C::kStages < end) load_chunk<T, K, V, BV>(sm.stage[stage], a, chunk + C::kStages, hv, v0);
+    if (chunk + C::kStages < end)
+      load_chunk<T, K, V, BV, kPass>(sm.stage[stage], a, chunk + C::kStages, hv, v0, value_slice);
     cp_async_commit();
   }
 
-  store_state_frag<K>(S, a.final_state ? a.final_state + state_base : nullptr, V, t);
+  if constexpr (kOut) {
+    if (seg == a.state_segments - 1)
+      store_state_frag<K>(S, a.final_state ? a.final_state + head * K * V + v0 + vw + g : nullptr, V, t);
+  } else {
+    store_state_frag<K>(S, a.seg_transition + (head * segments + seg) * K * (V + K) + v0 + vw + g, V + K, t);
+  }
+}
+
+template <typename T, int K, int V, int BV>
+__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_kernel(const KdaFwdArgs a) {
+  state_pass<T, K, V, BV, StatePass::kOutput>(a);
+}
+
+// The segmented pass's first kernel: grid ((V + K) / BV, HV, N x (segments - 1)).
+template <typename T, int K, int V, int BV>
+__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_transition_kernel(const KdaFwdArgs a) {
+  state_pass<T, K, V, BV, StatePass::kTransition>(a);
+}
+
+inline constexpr int kSegmentCombineCols = 16;
+
+// The segmented pass's second kernel: start_{s+1} = X_s start_s + S0_s over the segments, in
+// fp32, from start_0 = the initial state (or 0). One CTA per (sequence, value head, 16 value
+// columns), thread i the state's row i; K x 16 floats of dynamic shared memory.
+template <int K, int V>
+__global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaFwdArgs a) {
+  constexpr int kCols = kSegmentCombineCols;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);  // K x kCols floats
+  const int n = blockIdx.z, hv = blockIdx.y, c0 = blockIdx.x * kCols, i = threadIdx.x;
+  const int transitions = a.state_segments - 1;
+  const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c)
+    start[i][c] = a.initial_state ? a.initial_state[head * K * V + int64_t{i} * V + c0 + c] : 0.f;
+  __syncthreads();
+  for (int s = 0; s < transitions; ++s) {
+    const float* row = a.seg_transition + (head * transitions + s) * K * (V + K) + int64_t{i} * (V + K);
+    float acc[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[c] = row[c0 + c];  // S0
+    const float4* x = reinterpret_cast<const float4*>(row + V);
+#pragma unroll 4
+    for (int k4 = 0; k4 < K / 4; ++k4) {
+      const float4 xk = x[k4];
+      const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xs[e], start[4 * k4 + e][c], acc[c]);
+    }
+    __syncthreads();  // every row has read start_s
+    float* out = a.seg_start + (head * transitions + s) * K * V + int64_t{i} * V + c0;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) start[i][c] = acc[c], out[c] = acc[c];
+    __syncthreads();
+  }
 }
 
 }  // namespace flare::kda

@@ -277,28 +277,34 @@ void run_case(const Case& c, uint64_t seed) {
 
 // The emulation itself, against kernels proved on the H100: the forward (chunk prep and state
 // pass) must reproduce the oracle's output as tests/gpu/test_kda.cu requires of the GPU.
-TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) {
+// The forward's kernels (prep, then the state pass: whole, or cut into `segments` segments of
+// segment_chunks chunks: transition, combine, output) on a K64 V128 case of T tokens, against the
+// oracle.
+void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed) {
   Problem p;
-  make_problem({.name = "forward", .T = 100, .V = 128}, 11, &p);
+  make_problem({.name = "forward", .T = T, .V = 128}, seed, &p);
   const Case& c = p.c;
   HostTensor want(DType::kFloat64, {c.B, c.T, c.HV, c.V}), lowp(c.dtype, {c.B, c.T, c.HV, c.V});
-  HostTensor got(c.dtype, {c.B, c.T, c.HV, c.V});
+  HostTensor got(c.dtype, {c.B, c.T, c.HV, c.V}), final_got(DType::kFloat32, {1, c.HV, c.K, c.V});
+  HostTensor final_want(DType::kFloat32, {1, c.HV, c.K, c.V});
   got.fill(std::nan(""));
+  final_got.fill(std::nan(""));
   flare::KdaForwardParams f;
   f.q = p.q, f.k = p.k, f.v = p.v, f.g = p.g, f.beta = p.beta, f.initial_state = p.h0, f.options = c.options;
-  f.out = want;
+  f.out = want, f.final_state = final_want;
   ASSERT_TRUE(flare::ref::kda_forward(f).ok());
-  f.out = lowp;
+  f.out = lowp, f.final_state = {};
   ASSERT_TRUE(flare::ref::kda_forward_chunked(f, 64, c.dtype).ok());
-  f.out = got;
-  for (TensorView* t : {&f.q, &f.k, &f.v, &f.g, &f.beta, &f.initial_state, &f.out})
-    t->device = flare::Device{flare::DeviceKind::kCUDA, 0};
-  size_t bytes = 0;
-  ASSERT_TRUE(flare::kda_forward_workspace_size(f, &bytes).ok());
-  std::vector<unsigned char> workspace(bytes + 256, 0xFF);
+  // The args as kda_forward builds them (its workspace layout, the segment arrays after it),
+  // without the launch.
+  const int chunks = static_cast<int>((c.T + 63) / 64);
+  const auto l = flare::detail::kda_workspace_layout(chunks, c.HV, c.K, c.V, 1, 2);
+  size_t transition_bytes = 0;
+  const size_t seg_bytes = segments > 1 ? flare::detail::kda_segment_bytes(1, c.HV, c.K, c.V, segments,
+                                                                           &transition_bytes)
+                                        : 0;
+  std::vector<unsigned char> workspace(l.total + seg_bytes + 256, 0xFF);
   unsigned char* ws = workspace.data() + (256 - reinterpret_cast<uintptr_t>(workspace.data()) % 256) % 256;
-  // The args as kda_forward builds them (its workspace layout), without the launch.
-  const auto l = flare::detail::kda_workspace_layout(2, c.HV, c.K, c.V, 1, 2);
   KdaFwdArgs a{};
   a.q = p.q.data(), a.k = p.k.data(), a.v = p.v.data(), a.g = p.g.data(), a.beta = p.beta.data();
   a.initial_state = static_cast<const float*>(p.h0.data());
@@ -310,25 +316,50 @@ TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) {
   a.beta_st = strides(p.beta), a.out_st = strides(got);
   a.g_fp32 = a.beta_fp32 = true;
   a.out = got.data();
+  a.final_state = static_cast<float*>(final_got.data());
   a.batch = 1, a.seqlen = static_cast<int>(c.T), a.heads = 1, a.heads_v = static_cast<int>(c.HV), a.num_seqs = 1;
   a.key_dim = static_cast<int>(c.K), a.value_dim = static_cast<int>(c.V);
-  a.chunks_per_row = a.max_chunks = 2;
+  a.chunks_per_row = a.max_chunks = chunks;
   a.scale = 1.f / std::sqrt(static_cast<float>(c.K));
   a.beta_factor = 1.f;
   a.w = ws + l.w, a.u = ws + l.u, a.kg = ws + l.kg, a.qg = ws + l.qg, a.P = ws + l.P;
   a.decay = reinterpret_cast<float*>(ws + l.decay);
-  cuda_emu::launch(dim3(2, a.heads_v), kda::PrepConfig<64, 128>::kThreads, kda::smem_raw,
+  cuda_emu::launch(dim3(chunks, a.heads_v), kda::PrepConfig<64, 128>::kThreads, kda::smem_raw,
                    [&] { kda::kda_chunk_prep_kernel<__nv_bfloat16, 64, 128>(a); });
-  cuda_emu::launch(dim3(128 / 32, a.heads_v, 1), kda::StateConfig<64, 32>::kThreads, kda::smem_raw,
+  if (segments > 1) {
+    a.state_segments = segments, a.segment_chunks = segment_chunks;
+    a.seg_transition = reinterpret_cast<float*>(ws + l.total);
+    a.seg_start = reinterpret_cast<float*>(ws + l.total + transition_bytes);
+    cuda_emu::launch(dim3((128 + 64) / 32, a.heads_v, segments - 1), kda::StateConfig<64, 32>::kThreads,
+                     kda::smem_raw, [&] { kda::kda_state_transition_kernel<__nv_bfloat16, 64, 128, 32>(a); });
+    cuda_emu::launch(dim3(128 / kda::kSegmentCombineCols, a.heads_v, 1), 64, kda::smem_raw,
+                     [&] { kda::kda_state_segment_combine_kernel<64, 128>(a); });
+  }
+  cuda_emu::launch(dim3(128 / 32, a.heads_v, segments), kda::StateConfig<64, 32>::kThreads, kda::smem_raw,
                    [&] { kda::kda_state_pass_kernel<__nv_bfloat16, 64, 128, 32>(a); });
-  double err = 0, lowp_err = 0;
+  double err = 0, lowp_err = 0, final_err = 0, final_max = 0;
   for (int64_t e = 0; e < want.numel(); ++e) {
     err = std::max(err, std::isnan(got.get(e)) ? INFINITY : std::abs(got.get(e) - want.get(e)));
     lowp_err = std::max(lowp_err, std::abs(lowp.get(e) - want.get(e)));
   }
-  std::printf("  forward out: err %.3g (baseline %.3g)\n", err, lowp_err);
+  for (int64_t e = 0; e < final_want.numel(); ++e) {
+    final_err = std::max(final_err, std::isnan(final_got.get(e)) ? INFINITY
+                                                                  : std::abs(final_got.get(e) - final_want.get(e)));
+    final_max = std::max(final_max, std::abs(final_want.get(e)));
+  }
+  std::printf("  forward T %lld, %d segment(s): out err %.3g (baseline %.3g), final state err %.3g (max %.3g)\n",
+              static_cast<long long>(T), segments, err, lowp_err, final_err, final_max);
   EXPECT_LE(err, 3 * lowp_err + 1e-4);  // test_kda.cu's rule
   EXPECT_GT(err, 0.0);  // 16-bit operands: never exact
+  EXPECT_LE(final_err, 2e-2 * final_max);
+}
+
+TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) { run_forward_case(100, 1, 0, 11); }
+
+// The segmented state pass (kda_state_segments.h): 4 segments of 1 chunk, 2 of 3 (the last short).
+TEST(KdaBackwardEmulated, SegmentedForwardStatePass) {
+  run_forward_case(200, 4, 1, 13);
+  run_forward_case(200, 2, 3, 14);
 }
 
 TEST(KdaBackwardEmulated, Kda) {

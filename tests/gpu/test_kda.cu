@@ -40,6 +40,7 @@ struct Case {
   DType dtype = DType::kBFloat16;
   DType g_dtype = DType::kFloat32, beta_dtype = DType::kFloat32, cu_dtype = DType::kInt32;
   bool gdn = false, initial_state = false, A_log = true, dt_bias = true;
+  bool keep_for_backward = false;  // the training path's forward (the backward's workspace layout)
   KdaOptions options{};
 };
 
@@ -154,6 +155,7 @@ void run_case(const Case& c, uint64_t seed = 1) {
   d_out.poison();
   d_ht.poison();
   KdaForwardParams dparams = dp.on_device(p.params());
+  dparams.keep_for_backward = cc.keep_for_backward;
   dparams.out = d_out.view();
   dparams.final_state = d_ht.view();
   size_t bytes = 0;
@@ -210,6 +212,43 @@ TEST(KdaForward, StateSliceWidths) {
     c.T = 300, c.HV = 4, c.H = 2, c.initial_state = true;
     run_case(c, 40 + bv);
   });
+}
+
+// The segmented state pass (kda_state_segments.h: transition, combine, output over segments),
+// which the heuristic takes only for batches that leave SMs idle: forced through
+// FLARE_KDA_STATE_SEGMENT (chunks per segment) at 1, 2 and 3 chunks (the last segment short), at
+// each value-slice width, with and without an initial state, KDA, GDN and K 64 / V 128.
+TEST(KdaForward, SegmentedStatePass) {
+  FLARE_REQUIRE_GPU();
+  for (int chunks : {1, 2, 3}) {
+    ASSERT_EQ(setenv("FLARE_KDA_STATE_SEGMENT", std::to_string(chunks).c_str(), 1), 0);
+    SCOPED_TRACE("FLARE_KDA_STATE_SEGMENT=" + std::to_string(chunks));
+    with_each_state_slice_width({16, 32, 64, 128}, [&](int bv) {
+      Case c;
+      c.name = "segments of " + std::to_string(chunks) + ", BV " + std::to_string(bv);
+      c.T = 300, c.HV = 4, c.H = 2, c.initial_state = bv != 64;
+      run_case(c, 60 + chunks * 8 + bv);
+    });
+    Case gdn;
+    gdn.name = "GDN K64 segments of " + std::to_string(chunks);
+    gdn.gdn = true, gdn.K = 64, gdn.B = 1, gdn.T = 257, gdn.initial_state = true;
+    run_case(gdn, 90 + chunks);
+  }
+  unsetenv("FLARE_KDA_STATE_SEGMENT");
+  // The rule's own choice (one sequence of 40 chunks, 2 value heads: 2 segments of 20), plain and
+  // in the training path's forward (its arrays then live in the backward's dh array); forced to
+  // 3 segments of 16 there too.
+  Case rule;
+  rule.B = 1, rule.T = 2560 - 17, rule.HV = 2, rule.initial_state = true;
+  for (bool keep : {false, true}) {
+    rule.keep_for_backward = keep;
+    rule.name = std::string("long sequence") + (keep ? ", kept" : "");
+    run_case(rule, 97);
+  }
+  ASSERT_EQ(setenv("FLARE_KDA_STATE_SEGMENT", "16", 1), 0);
+  rule.name = "long sequence, kept, 3 segments";
+  run_case(rule, 98);
+  unsetenv("FLARE_KDA_STATE_SEGMENT");
 }
 
 TEST(KdaForward, GroupedValueHeads) {
