@@ -115,7 +115,7 @@ cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream
                   StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV, StatePass::kTransition>), stream, a);
   });
   if (e != cudaSuccess) return e;
-  e = launch(kda_state_segment_combine_kernel<K, V>, dim3(V / kSegmentCombineCols, a.heads_v, a.num_seqs), 2 * K,
+  e = launch(kda_state_segment_combine_kernel<K, V>, dim3(V / kSegmentCombineCols, a.heads_v, a.num_seqs), K,
              sizeof(float) * K * kSegmentCombineCols, stream, a);
   if (e != cudaSuccess) return e;
   return with_width<V>(bv, [&](auto w) {

@@ -279,54 +279,40 @@ inline constexpr int kSegmentCombineCols = 16;
 
 // The segmented pass's second kernel: start_{s+1} = X_s start_s + S0_s over the segments, in
 // fp32, from start_0 = the initial state (or 0). One CTA per (sequence, value head, 16 value
-// columns) of 2 K threads: the lane pair (2 i, 2 i + 1) owns the state's row i, each lane half of
-// the sum over k (its 16 float4 of X's row in flight at once), added by a shuffle. K x 16 floats
-// of dynamic shared memory.
+// columns), thread i the state's row i; K x 16 floats of dynamic shared memory. (ncu, B1 T32768,
+// 3 transitions: 71 us at base clocks; two lanes per row with all of X's loads in flight measured
+// 80 us, so the time is not the loads' latency; not found yet.)
 template <int K, int V>
-__global__ void __launch_bounds__(2 * K) kda_state_segment_combine_kernel(const KdaFwdArgs a) {
-  constexpr int kCols = kSegmentCombineCols, kHalf = K / 2;
+__global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaFwdArgs a) {
+  constexpr int kCols = kSegmentCombineCols;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);  // K x kCols floats
-  const int n = blockIdx.z, hv = blockIdx.y, c0 = blockIdx.x * kCols;
-  const int i = threadIdx.x / 2, half = threadIdx.x % 2;
+  const int n = blockIdx.z, hv = blockIdx.y, c0 = blockIdx.x * kCols, i = threadIdx.x;
   const int transitions = a.state_segments - 1;
   const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
-  for (int c = half; c < kCols; c += 2)
+#pragma unroll
+  for (int c = 0; c < kCols; ++c)
     start[i][c] = a.initial_state ? a.initial_state[head * K * V + int64_t{i} * V + c0 + c] : 0.f;
   __syncthreads();
   for (int s = 0; s < transitions; ++s) {
     const float* row = a.seg_transition + (head * transitions + s) * K * (V + K) + int64_t{i} * (V + K);
-    const float4* x = reinterpret_cast<const float4*>(row + V + half * kHalf);
-    float4 xs[kHalf / 4];
-#pragma unroll
-    for (int k4 = 0; k4 < kHalf / 4; ++k4) xs[k4] = x[k4];
     float acc[kCols];
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[c] = half == 0 ? row[c0 + c] : 0.f;  // S0
+    for (int c = 0; c < kCols; ++c) acc[c] = row[c0 + c];  // S0
+    const float4* x = reinterpret_cast<const float4*>(row + V);
+#pragma unroll 4
+    for (int k4 = 0; k4 < K / 4; ++k4) {
+      const float4 xk = x[k4];
+      const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
 #pragma unroll
-    for (int k4 = 0; k4 < kHalf / 4; ++k4) {
-      const float xk[4] = {xs[k4].x, xs[k4].y, xs[k4].z, xs[k4].w};
+      for (int e = 0; e < 4; ++e)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float4* srow = reinterpret_cast<const float4*>(&start[half * kHalf + 4 * k4 + e][0]);
-#pragma unroll
-        for (int c4 = 0; c4 < kCols / 4; ++c4) {
-          const float4 sv = srow[c4];
-          acc[4 * c4] = fmaf(xk[e], sv.x, acc[4 * c4]);
-          acc[4 * c4 + 1] = fmaf(xk[e], sv.y, acc[4 * c4 + 1]);
-          acc[4 * c4 + 2] = fmaf(xk[e], sv.z, acc[4 * c4 + 2]);
-          acc[4 * c4 + 3] = fmaf(xk[e], sv.w, acc[4 * c4 + 3]);
-        }
-      }
+        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xs[e], start[4 * k4 + e][c], acc[c]);
     }
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], 1);
     __syncthreads();  // every row has read start_s
     float* out = a.seg_start + (head * transitions + s) * K * V + int64_t{i} * V + c0;
-    if (half == 0) {
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) start[i][c] = acc[c], out[c] = acc[c];
-    }
+    for (int c = 0; c < kCols; ++c) start[i][c] = acc[c], out[c] = acc[c];
     __syncthreads();
   }
 }

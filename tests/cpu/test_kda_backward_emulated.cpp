@@ -332,7 +332,7 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
     a.seg_start = reinterpret_cast<float*>(ws + l.total + transition_bytes);
     cuda_emu::launch(dim3((128 + 64) / 32, a.heads_v, segments - 1), kda::StateConfig<64, 32>::kThreads,
                      kda::smem_raw, [&] { kda::kda_state_transition_kernel<__nv_bfloat16, 64, 128, 32>(a); });
-    cuda_emu::launch(dim3(128 / kda::kSegmentCombineCols, a.heads_v, 1), 2 * 64, kda::smem_raw,
+    cuda_emu::launch(dim3(128 / kda::kSegmentCombineCols, a.heads_v, 1), 64, kda::smem_raw,
                      [&] { kda::kda_state_segment_combine_kernel<64, 128>(a); });
   }
   cuda_emu::launch(dim3(128 / 32, a.heads_v, segments), kda::StateConfig<64, 32>::kThreads, kda::smem_raw,
