@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "flare/mask.h"
 #include "flare/status.h"
@@ -16,6 +17,8 @@
 #include "flare/types.h"
 
 namespace flare {
+
+struct BlockSparseDqPlan;  // block_mask.h
 
 inline constexpr int kMaxHeadDim = 256;
 
@@ -49,8 +52,12 @@ struct AttentionBackwardParams {
   TensorView sinks;
   MaskParams mask;
   const BlockMask* block_mask = nullptr;
-  // dQ (and GQA's dK/dV) summed in a fixed order: bitwise identical results run to run.
+  // dQ (and GQA's dK/dV) summed in a fixed order: bitwise identical results run to run. With a
+  // block_mask it needs the mask's plan (block_mask.h: make_block_sparse_dq_plan) and the
+  // device copy of its data.
   bool deterministic = false;
+  const BlockSparseDqPlan* block_mask_dq_plan = nullptr;
+  const int32_t* block_mask_dq_plan_data = nullptr;
   // Scratch from attention_backward_workspace_size(); nullptr: allocated on `stream` per call.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;

@@ -1,5 +1,10 @@
 // The attention entry points: validate, build device params once, pick the kernel family.
 #include "flare/attention.h"
+
+#include <cstdint>
+#include <string>
+
+#include "flare/block_mask.h"
 #include "src/attention/attention_args.h"
 #include "src/attention/fwd_params.h"
 #include "src/attention/bwd_params.h"
@@ -7,6 +12,7 @@
 #include "src/attention/portable/fwd_launch.h"
 #include "src/block_sparse/block_mask_args.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/dq_write_order.h"
 #ifdef FLARE_WITH_HOPPER
 #include "src/attention/hopper/bwd_launch.h"
 #include "src/attention/hopper/fwd_launch.h"
@@ -71,26 +77,52 @@ struct BackwardPlan {
   detail::BwdWorkspaceLayout layout;
   bool hopper = false;  // the Hopper kernel, else the portable one
   int dq_chains = 1;     // deterministic dQ semaphores per query block
+  detail::BlockMaskShape mask_shape;  // with a block mask
 };
+
+// The deterministic block-sparse backward's plan must be the one for this attention and mask.
+Status check_dq_plan(const AttentionBackwardParams& p, const detail::AttentionShape& shape,
+                     const detail::BlockMaskShape& mask) {
+  const BlockSparseDqPlan* plan = p.block_mask_dq_plan;
+  if (plan == nullptr || p.block_mask_dq_plan_data == nullptr)
+    return Status::InvalidArgument("block_mask_dq_plan",
+                                   "deterministic with a block_mask needs the mask's plan (make_block_sparse_dq_plan) "
+                                   "and its data on the device (block_mask_dq_plan_data)");
+  if (reinterpret_cast<uintptr_t>(p.block_mask_dq_plan_data) % 4 != 0)
+    return Status::InvalidArgument("block_mask_dq_plan_data", "must be 4-byte aligned");
+  auto differs = [](const char* what, int64_t planned, int64_t here) {
+    return Status::InvalidArgument("block_mask_dq_plan", std::string("made for ") + what + " " +
+                                                             std::to_string(planned) + ", this backward has " +
+                                                             std::to_string(here));
+  };
+  if (plan->batch != shape.batch) return differs("batch", plan->batch, shape.batch);
+  if (plan->heads != shape.heads) return differs("heads", plan->heads, shape.heads);
+  if (plan->heads_kv != shape.heads_kv) return differs("heads_kv", plan->heads_kv, shape.heads_kv);
+  if (plan->num_q_blocks != mask.num_q_blocks) return differs("q blocks", plan->num_q_blocks, mask.num_q_blocks);
+  if (plan->num_kv_blocks != mask.num_kv_blocks) return differs("kv blocks", plan->num_kv_blocks, mask.num_kv_blocks);
+  if (plan->q_block_size != p.block_mask->q_block_size)
+    return differs("q_block_size", plan->q_block_size, p.block_mask->q_block_size);
+  if (plan->kv_block_size != p.block_mask->kv_block_size)
+    return differs("kv_block_size", plan->kv_block_size, p.block_mask->kv_block_size);
+  if (plan->data.empty()) return Status::InvalidArgument("block_mask_dq_plan", "has no data");
+  return Status::Ok();
+}
 
 // The block-sparse backward runs on the portable kernel, walking the mask's transposed lists (per
 // kv block, the q blocks that see it), so those must be given; as in the forward, no varlen.
-Status check_block_sparse_backward(const AttentionBackwardParams& p, const detail::AttentionShape& shape) {
+Status check_block_sparse_backward(const AttentionBackwardParams& p, const detail::AttentionShape& shape,
+                                   detail::BlockMaskShape* mask_shape) {
   if (shape.varlen)
     return Status::NotSupported("block_mask: block-sparse attention with varlen sequences (cu_seqlens) is not supported");
   if (p.backend == Backend::kHopper)
     return Status::NotSupported("backend: the Hopper backward has no block-sparse mask yet (use kAuto or kPortable)");
-  if (p.deterministic)
-    return Status::NotSupported(
-        "deterministic: the deterministic block-sparse backward is not built yet (its dQ order is planned by "
-        "src/block_sparse/dq_write_order.h); use deterministic = false");
   const detail::BlockMaskProblem problem{shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k};
-  detail::BlockMaskShape mask_shape;
-  FLARE_RETURN_IF_ERROR(detail::validate_block_mask(*p.block_mask, problem, DeviceKind::kCUDA, &mask_shape));
-  if (!mask_shape.has_transposed_lists)
+  FLARE_RETURN_IF_ERROR(detail::validate_block_mask(*p.block_mask, problem, DeviceKind::kCUDA, mask_shape));
+  if (!mask_shape->has_transposed_lists)
     return Status::InvalidArgument("block_mask.q_num_blocks",
                                    "the backward needs the transposed lists (q_num_blocks, q_indices, and "
                                    "full_q_num_blocks, full_q_indices with full blocks): build the mask with them");
+  if (p.deterministic) FLARE_RETURN_IF_ERROR(check_dq_plan(p, shape, *mask_shape));
   return Status::Ok();
 }
 
@@ -98,7 +130,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
   FLARE_RETURN_IF_ERROR(detail::validate_attention_backward(p, DeviceKind::kCUDA, &plan->shape));
   if (p.backend == Backend::kReference)
     return Status::NotSupported("backend: the attention backward has no reference kernel (the CPU oracle is flare::ref)");
-  if (p.block_mask != nullptr) FLARE_RETURN_IF_ERROR(check_block_sparse_backward(p, plan->shape));
+  if (p.block_mask != nullptr) FLARE_RETURN_IF_ERROR(check_block_sparse_backward(p, plan->shape, &plan->mask_shape));
   plan->blocks = portable::portable_bwd_blocks(plan->shape.head_dim);
   if (plan->blocks.head_dim == 0)
     return Status::NotSupported("head dim " + std::to_string(plan->shape.head_dim) +
@@ -119,8 +151,16 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
   if (p.backend == Backend::kHopper)
     return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
 #endif
+  int64_t sparse_dq = 0, sparse_dkv = 0;  // the deterministic block-sparse backward's semaphores per head
+  if (p.block_mask != nullptr && p.deterministic) {
+    const int64_t q_tiles = (p.block_mask->q_block_size + plan->blocks.block_m - 1) / plan->blocks.block_m;
+    const int64_t kv_tiles = (p.block_mask->kv_block_size + plan->blocks.block_n - 1) / plan->blocks.block_n;
+    sparse_dq = int64_t{plan->mask_shape.num_q_blocks} * q_tiles;
+    sparse_dkv = int64_t{plan->mask_shape.num_kv_blocks} * kv_tiles;
+  }
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
-                                              plan->hopper ? plan->blocks.head_dim : 0, plan->dq_chains);
+                                              plan->hopper ? plan->blocks.head_dim : 0, plan->dq_chains, sparse_dq,
+                                              sparse_dkv);
   return Status::Ok();
 }
 
@@ -156,7 +196,11 @@ Status attention_backward(const AttentionBackwardParams& params) {
     if (params.block_mask != nullptr) {
       const block_sparse::BlockSparseParams bs =
           block_sparse::make_block_sparse_params(*params.block_mask, plan.shape.seqlen_q, plan.shape.seqlen_k);
-      st = portable::portable_attention_backward_sparse(k, bs, params.q.dtype, params.stream);
+      const block_sparse::DqPlanView dq_plan =
+          params.deterministic ? block_sparse::dq_plan_view(*params.block_mask_dq_plan, params.block_mask_dq_plan_data)
+                               : block_sparse::DqPlanView{};
+      st = portable::portable_attention_backward_sparse(k, bs, params.deterministic ? &dq_plan : nullptr,
+                                                        params.q.dtype, params.stream);
     } else {
 #ifdef FLARE_WITH_HOPPER
       if (plan.hopper) st = hopper::hopper_attention_backward(k, params.q.dtype, params.stream);

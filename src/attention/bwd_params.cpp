@@ -8,7 +8,8 @@ std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 }  // namespace
 
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
-                                        int hopper_head_dim, int dq_chains) {
+                                        int hopper_head_dim, int dq_chains, int64_t sparse_dq_per_head,
+                                        int64_t sparse_dkv_per_head) {
   BwdWorkspaceLayout l;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
@@ -33,8 +34,11 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
   }
   if (deterministic) {
     const std::size_t m_blocks = (s.seqlen_q + block_m - 1) / block_m, n_blocks = (s.seqlen_k + block_n - 1) / block_n;
-    l.dq_semaphore = take(std::size_t{1} * s.batch * s.heads * m_blocks * dq_chains * sizeof(int));
-    l.dkv_semaphore = take(std::size_t{1} * s.batch * s.heads_kv * n_blocks * sizeof(int));
+    const std::size_t dq_per_head =
+        sparse_dq_per_head > 0 ? static_cast<std::size_t>(sparse_dq_per_head) : m_blocks * dq_chains;
+    const std::size_t dkv_per_head = sparse_dkv_per_head > 0 ? static_cast<std::size_t>(sparse_dkv_per_head) : n_blocks;
+    l.dq_semaphore = take(std::size_t{1} * s.batch * s.heads * dq_per_head * sizeof(int));
+    l.dkv_semaphore = take(std::size_t{1} * s.batch * s.heads_kv * dkv_per_head * sizeof(int));
   }
   l.total = at;
   return l;

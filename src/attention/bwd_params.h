@@ -73,9 +73,12 @@ struct BwdWorkspaceLayout {
 
 // `hopper_head_dim` > 0: the Hopper kernel's layout (its padded row statistics and dQ tiles, for
 // that instantiated head dim; block_m must be kRowStatsBlockM). `dq_chains`: dQ semaphores per
-// query block (independent turn chains of its parts).
+// query block (independent turn chains of its parts). The deterministic block-sparse backward
+// counts its own semaphores: sparse_dq_per_head per (batch, head) and sparse_dkv_per_head per
+// (batch, kv head) when positive.
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
-                                        int hopper_head_dim = 0, int dq_chains = 1);
+                                        int hopper_head_dim = 0, int dq_chains = 1, int64_t sparse_dq_per_head = 0,
+                                        int64_t sparse_dkv_per_head = 0);
 
 // The forward's view of a backward call: the same inputs, mask and scalars.
 AttentionForwardParams forward_view(const AttentionBackwardParams& b);

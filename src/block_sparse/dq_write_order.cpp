@@ -260,3 +260,48 @@ Status make_dq_write_plan(const HostBlockMask& mask, int batch, int heads, int h
 }
 
 }  // namespace flare::block_sparse
+
+namespace flare::block_sparse {
+
+DqPlanView dq_plan_view(const BlockSparseDqPlan& plan, const int32_t* device_data) {
+  DqPlanView v;
+  v.data = device_data;
+  const int64_t* o = plan.offsets;
+  v.layout = DqPlanLayout{o[0], o[1], o[2], o[3], o[4], o[5], o[6], static_cast<int64_t>(plan.data.size())};
+  v.batch = plan.batch, v.heads = plan.heads, v.group = plan.heads / plan.heads_kv;
+  v.mask_batch = plan.mask_batch, v.mask_heads = plan.mask_heads;
+  v.num_q_blocks = plan.num_q_blocks, v.num_kv_blocks = plan.num_kv_blocks;
+  return v;
+}
+
+}  // namespace flare::block_sparse
+
+namespace flare {
+
+Status make_block_sparse_dq_plan(const BlockMask& host_mask, int batch, int heads, int heads_kv, int seqlen_q,
+                                 int seqlen_k, BlockSparseDqPlan* plan) {
+  if (plan == nullptr) return Status::InvalidArgument("plan", "null pointer");
+  if (batch < 1 || heads < 1 || heads_kv < 1 || heads % heads_kv != 0)
+    return Status::InvalidArgument("heads_kv", "batch, heads and heads_kv must be positive, heads a multiple of "
+                                               "heads_kv; got batch " + std::to_string(batch) + ", heads " +
+                                               std::to_string(heads) + ", heads_kv " + std::to_string(heads_kv));
+  block_sparse::HostBlockMask mask;
+  FLARE_RETURN_IF_ERROR(
+      block_sparse::copy_block_mask(host_mask, detail::BlockMaskProblem{batch, heads, seqlen_q, seqlen_k}, &mask));
+  block_sparse::DqWritePlan p;
+  FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, {}, &p));
+  BlockSparseDqPlan out;
+  out.batch = batch, out.heads = heads, out.heads_kv = heads_kv;
+  out.mask_batch = p.mask_batch, out.mask_heads = p.mask_heads;
+  out.num_q_blocks = p.num_q_blocks, out.num_kv_blocks = p.num_kv_blocks;
+  out.q_block_size = mask.q_block_size, out.kv_block_size = mask.kv_block_size;
+  const block_sparse::DqPlanLayout& l = p.layout;
+  const int64_t offsets[7] = {l.walk_offsets, l.walk_q_blocks,  l.walk_is_full,   l.dq_write_order,
+                              l.dq_num_turns, l.schedule,       l.dkv_write_order};
+  std::copy(offsets, offsets + 7, out.offsets);
+  out.data = std::move(p.data);
+  *plan = std::move(out);
+  return Status::Ok();
+}
+
+}  // namespace flare

@@ -65,6 +65,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "flare/block_mask.h"
 #include "flare/status.h"
 #include "src/block_sparse/block_mask_build.h"
 #include "src/scheduling/mask_math.h"
@@ -177,5 +178,8 @@ struct DqWritePlan {
 // transposed lists, as every builder makes it). The mask's batch and heads are 1 or these.
 Status make_dq_write_plan(const HostBlockMask& mask, int batch, int heads, int heads_kv, const DqPlanOptions& options,
                           DqWritePlan* plan);
+
+// The view of a public plan (flare/block_mask.h) over `device_data`, its uploaded copy.
+DqPlanView dq_plan_view(const BlockSparseDqPlan& plan, const int32_t* device_data);
 
 }  // namespace flare::block_sparse

@@ -3,6 +3,7 @@
 // block mask with their device copies, and the forward oracle over that mask.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "flare/block_mask.h"
 #include "flare_instantiated.h"
 #include "src/block_sparse/block_mask_build.h"
 #include "tests/gpu/attention_case.h"
@@ -68,6 +70,26 @@ struct IntTensor {
   int32_t* data() { return static_cast<int32_t*>(host.data()); }
   void upload() { dev->upload(host); }
   void download() { dev->download(host); }
+};
+
+// The deterministic backward's plan of a mask (made from its host copy) and the plan's data on
+// the device.
+struct DqPlanOnDevice {
+  BlockSparseDqPlan plan;
+  IntTensor data;
+
+  Status make(const BlockMask& host_mask, int batch, int heads, int heads_kv, int seqlen_q, int seqlen_k) {
+    const Status s = make_block_sparse_dq_plan(host_mask, batch, heads, heads_kv, seqlen_q, seqlen_k, &plan);
+    if (!s.ok()) return s;
+    data.make({static_cast<int64_t>(plan.data.size())});
+    std::copy(plan.data.begin(), plan.data.end(), data.data());
+    data.upload();
+    return Status::Ok();
+  }
+  void attach(AttentionBackwardParams* p) const {
+    p->block_mask_dq_plan = &plan;
+    p->block_mask_dq_plan_data = static_cast<const int32_t*>(data.dev->view().data);
+  }
 };
 
 // The element predicates of a mask kind and the tensors they read (host and device copies).

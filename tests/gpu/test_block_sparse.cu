@@ -174,9 +174,10 @@ TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
 
 // The GPU forward (for out and the LSE), then the backward on kAuto (the Hopper backward refuses
 // block masks, so this is the portable kernel) with dq, dk, dv poisoned, against the oracle's
-// backward over the same mask.
-void run_sparse_backward(const SparseCase& c) {
-  SCOPED_TRACE(c.name() + " | backward");
+// backward over the same mask. Deterministic: with the mask's plan, then `repeats` more runs
+// (outputs poisoned each time) bitwise equal to the first.
+void run_sparse_backward(const SparseCase& c, bool deterministic = false, int repeats = 0) {
+  SCOPED_TRACE(c.name() + (deterministic ? " | deterministic backward" : " | backward"));
   if (!instantiated(c.attn)) {
     std::printf("skipped (dtype not instantiated in this build): %s\n", c.name().c_str());
     return;
@@ -188,13 +189,30 @@ void run_sparse_backward(const SparseCase& c) {
   f.block_mask = &mask.device_view;
   Status s = attention_forward(f);
   ASSERT_TRUE(s.ok()) << s.message();
-  AttentionBackwardParams p = prob.backward_params(Backend::kAuto, /*deterministic=*/false);
-  p.block_mask = &mask.device_view;
-  s = attention_backward(p);
-  ASSERT_TRUE(s.ok()) << s.message();
-  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  DqPlanOnDevice plan;
+  if (deterministic) {
+    s = plan.make(mask.host_view, c.attn.batch, c.attn.heads, c.attn.heads_kv, c.attn.seqlen_q, c.attn.seqlen_k);
+    ASSERT_TRUE(s.ok()) << s.message();
+  }
+  auto run = [&] {
+    AttentionBackwardParams p = prob.backward_params(Backend::kAuto, deterministic);
+    p.block_mask = &mask.device_view;
+    if (deterministic) plan.attach(&p);
+    const Status st = attention_backward(p);
+    ASSERT_TRUE(st.ok()) << st.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+  };
+  ASSERT_NO_FATAL_FAILURE(run());
   ASSERT_NO_FATAL_FAILURE(prob.run_backward_oracle(&mask.host_view));
   prob.check_backward();
+  const ref::HostTensor first_dq = prob.dq_host, first_dk = prob.dk_host, first_dv = prob.dv_host;
+  for (int r = 1; r <= repeats; ++r) {
+    ASSERT_NO_FATAL_FAILURE(run());
+    prob.download_grads();
+    ASSERT_EQ(std::memcmp(first_dq.data(), prob.dq_host.data(), first_dq.nbytes()), 0) << "dq differs in run " << r;
+    ASSERT_EQ(std::memcmp(first_dk.data(), prob.dk_host.data(), first_dk.nbytes()), 0) << "dk differs in run " << r;
+    ASSERT_EQ(std::memcmp(first_dv.data(), prob.dv_host.data(), first_dv.nbytes()), 0) << "dv differs in run " << r;
+  }
 }
 
 TEST(BlockSparseBackward, EveryMaskKind) {
@@ -240,6 +258,50 @@ TEST(BlockSparseBackward, ShapesGqaAndBlockSizes) {
     ++seed;
     run_sparse_backward(c);
   }
+}
+
+// The deterministic backward (the planned walks, turns and schedule of dq_write_order.h): every
+// mask kind at head dims 64 and 128 against the oracle and bitwise equal over 20 runs; the shapes
+// above (GQA / MQA dK/dV turns, blocks smaller and larger than the kernel's tiles, key slices past
+// seqlen_k that only pass their turns), broadcast masks with a dense mask, softcap and sinks.
+TEST(BlockSparseBackward, Deterministic) {
+  FLARE_REQUIRE_GPU();
+  const int repeats = reduced() ? 2 : 19;
+  uint64_t seed = 17000;
+  for (int d : {64, 128})
+    for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+      if (reduced() && (d == 64 || k % 2)) continue;
+      run_sparse_backward(base_case(static_cast<MaskKind>(k), d, seed++), true, repeats);
+    }
+  struct Shape {
+    int sq, sk, heads, heads_kv, q_block, kv_block, head_dim;
+  };
+  const Shape shapes[] = {{17, 200, 4, 1, 128, 128, 64},  {257, 129, 8, 2, 128, 128, 128},
+                          {300, 300, 2, 2, 64, 128, 64},  {200, 333, 6, 3, 16, 48, 128},
+                          {500, 260, 2, 1, 256, 128, 64}, {130, 650, 4, 2, 128, 256, 128},
+                          {333, 333, 2, 2, 96, 80, 128}};
+  int i = 0;
+  for (const Shape& sh : shapes) {
+    if (reduced() && i++ % 3) continue;
+    SparseCase c = base_case(static_cast<MaskKind>(seed % static_cast<int>(MaskKind::kCount)), sh.head_dim, seed);
+    c.attn.seqlen_q = sh.sq;
+    c.attn.seqlen_k = sh.sk;
+    c.attn.heads = sh.heads;
+    c.attn.heads_kv = sh.heads_kv;
+    c.q_block = sh.q_block;
+    c.kv_block = sh.kv_block;
+    ++seed;
+    run_sparse_backward(c, true, repeats);
+  }
+  SparseCase c = base_case(MaskKind::kBits, 128, seed++);
+  c.broadcast_batch = c.broadcast_heads = true;
+  c.attn.heads_kv = 1;
+  run_sparse_backward(c, true, repeats);
+  c = base_case(MaskKind::kRandomBlocks, 64, seed++);
+  c.attn.mask.window_left = 100;
+  c.attn.softcap = 30.f;
+  c.attn.sinks = true;
+  run_sparse_backward(c, true, repeats);
 }
 
 TEST(BlockSparseBackward, EveryMaskKindFp16Blocks64) {
@@ -317,9 +379,18 @@ TEST(BlockSparseBackward, RejectsWhatItDoesNotRun) {
   p.block_mask = &mask.host_view;  // CPU views on the GPU op
   EXPECT_EQ(attention_backward(p).code(), StatusCode::kInvalidArgument);
   p.block_mask = &mask.device_view;
-  p.deterministic = true;
+  p.deterministic = true;  // without the mask's plan
   s = attention_backward(p);
-  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("block_mask_dq_plan"), std::string::npos) << s.message();
+  DqPlanOnDevice other;  // a plan made for other kv heads
+  ASSERT_NE(c.attn.heads_kv, 1);
+  ASSERT_TRUE(other.make(mask.host_view, c.attn.batch, c.attn.heads, 1, c.attn.seqlen_q, c.attn.seqlen_k).ok());
+  other.attach(&p);
+  s = attention_backward(p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("heads_kv"), std::string::npos) << s.message();
+  p.block_mask_dq_plan = nullptr;
   p.deterministic = false;
   p.backend = Backend::kHopper;
   EXPECT_EQ(attention_backward(p).code(), StatusCode::kNotSupported);

@@ -418,25 +418,26 @@ void run_oracles(std::vector<std::unique_ptr<CaseRun>>& runs, int threads) {
 struct FuzzStats {
   int cases = 0, failing = 0;
   int per_family[4] = {};
-  int deterministic_run = 0, deterministic_unsupported = 0;
+  int deterministic_run = 0;
   double oracle_s = 0, gpu_s = 0;
 };
 
 // ---- the deterministic-backward arm ----
-// attention_backward with deterministic = true and a block mask (issue 6; being built on
-// wip/bsdet): within the oracle's tolerance as the ordinary mode is, and bitwise identical over
-// kDeterministicRuns runs. While the API answers kNotSupported the arm only counts the case.
+// attention_backward with deterministic = true and the mask's plan (make_block_sparse_dq_plan from
+// its host copy): within the oracle's tolerance as the ordinary mode is, and bitwise identical
+// over kDeterministicRuns runs.
 void run_deterministic_arm(CaseRun& r, FuzzStats* stats) {
   AttnProblem& prob = *r.prob;
+  const AttnCase& a = r.fc.sparse.attn;
+  DqPlanOnDevice plan;
+  const Status ps = plan.make(r.mask.host_view, a.batch, a.heads, a.heads_kv, a.seqlen_q, a.seqlen_k);
+  ASSERT_TRUE(ps.ok()) << "deterministic backward's plan: " << ps.message();
   std::vector<unsigned char> first[3];
   for (int run = 0; run < kDeterministicRuns; ++run) {
     AttentionBackwardParams p = prob.backward_params(Backend::kAuto, /*deterministic=*/true);
     p.block_mask = &r.mask.device_view;
+    plan.attach(&p);
     const Status s = attention_backward(p);
-    if (run == 0 && s.code() == StatusCode::kNotSupported) {
-      ++stats->deterministic_unsupported;
-      return;
-    }
     ASSERT_TRUE(s.ok()) << "deterministic backward: " << s.message();
     FLARE_CUDA_OK(cudaDeviceSynchronize());
     prob.download_grads();
@@ -570,11 +571,10 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
   }
 
   std::printf("block-sparse fuzzer: %d cases run (block-grid %d, random-kinds %d, predicates %d, bits %d), %d failing; "
-              "oracle %.1f s on %d threads, GPU and checks %.1f s; deterministic arm: %d cases, %d not supported by "
-              "the API yet%s\n",
+              "oracle %.1f s on %d threads, GPU and checks %.1f s; deterministic arm: %d cases%s\n",
               stats.cases, stats.per_family[0], stats.per_family[1], stats.per_family[2], stats.per_family[3],
               stats.failing, stats.oracle_s, threads, stats.gpu_s, stats.deterministic_run,
-              stats.deterministic_unsupported, deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)");
+              deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)");
   EXPECT_EQ(stats.failing, 0);
 }
 

@@ -24,9 +24,9 @@ Status portable_attention_backward(const detail::BwdKernelParams& p, DType dtype
 }
 
 Status portable_attention_backward_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
-                                          DType dtype, Stream stream) {
+                                          const block_sparse::DqPlanView* plan, DType dtype, Stream stream) {
   return visit_instantiation(p.fwd.head_dim, dtype, [&](auto hd, auto elem) {
-    return launch_portable_bwd_sparse<decltype(hd)::value, decltype(elem)>(p, bs, stream);
+    return launch_portable_bwd_sparse<decltype(hd)::value, decltype(elem)>(p, bs, plan, stream);
   });
 }
 

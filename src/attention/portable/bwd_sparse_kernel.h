@@ -8,13 +8,21 @@
 // without it; each mask q block is ceil(q_block_size / kBlockM) query tiles. Rows past a q
 // block's end (or seqlen_q) and keys past the kv block's end (or seqlen_k) are masked, and a
 // dense mask (params.mask) given with the block mask is applied on top, as the oracle composes
-// them. dQ is added with atomics (red.global); the deterministic order (dq_write_order.h) is not
-// built yet.
+// them. dQ is added with atomics (red.global).
+//
+// Deterministic mode (kDet): the grid is 1D in the plan's schedule (dq_write_order.h), CTA x the
+// key slice x % tiles_per_kv_block of the tile at position x / tiles_per_kv_block; the tile walks
+// its q blocks in the planned order, and adds the dQ of each query tile (m, j) (tile j of mask q
+// block m) when that tile's semaphore shows its turn, dq_turn(step) * tiles_per_kv_block + slice,
+// so the adds land in schedule order; GQA's dK/dV adds take the turn dkv_turn(tile) per (batch,
+// kv head, kv block, slice). A slice without keys (past seqlen_k) computes nothing and still takes
+// every turn. Turns follow grid order, so a CTA only waits for CTAs launched before it.
 #pragma once
 
 #include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/sparse_block_walk.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/dq_write_order.h"
 
 namespace flare::portable {
 
@@ -33,24 +41,58 @@ __device__ __forceinline__ void mask_probs(float (&s)[kQTiles][4], int row0, int
     }
 }
 
-template <typename Cfg, typename T>
+template <typename Cfg, typename T, bool kDet>
 __global__ void __launch_bounds__(Cfg::kThreads)
-    portable_bwd_sparse_kernel(const BwdKernelParams P, const block_sparse::BlockSparseParams bs) {
+    portable_bwd_sparse_kernel(const BwdKernelParams P, const block_sparse::BlockSparseParams bs,
+                               const block_sparse::DqPlanView plan) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kQTiles = kBlockM / 8;
   constexpr int kDkvTiles = Cfg::kDkvCols / 8;
   constexpr int kDqTiles = Cfg::kDqCols / 8;
   const detail::FwdKernelParams& p = P.fwd;
 
-  const int h = blockIdx.y, b = blockIdx.z;
   const int tiles_per_kv_block = (bs.kv_block_size + kBlockN - 1) / kBlockN;
-  const int n = blockIdx.x / tiles_per_kv_block;  // the mask's kv block
+  const int slice = blockIdx.x % tiles_per_kv_block;
+  int b, h, n;  // n: the mask's kv block
+  block_sparse::DqTile tile;
+  if constexpr (kDet) {
+    tile = plan.tile_at(blockIdx.x / tiles_per_kv_block);
+    b = tile.batch, h = tile.head, n = tile.kv_block;
+  } else {
+    h = blockIdx.y, b = blockIdx.z, n = blockIdx.x / tiles_per_kv_block;
+  }
   const detail::SeqInfo seq = detail::seq_info(p, b);
-  const int col0 = n * bs.kv_block_size + (blockIdx.x % tiles_per_kv_block) * kBlockN;  // first key of this CTA
-  const int col_end = min((n + 1) * bs.kv_block_size, seq.seqlen_k);                  // the kv block's end
-  if (col0 >= col_end) return;
-  const int keys = min(kBlockN, col_end - col0);
+  const int col0 = n * bs.kv_block_size + slice * kBlockN;              // first key of this CTA
+  const int col_end = min((n + 1) * bs.kv_block_size, seq.seqlen_k);  // the kv block's end
   const int hk = h / p.group;
+  const int tiles_per_q_block = (bs.q_block_size + kBlockM - 1) / kBlockM;
+  // Deterministic: the walk's first step in the plan, and the semaphores.
+  const int step0 = kDet ? plan.walk_begin(tile) : 0;
+  auto dq_semaphore = [&](const SparseTileCursor& c) {
+    return P.dq_semaphore + ((int64_t{b} * p.heads + h) * bs.num_q_blocks + c.block) * tiles_per_q_block + c.sub;
+  };
+  int* dkv_sem = (kDet && p.group > 1)
+                     ? P.dkv_semaphore + ((int64_t{b} * p.heads_kv + hk) * bs.num_kv_blocks + n) * tiles_per_kv_block + slice
+                     : nullptr;
+  if (col0 >= col_end) {
+    if constexpr (kDet) {  // no keys: take every turn anyway
+      const SparseBlockWalk walk = SparseBlockWalk::planned(plan.data + plan.layout.walk_q_blocks + step0,
+                                                            plan.data + plan.layout.walk_is_full + step0,
+                                                            plan.walk_end(tile) - step0, bs.q_block_size,
+                                                            bs.num_q_blocks, seq.seqlen_q);
+      for (SparseTileCursor c = walk.begin(); c.block >= 0; walk.advance<kBlockM>(c)) {
+        int* sem = dq_semaphore(c);
+        wait_turn(sem, plan.dq_turn(step0 + c.pos) * tiles_per_kv_block + slice);
+        pass_turn(sem);
+      }
+      if (dkv_sem) {
+        wait_turn(dkv_sem, plan.dkv_turn(tile));
+        pass_turn(dkv_sem);
+      }
+    }
+    return;
+  }
+  const int keys = min(kBlockN, col_end - col0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row_group = warp / Cfg::kColSplit, part = warp % Cfg::kColSplit;
   const int kv_row = 16 * row_group;
@@ -65,7 +107,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
 
   const SparseBlockWalk walk =
-      SparseBlockWalk::of(bs.partial_q, bs.full_q, b, h, n, bs.q_block_size, bs.num_q_blocks, seq.seqlen_q);
+      kDet ? SparseBlockWalk::planned(plan.data + plan.layout.walk_q_blocks + step0,
+                                      plan.data + plan.layout.walk_is_full + step0, plan.walk_end(tile) - step0,
+                                      bs.q_block_size, bs.num_q_blocks, seq.seqlen_q)
+           : SparseBlockWalk::of(bs.partial_q, bs.full_q, b, h, n, bs.q_block_size, bs.num_q_blocks, seq.seqlen_q);
   const sched::Band band = detail::band_of(p, seq);  // a dense mask given with the block mask
   const block_sparse::ElementMaskParams& el = bs.element;
 
@@ -136,41 +181,55 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     const DqPart<Cfg> dq_part(warp);
     float dq[kDqTiles][4];
     bwd_dq_product<Cfg, T>(sm.ds, sm.k, dq_part, lane, dq);
+    int* sem = kDet ? dq_semaphore(cur) : nullptr;
+    if (sem) wait_turn(sem, plan.dq_turn(step0 + cur.pos) * tiles_per_kv_block + slice);
     bwd_add_dq<Cfg>(P, seq, b, h, row0, row_end, dq_part, lane, dq);
+    if (sem) pass_turn(sem);
 
     cur = next;
     if (next.block >= 0) walk.advance<kBlockM>(next);
   }
 
+  if (dkv_sem) wait_turn(dkv_sem, plan.dkv_turn(tile));
   bwd_store_dkv<Cfg, T>(P, seq, b, hk, col0, keys, kv_row, dkv_col, lane, dk, dv);
+  if (dkv_sem) pass_turn(dkv_sem);
 }
 
 // dpsum, then one CTA per (kernel key tile, head, batch) (the hardware's block scheduler balances
-// the uneven lists), then dsinks and the conversions. Ordinary (atomic dQ) mode only: the caller
-// refuses `deterministic`.
+// the uneven lists; deterministic: a 1D grid in the plan's schedule, which `plan` is), then dsinks
+// and the conversions.
 template <typename Cfg, typename T>
 Status launch_portable_bwd_sparse_cfg(const BwdKernelParams& P, const block_sparse::BlockSparseParams& bs,
-                                      Stream stream) {
+                                      const block_sparse::DqPlanView* plan, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
   constexpr int kSmem = bwd_smem_bytes<Cfg, T>();
-  auto kernel = portable_bwd_sparse_kernel<Cfg, T>;
+  auto kernel = portable_bwd_sparse_kernel<Cfg, T, false>;
+  auto det_kernel = portable_bwd_sparse_kernel<Cfg, T, true>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
-  if (attr != cudaSuccess) return detail::cuda_status(attr, "portable block-sparse backward: shared memory attribute");
+  static const cudaError_t det_attr = prepare_smem(det_kernel, kSmem);
+  if (attr != cudaSuccess || det_attr != cudaSuccess)
+    return detail::cuda_status(attr != cudaSuccess ? attr : det_attr,
+                               "portable block-sparse backward: shared memory attribute");
   if (p.batch == 0 || p.heads == 0) return Status::Ok();
   launch_bwd_dpsum<T>(P, stream);
   if (p.seqlen_k > 0 && bs.num_kv_blocks > 0) {
     const int tiles_per_kv_block = (bs.kv_block_size + Cfg::kBlockN - 1) / Cfg::kBlockN;
-    const dim3 grid(bs.num_kv_blocks * tiles_per_kv_block, p.heads, p.batch);
-    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P, bs);
+    if (plan != nullptr) {
+      det_kernel<<<plan->num_tiles() * tiles_per_kv_block, Cfg::kThreads, kSmem, stream>>>(P, bs, *plan);
+    } else {
+      const dim3 grid(bs.num_kv_blocks * tiles_per_kv_block, p.heads, p.batch);
+      kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P, bs, block_sparse::DqPlanView{});
+    }
   }
   FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
   return detail::cuda_status(cudaGetLastError(), "portable block-sparse backward launch");
 }
 
+// `plan`: the deterministic mode's plan (its data on the device), null for the ordinary mode.
 template <int kHeadDim, typename T>
 Status launch_portable_bwd_sparse(const BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
-                                  Stream stream) {
-  return launch_portable_bwd_sparse_cfg<typename BwdConfigFor<kHeadDim>::type, T>(p, bs, stream);
+                                  const block_sparse::DqPlanView* plan, Stream stream) {
+  return launch_portable_bwd_sparse_cfg<typename BwdConfigFor<kHeadDim>::type, T>(p, bs, plan, stream);
 }
 
 }  // namespace flare::portable

@@ -23,6 +23,23 @@ struct SparseBlockWalk {
   const int32_t* full;
   int num_partial, num_total;
   int block_size, num_blocks, seqlen;  // of the listed side
+  // A planned walk (the deterministic backward's, dq_write_order.h): `partial` holds the blocks in
+  // walk order and this flags the full ones; null for a list walk.
+  const int32_t* full_flags = nullptr;
+
+  // The steps of a planned walk: blocks[i], full when is_full[i] != 0.
+  static __device__ __forceinline__ SparseBlockWalk planned(const int32_t* blocks, const int32_t* is_full, int steps,
+                                                            int block_size, int num_blocks, int seqlen) {
+    SparseBlockWalk w;
+    w.partial = blocks;
+    w.full = nullptr;
+    w.full_flags = is_full;
+    w.num_partial = w.num_total = steps;
+    w.block_size = block_size;
+    w.num_blocks = num_blocks;
+    w.seqlen = seqlen;
+    return w;
+  }
 
   // Row `row` of the lists (partial, full) of (b, h).
   static __device__ __forceinline__ SparseBlockWalk of(const block_sparse::BlockListParams& partial,
@@ -42,7 +59,9 @@ struct SparseBlockWalk {
   __device__ __forceinline__ int block_at(int pos) const {
     return pos < num_partial ? partial[pos] : full[pos - num_partial];
   }
-  __device__ __forceinline__ bool in_partial(const SparseTileCursor& c) const { return c.pos < num_partial; }
+  __device__ __forceinline__ bool in_partial(const SparseTileCursor& c) const {
+    return full_flags != nullptr ? full_flags[c.pos] == 0 : c.pos < num_partial;
+  }
   // The first listed block at or after `pos` that is in range (device lists are not validated).
   __device__ __forceinline__ void settle(SparseTileCursor& c) const {
     for (; c.pos < num_total; ++c.pos) {
