@@ -20,13 +20,17 @@ dense kernels, the Hopper ones on sm_90). What flare does with a BlockMask:
   and an in-place change of the lists rebuilds it. prepare_block_mask() builds it ahead of time
   (before torch.compile or CUDA-graph capture, since the evaluation syncs with the host).
 
-Not supported: score_mod (NotImplementedError), the deterministic block-sparse backward (flare's
-C++ has no such mode yet), max_scores, different batch sizes of query and key, a value head dim
-different from the query's, gradients through the returned LSE.
+- deterministic=True with a block mask: flare's deterministic block-sparse backward, which follows a
+  plan made on the host from the mask's lists (make_block_sparse_dq_plan: the q blocks each kv
+  block visits, the turn of every dQ add, the grid's order). The plan is made on first use for a
+  shape (a copy of the lists to the host: it syncs) and kept with the converted mask.
+
+Not supported: score_mod (NotImplementedError), max_scores, different batch sizes of query and key,
+a value head dim different from the query's, gradients through the returned LSE.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, noop_mask
@@ -56,19 +60,32 @@ class FlexMask:
     batch: int              # the lists' batch and head dims (1: broadcast)
     heads: int
     seq_lengths: tuple
+    # The deterministic backward's plans by (batch, heads, heads_kv, seqlen_q, seqlen_k): (data on
+    # the device, meta).
+    dq_plans: dict = field(default_factory=dict, repr=False)
 
-    def op_args(self, batch):
+    def dq_plan(self, query, key):
+        """The deterministic backward's plan for these shapes (made once: the lists go to the host)."""
+        shape = (query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2])
+        plan = self.dq_plans.get(shape)
+        if plan is None:
+            lists = [None if t is None else t.contiguous().cpu() for t in self.lists[:4]]
+            data, meta = _C.block_sparse_dq_plan(*lists, self.q_block_size, self.kv_block_size, *shape)
+            plan = self.dq_plans[shape] = (data.to(query.device), list(meta))
+        return plan
+
+    def op_args(self, batch, dq_plan=(None, [])):
         """The op's mask arguments for a batch of `batch` (1-row doc ids are expanded, a view)."""
         e = self.element
         doc_q, doc_k = e.doc_ids_q, e.doc_ids_k
         if doc_q is not None:
             doc_q, doc_k = doc_q.expand(batch, -1), doc_k.expand(batch, -1)
         return (*self.lists, self.q_block_size, self.kv_block_size, e.causal, e.window_left, e.window_right,
-                e.prefix_length, doc_q, doc_k, e.bits)
+                e.prefix_length, doc_q, doc_k, e.bits, *dq_plan)
 
 
 # The op arguments of "no mask": dense attention.
-_NO_MASK = (None,) * 8 + (128, 128, False, -1, -1, -1, None, None, None)
+_NO_MASK = (None,) * 8 + (128, 128, False, -1, -1, -1, None, None, None, None, [])
 
 
 # ---- BlockMask -> FlexMask ----------------------------------------------------------------------
@@ -331,7 +348,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     kernel_options (Triton tuning for torch's kernel) is accepted and ignored. Returns out
     [B, H, Sq, D]; with return_lse=True (out, lse fp32 [B, H, Sq], natural log, -inf where a row sees
     no key), with return_aux=AuxRequest(lse=True) (out, AuxOutput). Differentiable in query, key,
-    value. deterministic=True: a bitwise reproducible backward (dense attention only for now).
+    value. deterministic=True: a bitwise reproducible backward (with a block mask: its plan, made on
+    first use for these shapes).
     """
     if score_mod is not None:
         hint = " (a BlockMask goes in block_mask=)" if isinstance(score_mod, BlockMask) else ""
@@ -345,13 +363,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if block_mask is None:
         mask_args = _NO_MASK
     else:
-        if deterministic:
-            # attention_api.cpp: the deterministic block-sparse backward is not built yet.
-            raise NotImplementedError("argument 'deterministic': flare has no deterministic block-sparse backward "
-                                      "yet (its dQ write order is planned, the kernel is not built); pass False")
         flex_mask = prepare_block_mask(block_mask)
         _check_mask_fits(flex_mask, query, key)
-        mask_args = flex_mask.op_args(query.shape[0])
+        dq_plan = flex_mask.dq_plan(query, key) if deterministic else (None, [])
+        mask_args = flex_mask.op_args(query.shape[0], dq_plan)
 
     run = _flex_fwd_op
     if eager(query) and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or

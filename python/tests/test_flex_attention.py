@@ -329,18 +329,24 @@ def test_opcheck_fake_implementations():
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
-def test_deterministic():
-    """deterministic=True: flare has no deterministic block-sparse backward yet (NotImplementedError);
-    without a block mask it is the dense deterministic backward, bitwise reproducible."""
-    q, k, v = make_qkv(1, 4, 2, 512, 512, 128, torch.bfloat16)
-    block_mask = create_block_mask(flare.masks.causal(), None, None, 512, 512, device="cuda")
-    with pytest.raises(NotImplementedError, match="'deterministic'"):
-        flare.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, deterministic=True)
-    out = flare.flex_attention(q, k, v, enable_gqa=True, deterministic=True)
-    dout = torch.randn_like(out)
-    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    again = torch.autograd.grad(out, (q, k, v), dout)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+@pytest.mark.parametrize("kind", ["causal", "document", "random"])
+def test_deterministic(kind):
+    """deterministic=True: with a block mask the deterministic block-sparse backward (its plan made
+    on first use and kept with the mask), against the reference and bitwise reproducible; without
+    one the dense deterministic backward, bitwise reproducible."""
+    q, k, v = make_qkv(2, 4, 2, 512, 512, 128, torch.bfloat16)
+    mask_mod = mask_mod_of(kind, True, 512, 512)
+    block_mask = create_block_mask(mask_mod, 2, 4, 512, 512, device="cuda", BLOCK_SIZE=64)
+    visible = create_mask(mask_mod, 2, 4, 512, 512, device="cuda")
+    check(q, k, v, block_mask, visible, deterministic=True)
+    assert len(flare.prepare_block_mask(block_mask).dq_plans) == 1  # made once, kept
+    for mask in (block_mask, None):
+        out = flare.flex_attention(q, k, v, block_mask=mask, enable_gqa=True, deterministic=True)
+        dout = torch.randn_like(out)
+        first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for _ in range(3):
+            again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 def test_no_grad_fast_path_matches_the_op():

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "flare/attention.h"
+#include "flare/block_mask.h"
 #include "flare/decode.h"
 #include "flare/decode_plan.h"
 #include "flare/kda.h"
@@ -878,6 +879,9 @@ struct FlexMaskArgs {
   bool causal;
   int64_t window_left, window_right, prefix_length;
   const OptTensor &doc_ids_q, &doc_ids_k, &bits;
+  // The deterministic backward's plan (block_sparse_dq_plan's data on the device, its meta).
+  const OptTensor& dq_plan;
+  c10::IntArrayRef dq_plan_meta;
 
   bool sparse() const { return kv_num_blocks.has_value(); }
 };
@@ -887,12 +891,13 @@ struct FlexMaskArgs {
       const OptTensor &full_kv_indices, const OptTensor &q_num_blocks, const OptTensor &q_indices,                 \
       const OptTensor &full_q_num_blocks, const OptTensor &full_q_indices, int64_t q_block_size,                   \
       int64_t kv_block_size, bool causal, int64_t window_left, int64_t window_right, int64_t prefix_length,        \
-      const OptTensor &doc_ids_q, const OptTensor &doc_ids_k, const OptTensor &bits
+      const OptTensor &doc_ids_q, const OptTensor &doc_ids_k, const OptTensor &bits, const OptTensor &dq_plan,     \
+      c10::IntArrayRef dq_plan_meta
 #define FLARE_FLEX_MASK_ARGS                                                                                       \
   FlexMaskArgs {                                                                                                   \
     kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,    \
         full_q_indices, q_block_size, kv_block_size, causal, window_left, window_right, prefix_length, doc_ids_q,  \
-        doc_ids_k, bits                                                                                            \
+        doc_ids_k, bits, dq_plan, dq_plan_meta                                                                     \
   }
 
 // The mask tensors' device and dtype (their shapes and layouts are flare's validate_block_mask's).
@@ -903,7 +908,7 @@ void check_flex_mask(const FlexMaskArgs& m, const at::Device& device) {
       {&m.q_num_blocks, "block_mask.q_num_blocks"}, {&m.q_indices, "block_mask.q_indices"},
       {&m.full_q_num_blocks, "block_mask.full_q_num_blocks"}, {&m.full_q_indices, "block_mask.full_q_indices"},
       {&m.doc_ids_q, "element_mask.doc_ids_q"}, {&m.doc_ids_k, "element_mask.doc_ids_k"},
-      {&m.bits, "element_mask.bits"}};
+      {&m.bits, "element_mask.bits"}, {&m.dq_plan, "dq_plan"}};
   for (const auto& [t, name] : tensors) {
     check_cuda(*t, name, device);
     check_int32(*t, name);
@@ -948,6 +953,52 @@ void check_flex_inputs(const at::Tensor& query, const at::Tensor& key, const at:
   for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}})
     TORCH_CHECK_VALUE(t->dim() == 4, "argument '", name, "': expected rank 4 [batch, heads, seqlen, head_dim], got rank ",
                       t->dim());
+}
+
+// The deterministic block-sparse backward's plan as Python keeps it: its data (int32) and 16 ints
+// of meta (dq_plan_meta): batch, heads, heads_kv, mask batch, mask heads, q blocks, kv blocks,
+// q block size, kv block size, the 7 array offsets.
+constexpr std::size_t kDqPlanMeta = 16;
+
+std::vector<int64_t> dq_plan_meta_of(const flare::BlockSparseDqPlan& p) {
+  std::vector<int64_t> meta = {p.batch,        p.heads,         p.heads_kv,     p.mask_batch,   p.mask_heads,
+                               p.num_q_blocks, p.num_kv_blocks, p.q_block_size, p.kv_block_size};
+  meta.insert(meta.end(), p.offsets, p.offsets + 7);
+  return meta;
+}
+
+flare::BlockSparseDqPlan dq_plan_of_meta(c10::IntArrayRef meta) {
+  TORCH_CHECK_VALUE(meta.size() == kDqPlanMeta, "argument 'dq_plan_meta': expected ", kDqPlanMeta,
+                    " ints (from flare._C.block_sparse_dq_plan), got ", meta.size());
+  flare::BlockSparseDqPlan p;
+  int* dims[] = {&p.batch,        &p.heads,         &p.heads_kv,     &p.mask_batch,   &p.mask_heads,
+                 &p.num_q_blocks, &p.num_kv_blocks, &p.q_block_size, &p.kv_block_size};
+  for (std::size_t i = 0; i < 9; ++i) *dims[i] = static_cast<int>(meta[i]);
+  for (std::size_t i = 0; i < 7; ++i) p.offsets[i] = meta[9 + i];
+  return p;
+}
+
+// The plan for a mask's forward lists (CPU tensors) and an attention's shapes: (data, meta), data
+// an int32 CPU tensor for the caller to move to the device (flex.py keeps both per mask and shape).
+std::tuple<at::Tensor, std::vector<int64_t>> block_sparse_dq_plan(
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, const OptTensor& full_kv_num_blocks,
+    const OptTensor& full_kv_indices, int64_t q_block_size, int64_t kv_block_size, int64_t batch, int64_t heads,
+    int64_t heads_kv, int64_t seqlen_q, int64_t seqlen_k) {
+  flare::BlockMask mask;
+  mask.q_block_size = static_cast<int>(q_block_size);
+  mask.kv_block_size = static_cast<int>(kv_block_size);
+  mask.kv_num_blocks = view(kv_num_blocks, "kv_num_blocks");
+  mask.kv_indices = view(kv_indices, "kv_indices");
+  mask.full_kv_num_blocks = view(full_kv_num_blocks, "full_kv_num_blocks");
+  mask.full_kv_indices = view(full_kv_indices, "full_kv_indices");
+  flare::BlockSparseDqPlan plan;
+  throw_if_error(flare::make_block_sparse_dq_plan(mask, static_cast<int>(batch), static_cast<int>(heads),
+                                                  static_cast<int>(heads_kv), static_cast<int>(seqlen_q),
+                                                  static_cast<int>(seqlen_k), &plan),
+                 kFlexNames);
+  at::Tensor data = at::empty({static_cast<int64_t>(plan.data.size())}, at::kInt);
+  std::copy(plan.data.begin(), plan.data.end(), data.data_ptr<int32_t>());
+  return {data, dq_plan_meta_of(plan)};
 }
 
 // FlexAttention's [batch, heads, seqlen, head_dim] as flare's [batch, seqlen, heads, head_dim].
@@ -1013,6 +1064,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flex_bwd(const at::Tensor& dout_i
   p.softmax_scale = static_cast<float>(scale);
   p.block_mask = m.sparse() ? &mask : nullptr;
   p.deterministic = deterministic;
+  flare::BlockSparseDqPlan plan;
+  if (deterministic && m.sparse() && m.dq_plan.has_value()) {
+    plan = dq_plan_of_meta(m.dq_plan_meta);
+    p.block_mask_dq_plan = &plan;
+    p.block_mask_dq_plan_data = m.dq_plan->data_ptr<int32_t>();
+  }
   p.stream = current_stream(query.device());
   std::size_t bytes = 0;
   throw_if_error(flare::attention_backward_workspace_size(p, &bytes), kFlexNames);
@@ -1089,7 +1146,7 @@ TORCH_LIBRARY_IMPL(flare, CPU, m) { FLARE_TORCH_IMPLS(m); }
   "Tensor? kv_num_blocks, Tensor? kv_indices, Tensor? full_kv_num_blocks, Tensor? full_kv_indices, "           \
   "Tensor? q_num_blocks, Tensor? q_indices, Tensor? full_q_num_blocks, Tensor? full_q_indices, "               \
   "int q_block_size, int kv_block_size, bool causal, int window_left, int window_right, int prefix_length, "   \
-  "Tensor? doc_ids_q, Tensor? doc_ids_k, Tensor? bits"
+  "Tensor? doc_ids_q, Tensor? doc_ids_k, Tensor? bits, Tensor? dq_plan, int[] dq_plan_meta"
 
 TORCH_LIBRARY_FRAGMENT(flare, m) {
   m.def("flex_fwd(Tensor query, Tensor key, Tensor value, " FLARE_FLEX_MASK_SCHEMA
@@ -1130,6 +1187,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_states", &flare_torch::merge_states);
   m.def("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace);
   m.def("flex_fwd", &flare_torch::flex_fwd);
+  m.def("block_sparse_dq_plan", &flare_torch::block_sparse_dq_plan,
+        "The deterministic block-sparse backward's plan of a mask (CPU lists) and shapes: (int32 data, meta)");
   m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
   py::class_<flare_torch::DecodeRunner>(m, "DecodeRunner", "A planned decode step (flare.KVCacheDecoder)")
       .def(py::init<const at::Tensor&, const at::Tensor&, const at::Tensor&, const flare_torch::OptTensor&,
