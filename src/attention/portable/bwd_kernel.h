@@ -49,9 +49,10 @@ __device__ __forceinline__ void wait_turn(const int* sem, int turn) {
   if (threadIdx.x == 0) device_sync::wait_for_turn(sem, turn);
   __syncthreads();
 }
-// Publishes this CTA's writes and hands the turn on.
+// Publishes this CTA's writes and hands the turn on: the barrier orders every thread's adds before
+// thread 0's release, which is cumulative (the pattern of CUTLASS's semaphore); no per-thread
+// fence (one in every thread made each add wait for its reductions to reach L2).
 __device__ __forceinline__ void pass_turn(int* sem) {
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) device_sync::pass_turn(sem);
 }
