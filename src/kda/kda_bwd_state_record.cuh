@@ -99,14 +99,7 @@ __global__ void __launch_bounds__(RecordConfig<K, BV>::kThreads) kda_state_recor
 
     // vnew^T = u^T - S^T w^T
     float vnew[kKdaChunk / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
-      const int j = nt * 8 + 2 * t;
-      vnew[nt][0] = to_float(st.u[j][vw + g]);
-      vnew[nt][1] = to_float(st.u[j + 1][vw + g]);
-      vnew[nt][2] = to_float(st.u[j][vw + g + 8]);
-      vnew[nt][3] = to_float(st.u[j + 1][vw + g + 8]);
-    }
+    load_frag_t<kKdaChunk>(vnew, st.u, vw, g, t);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
       uint32_t s_a[4];

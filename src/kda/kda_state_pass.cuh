@@ -199,18 +199,8 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
     // start) becomes an A operand one k-step at a time, which keeps registers free for the
     // loads in flight.
     float vnew[kKdaChunk / 8][4], o[kKdaChunk / 8][4];
-    if (value_slice) {
-#pragma unroll
-      for (int nt = 0; nt < kKdaChunk / 8; ++nt) {
-        const int j = nt * 8 + 2 * t;
-        vnew[nt][0] = to_float(st.u[j][vw + g]);
-        vnew[nt][1] = to_float(st.u[j + 1][vw + g]);
-        vnew[nt][2] = to_float(st.u[j][vw + g + 8]);
-        vnew[nt][3] = to_float(st.u[j + 1][vw + g + 8]);
-      }
-    } else {
-      zero(vnew);
-    }
+    if (value_slice) load_frag_t<kKdaChunk>(vnew, st.u, vw, g, t);
+    else zero(vnew);
     zero(o);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {

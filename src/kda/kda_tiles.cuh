@@ -111,6 +111,20 @@ __device__ __forceinline__ void zero(float (&acc)[N8][4]) {
 // A warp's fragment of a transposed fp32 [K, V] state (rows v (+8), columns c = 8 nt + 2 t (+1)):
 // `state` points at the state's element (c = 0, v) of the thread's row v, the row stride is V.
 // Loaded as zeros when `state` is null.
+// The transposed fragment x^T [16 columns x R rows] of rows [0, R) and columns [c0, c0 + 16) of a
+// 16-bit tile in shared memory (u^T of a chunk, as the state passes start vnew^T from it).
+template <int R, typename T, int Ld>
+__device__ __forceinline__ void load_frag_t(float (&x)[R / 8][4], const T (&tile)[R][Ld], int c0, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < R / 8; ++nt) {
+    const int j = nt * 8 + 2 * t;
+    x[nt][0] = to_float(tile[j][c0 + g]);
+    x[nt][1] = to_float(tile[j + 1][c0 + g]);
+    x[nt][2] = to_float(tile[j][c0 + g + 8]);
+    x[nt][3] = to_float(tile[j + 1][c0 + g + 8]);
+  }
+}
+
 template <int K>
 __device__ __forceinline__ void load_state_frag(float (&S)[K / 8][4], const float* state, int V, int t) {
 #pragma unroll

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -225,27 +226,28 @@ TEST(BlockSparseBackward, EveryMaskKind) {
     }
 }
 
-TEST(BlockSparseBackward, ShapesGqaAndBlockSizes) {
-  FLARE_REQUIRE_GPU();
-  struct Shape {
-    int sq, sk, heads, heads_kv, q_block, kv_block, head_dim;
-    DType dtype;
-  };
-  // Lengths off the block grid, seqlen_q != seqlen_k, MHA (dK/dV stored directly) and MQA/GQA
-  // (through the fp32 accumulators), blocks of 64 and 128, blocks smaller than the kernel's
-  // tiles (q 16 < 32 rows, kv 48 < 128 keys) and larger (kv 256: two key tiles), fp16.
-  const Shape shapes[] = {{1, 1, 2, 1, 128, 128, 128, DType::kBFloat16},
-                          {17, 200, 4, 1, 128, 128, 64, DType::kFloat16},
-                          {257, 129, 8, 2, 128, 128, 128, DType::kBFloat16},
-                          {385, 385, 4, 4, 64, 64, 128, DType::kFloat16},
-                          {300, 300, 2, 2, 64, 128, 64, DType::kBFloat16},
-                          {200, 333, 6, 3, 16, 48, 128, DType::kBFloat16},
-                          {500, 260, 2, 1, 256, 128, 64, DType::kBFloat16},
-                          {130, 650, 4, 2, 128, 256, 128, DType::kFloat16},
-                          {333, 333, 2, 2, 96, 80, 128, DType::kBFloat16}};
-  uint64_t seed = 12000;
+// Lengths off the block grid, seqlen_q != seqlen_k, MHA (dK/dV stored directly) and MQA/GQA
+// (through the fp32 accumulators), blocks of 64 and 128, blocks smaller than the kernel's tiles
+// (q 16 < 32 rows, kv 48 < 128 keys) and larger (kv 256: two key tiles), fp16.
+struct BackwardShape {
+  int sq, sk, heads, heads_kv, q_block, kv_block, head_dim;
+  DType dtype;
+};
+constexpr BackwardShape kBackwardShapes[] = {{1, 1, 2, 1, 128, 128, 128, DType::kBFloat16},
+                                             {17, 200, 4, 1, 128, 128, 64, DType::kFloat16},
+                                             {257, 129, 8, 2, 128, 128, 128, DType::kBFloat16},
+                                             {385, 385, 4, 4, 64, 64, 128, DType::kFloat16},
+                                             {300, 300, 2, 2, 64, 128, 64, DType::kBFloat16},
+                                             {200, 333, 6, 3, 16, 48, 128, DType::kBFloat16},
+                                             {500, 260, 2, 1, 256, 128, 64, DType::kBFloat16},
+                                             {130, 650, 4, 2, 128, 256, 128, DType::kFloat16},
+                                             {333, 333, 2, 2, 96, 80, 128, DType::kBFloat16}};
+
+// run(case) for every shape (every third in a reduced run), mask kinds in turn by seed.
+template <typename Run>
+void for_each_backward_shape(uint64_t seed, Run run) {
   int i = 0;
-  for (const Shape& sh : shapes) {
+  for (const BackwardShape& sh : kBackwardShapes) {
     if (reduced() && i++ % 3) continue;
     SparseCase c = base_case(static_cast<MaskKind>(seed % static_cast<int>(MaskKind::kCount)), sh.head_dim, seed);
     c.attn.seqlen_q = sh.sq;
@@ -256,8 +258,13 @@ TEST(BlockSparseBackward, ShapesGqaAndBlockSizes) {
     c.q_block = sh.q_block;
     c.kv_block = sh.kv_block;
     ++seed;
-    run_sparse_backward(c);
+    run(c);
   }
+}
+
+TEST(BlockSparseBackward, ShapesGqaAndBlockSizes) {
+  FLARE_REQUIRE_GPU();
+  for_each_backward_shape(12000, [](const SparseCase& c) { run_sparse_backward(c); });
 }
 
 // The deterministic backward (the planned walks, turns and schedule of dq_write_order.h): every
@@ -273,26 +280,8 @@ TEST(BlockSparseBackward, Deterministic) {
       if (reduced() && (d == 64 || k % 2)) continue;
       run_sparse_backward(base_case(static_cast<MaskKind>(k), d, seed++), true, repeats);
     }
-  struct Shape {
-    int sq, sk, heads, heads_kv, q_block, kv_block, head_dim;
-  };
-  const Shape shapes[] = {{17, 200, 4, 1, 128, 128, 64},  {257, 129, 8, 2, 128, 128, 128},
-                          {300, 300, 2, 2, 64, 128, 64},  {200, 333, 6, 3, 16, 48, 128},
-                          {500, 260, 2, 1, 256, 128, 64}, {130, 650, 4, 2, 128, 256, 128},
-                          {333, 333, 2, 2, 96, 80, 128}};
-  int i = 0;
-  for (const Shape& sh : shapes) {
-    if (reduced() && i++ % 3) continue;
-    SparseCase c = base_case(static_cast<MaskKind>(seed % static_cast<int>(MaskKind::kCount)), sh.head_dim, seed);
-    c.attn.seqlen_q = sh.sq;
-    c.attn.seqlen_k = sh.sk;
-    c.attn.heads = sh.heads;
-    c.attn.heads_kv = sh.heads_kv;
-    c.q_block = sh.q_block;
-    c.kv_block = sh.kv_block;
-    ++seed;
-    run_sparse_backward(c, true, repeats);
-  }
+  for_each_backward_shape(seed, [&](const SparseCase& c) { run_sparse_backward(c, true, repeats); });
+  seed += std::size(kBackwardShapes);
   SparseCase c = base_case(MaskKind::kBits, 128, seed++);
   c.broadcast_batch = c.broadcast_heads = true;
   c.attn.heads_kv = 1;
