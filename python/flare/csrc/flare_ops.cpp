@@ -374,17 +374,6 @@ const char* plan_source_name(flare::DecodePlanSource source) {
   }
 }
 
-// A plan as Python's KVCachePlan takes it.
-py::dict plan_dict(const flare::DecodePlan& plan) {
-  py::dict d;
-  d["kernel"] = flare::decode_kernel_name(plan.kernel);
-  d["num_splits"] = plan.num_splits;
-  d["kv_chunk"] = plan.kv_chunk;
-  d["workspace_bytes"] = plan.workspace_bytes;
-  d["source"] = plan_source_name(plan.source);
-  return d;
-}
-
 // The plan of a decode shape, for Python to size a workspace once (CUDA graphs): a dict with
 // kernel, num_splits, kv_chunk, workspace_bytes and source.
 py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t q_len,
@@ -392,17 +381,14 @@ py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
                           int64_t num_splits, int64_t device) {
   const flare::DecodeShapeKey key =
       decode_key(batch, heads_q, heads_kv, head_dim, q_len, max_cache_len, page_size, window_left, bf16);
-  return plan_dict(plan_for(key, num_splits, static_cast<int>(device)));
-}
-
-// A split-KV plan's workspace: the caller's (checked: contiguous, large enough), else a new one.
-at::Tensor plan_workspace(const flare::DecodePlan& plan, const OptTensor& workspace, const at::Device& device) {
-  if (!workspace.has_value()) return workspace_tensor(plan.workspace_bytes, device);
-  const auto bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
-  TORCH_CHECK_VALUE(workspace->is_contiguous() && bytes >= plan.workspace_bytes, "argument 'workspace': the plan (",
-                    plan.num_splits, " splits) needs a contiguous buffer of ", plan.workspace_bytes, " bytes, got ",
-                    bytes, " bytes");
-  return *workspace;
+  const flare::DecodePlan plan = plan_for(key, num_splits, static_cast<int>(device));
+  py::dict d;
+  d["kernel"] = flare::decode_kernel_name(plan.kernel);
+  d["num_splits"] = plan.num_splits;
+  d["kv_chunk"] = plan.kv_chunk;
+  d["workspace_bytes"] = plan.workspace_bytes;
+  d["source"] = plan_source_name(plan.source);
+  return d;
 }
 
 // The plan depends on the shapes only; a decode loop asks for the same one every step. The last
@@ -481,11 +467,19 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tens
   const flare::DecodePlan plan = memoized_plan(p, page_table, num_splits, device.index());
   void* ws = nullptr;
   std::size_t ws_bytes = 0;
-  at::Tensor ws_tensor;
+  at::Tensor owned;
   if (plan.workspace_bytes > 0) {
-    ws_tensor = plan_workspace(plan, workspace, device);
-    ws = ws_tensor.data_ptr();
-    ws_bytes = static_cast<std::size_t>(ws_tensor.numel()) * ws_tensor.element_size();
+    if (workspace.has_value()) {
+      ws_bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
+      TORCH_CHECK_VALUE(workspace->is_contiguous() && ws_bytes >= plan.workspace_bytes,
+                        "argument 'workspace': the plan (", plan.num_splits, " splits) needs a contiguous buffer of ",
+                        plan.workspace_bytes, " bytes, got ", ws_bytes, " bytes");
+      ws = workspace->data_ptr();
+    } else {
+      owned = workspace_tensor(plan.workspace_bytes, device);
+      ws = owned.data_ptr();
+      ws_bytes = plan.workspace_bytes;
+    }
   }
   throw_if_error(flare::decode_run(plan, p, ws, ws_bytes), kDecodeNames);
   return {out, lse};
@@ -525,7 +519,16 @@ class DecodeRunner {
     throw_if_error(flare::decode_shape_key(p, &key), kDecodeNames);
     plan_ = plan_for(key, num_splits, device_.index());
     if (plan_.workspace_bytes > 0) {
-      workspace_ = plan_workspace(plan_, workspace, device_);
+      if (workspace.has_value()) {
+        const auto bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
+        TORCH_CHECK_VALUE(workspace->is_contiguous() && bytes >= plan_.workspace_bytes,
+                          "argument 'workspace': the plan (", plan_.num_splits,
+                          " splits) needs a contiguous buffer of ", plan_.workspace_bytes, " bytes, got ", bytes,
+                          " bytes");
+        workspace_ = *workspace;
+      } else {
+        workspace_ = workspace_tensor(plan_.workspace_bytes, device_);
+      }
       workspace_bytes_ = static_cast<std::size_t>(workspace_.numel()) * workspace_.element_size();
     }
   }
@@ -561,7 +564,15 @@ class DecodeRunner {
     return py::cast(std::make_tuple(out, lse));
   }
 
-  py::dict plan_info() const { return plan_dict(plan_); }
+  py::dict plan_info() const {
+    py::dict d;
+    d["kernel"] = flare::decode_kernel_name(plan_.kernel);
+    d["num_splits"] = plan_.num_splits;
+    d["kv_chunk"] = plan_.kv_chunk;
+    d["workspace_bytes"] = plan_.workspace_bytes;
+    d["source"] = plan_source_name(plan_.source);
+    return d;
+  }
 
  private:
   void check_step(const at::Tensor& t, const char* name, at::IntArrayRef sizes) const {
