@@ -158,6 +158,19 @@ struct DqPlanView {
   FLARE_HD int num_semaphores() const {
     return batch * heads * num_q_blocks + (group == 1 ? 0 : batch * (heads / group) * num_kv_blocks);
   }
+
+  // The portable kernel's finer turns: it cuts a mask q block into `query_tiles` query tiles and a
+  // kv block into `key_slices` CTAs (consecutive in its grid), each query tile j of block m with
+  // its own dQ semaphore and each key slice with its own dK/dV one. Step `step`'s add into query
+  // tile j by key slice `slice` takes turn dq_turn(step) * key_slices + slice there (0 .. the
+  // block's dq_num_turns * key_slices - 1, in grid order); the dK/dV turns stay dkv_turn(tile).
+  FLARE_HD int dq_slice_turn(int step, int slice, int key_slices) const { return dq_turn(step) * key_slices + slice; }
+  FLARE_HD int64_t dq_tile_semaphore(int b, int h, int m, int j, int query_tiles) const {
+    return (int64_t{b} * heads + h) * num_q_blocks * query_tiles + int64_t{m} * query_tiles + j;
+  }
+  FLARE_HD int64_t dkv_slice_semaphore(int b, int kv_head, int n, int slice, int key_slices) const {
+    return (int64_t{b} * (heads / group) + kv_head) * num_kv_blocks * key_slices + int64_t{n} * key_slices + slice;
+  }
 };
 
 struct DqWritePlan {

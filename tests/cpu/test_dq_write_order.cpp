@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "src/block_sparse/dq_write_order.h"
@@ -207,6 +209,51 @@ TEST(DqWriteOrder, PlansMatchBruteForce) {
     Case c;
     random_case(&c, rng);
     check_plan(c, plan_of(c));
+  }
+}
+
+// The portable kernel's finer turns (DqPlanView::dq_slice_turn, dq_tile_semaphore,
+// dkv_slice_semaphore): walking the grid as the kernel launches it (schedule position, then key
+// slice), every dQ semaphore of a query tile sees the turns 0, 1, 2, ... in grid order, as many as
+// the q block's contributors times the key slices, and every dK/dV semaphore of a key slice the
+// turns 0 .. group - 1; distinct tiles and slices never share a semaphore.
+TEST(DqWriteOrder, KernelTileTurnsFollowTheGrid) {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 200; ++trial) {
+    Case c;
+    random_case(&c, rng);
+    const DqWritePlan plan = plan_of(c);
+    const DqPlanView v = plan.view();
+    const int query_tiles = pick(rng, 1, 3), key_slices = 1 << pick(rng, 0, 2);
+    std::map<int64_t, int> dq_next, dkv_next;  // semaphore -> the turn it shows
+    std::map<int64_t, std::tuple<int, int, int, int>> dq_owner;
+    std::map<int64_t, std::tuple<int, int, int, int>> dkv_owner;
+    for (int position = 0; position < v.num_tiles(); ++position)
+      for (int slice = 0; slice < key_slices; ++slice) {
+        const DqTile t = v.tile_at(position);
+        for (int step = v.walk_begin(t); step < v.walk_end(t); ++step)
+          for (int j = 0; j < query_tiles; ++j) {
+            const int m = v.q_block(step);
+            const int64_t sem = v.dq_tile_semaphore(t.batch, t.head, m, j, query_tiles);
+            ASSERT_GE(sem, 0);
+            ASSERT_LT(sem, int64_t{c.batch} * c.heads * v.num_q_blocks * query_tiles);
+            const auto owner = std::make_tuple(t.batch, t.head, m, j);
+            ASSERT_TRUE(dq_owner.emplace(sem, owner).first->second == owner) << describe(c);
+            ASSERT_EQ(v.dq_slice_turn(step, slice, key_slices), dq_next[sem]++) << describe(c);
+          }
+        if (v.group > 1) {
+          const int64_t sem = v.dkv_slice_semaphore(t.batch, t.head / v.group, t.kv_block, slice, key_slices);
+          ASSERT_LT(sem, int64_t{c.batch} * c.heads_kv * v.num_kv_blocks * key_slices);
+          const auto owner = std::make_tuple(t.batch, t.head / v.group, t.kv_block, slice);
+          ASSERT_TRUE(dkv_owner.emplace(sem, owner).first->second == owner) << describe(c);
+          ASSERT_EQ(v.dkv_turn(t), dkv_next[sem]++) << describe(c);
+        }
+      }
+    for (const auto& [sem, turns] : dq_next) {
+      const auto [b, h, m, j] = dq_owner[sem];
+      ASSERT_EQ(turns, v.dq_num_turns(b, h, m) * key_slices) << describe(c);
+    }
+    for (const auto& [sem, turns] : dkv_next) ASSERT_EQ(turns, v.group) << describe(c);
   }
 }
 

@@ -70,11 +70,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // Deterministic: the walk's first step in the plan, and the semaphores.
   const int step0 = kDet ? plan.walk_begin(tile) : 0;
   auto dq_semaphore = [&](const SparseTileCursor& c) {
-    return P.dq_semaphore + ((int64_t{b} * p.heads + h) * bs.num_q_blocks + c.block) * tiles_per_q_block + c.sub;
+    return P.dq_semaphore + plan.dq_tile_semaphore(b, h, c.block, c.sub, tiles_per_q_block);
   };
-  int* dkv_sem = (kDet && p.group > 1)
-                     ? P.dkv_semaphore + ((int64_t{b} * p.heads_kv + hk) * bs.num_kv_blocks + n) * tiles_per_kv_block + slice
-                     : nullptr;
+  int* dkv_sem = (kDet && p.group > 1) ? P.dkv_semaphore + plan.dkv_slice_semaphore(b, hk, n, slice, tiles_per_kv_block)
+                                       : nullptr;
   if (col0 >= col_end) {
     if constexpr (kDet) {  // no keys: take every turn anyway
       const SparseBlockWalk walk = SparseBlockWalk::planned(plan.data + plan.layout.walk_q_blocks + step0,
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
                                                             bs.num_q_blocks, seq.seqlen_q);
       for (SparseTileCursor c = walk.begin(); c.block >= 0; walk.advance<kBlockM>(c)) {
         int* sem = dq_semaphore(c);
-        wait_turn(sem, plan.dq_turn(step0 + c.pos) * tiles_per_kv_block + slice);
+        wait_turn(sem, plan.dq_slice_turn(step0 + c.pos, slice, tiles_per_kv_block));
         pass_turn(sem);
       }
       if (dkv_sem) {
@@ -183,7 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     float dq[kDqTiles][4];
     bwd_dq_product<Cfg, T>(sm.ds, sm.k, dq_part, lane, dq);
     int* sem = kDet ? dq_semaphore(cur) : nullptr;
-    if (sem) wait_turn(sem, plan.dq_turn(step0 + cur.pos) * tiles_per_kv_block + slice);
+    if (sem) wait_turn(sem, plan.dq_slice_turn(step0 + cur.pos, slice, tiles_per_kv_block));
     bwd_add_dq<Cfg>(P, seq, b, h, row0, row_end, dq_part, lane, dq);
     if (sem) pass_turn(sem);
 
