@@ -16,6 +16,8 @@ def optional_tensor(name, x):
 
 
 def integer(name, x):
+    if type(x) is int:  # the common case first (bool is a subclass of int, not int)
+        return x
     if isinstance(x, bool) or not isinstance(x, int):
         if isinstance(x, torch.SymInt):
             return x

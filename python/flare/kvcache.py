@@ -17,7 +17,6 @@ from . import _C, _checks
 from .ops import eager
 
 _decode_op = torch.ops.flare.decode
-_Tensor = torch.Tensor
 _NO_WINDOW = (-1, -1)
 _merge_states_op = torch.ops.flare.merge_states
 
@@ -56,6 +55,8 @@ class KVCachePlan:
 
 
 def _decode_window(causal, window_size):
+    if window_size == _NO_WINDOW:  # the common call, without the checks' function calls
+        return bool(causal), -1
     left, right = _checks.window(window_size)
     if right == 0:  # (left, 0) is FlashAttention's causal sliding window
         causal = True
@@ -168,11 +169,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     splits (1: no split). workspace: a uint8 buffer of at least plan_kvcache(...).workspace_bytes.
     Returns out [B, q_len, H, D], and with return_softmax_lse=True (out, lse [B, H, q_len]).
     """
-    # Plain tensors pass with one check each (the common decode step: a few microseconds matter).
-    if not (type(q) is _Tensor and type(k_cache) is _Tensor and type(v_cache) is _Tensor):
-        _checks.tensor("q", q)
-        _checks.tensor("k_cache", k_cache)
-        _checks.tensor("v_cache", v_cache)
+    _checks.tensor("q", q)
+    _checks.tensor("k_cache", k_cache)
+    _checks.tensor("v_cache", v_cache)
     if block_table is not None:
         _checks.tensor("block_table", block_table)
     if workspace is not None:
@@ -180,18 +179,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None or cache_leftpad is not None
             or alibi_slopes is not None or softcap != 0.0):
         _reject_unsupported(rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes, softcap)
-    if window_size == _NO_WINDOW and (causal is True or causal is False):
-        window_left = -1
-    else:
-        causal, window_left = _decode_window(causal, window_size)
+    causal, window_left = _decode_window(causal, window_size)
     if cache_seqlens is None:
         if block_table is not None:
             raise ValueError("argument 'cache_seqlens': required with a paged cache (block_table)")
         cache_seqlens = k_cache.shape[1] - (0 if k is None else k.shape[1])
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif type(cache_seqlens) is not _Tensor:
-        _checks.tensor("cache_seqlens", cache_seqlens)
+    _checks.tensor("cache_seqlens", cache_seqlens)
     if (k is None) != (v is None):
         raise ValueError(f"argument '{'v' if k is not None else 'k'}': k and v must be given together")
     if k is not None:
@@ -201,12 +196,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = cache_seqlens + k.shape[1]
     if not _table_checked and num_splits == 0:
         _default_table(q.device)
-    if type(num_splits) is not int:
-        num_splits = _checks.integer("num_splits", num_splits)
-    scale = 0.0 if softmax_scale is None else _checks.number("softmax_scale", softmax_scale)
     run = _C.decode if eager(q) else _decode_op
-    out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, workspace, scale, causal, window_left, num_splits,
-                   bool(return_softmax_lse))
+    out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table, workspace, _checks.softmax_scale(softmax_scale),
+                   causal, window_left, _checks.integer("num_splits", num_splits), bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out
 
 

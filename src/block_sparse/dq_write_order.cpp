@@ -259,10 +259,6 @@ Status make_dq_write_plan(const HostBlockMask& mask, int batch, int heads, int h
   return Status::Ok();
 }
 
-}  // namespace flare::block_sparse
-
-namespace flare::block_sparse {
-
 DqPlanView dq_plan_view(const BlockSparseDqPlan& plan, const int32_t* device_data) {
   DqPlanView v;
   v.data = device_data;

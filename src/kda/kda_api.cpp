@@ -4,9 +4,9 @@
 #include <string>
 
 #include "flare/kda.h"
+#include "src/common/device_facts.h"
 #include "src/kda/kda_args.h"
 #include "src/kda/kda_bwd_params.h"
-#include "src/common/device_facts.h"
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_state_segments.h"
 
@@ -28,8 +28,12 @@ Status check_gpu_head_dims(const detail::KdaShape& s, const char* op) {
 
 // Chunks of 64 tokens that never straddle a sequence: with cu_seqlens each sequence adds at most
 // one partial chunk.
+int64_t chunks_per_row_of(const detail::KdaShape& s) {
+  return (int64_t{s.seqlen} + detail::kKdaChunk - 1) / detail::kKdaChunk;
+}
+
 int64_t max_chunks_of(const detail::KdaShape& s) {
-  const int64_t per_row = (int64_t{s.seqlen} + detail::kKdaChunk - 1) / detail::kKdaChunk;
+  const int64_t per_row = chunks_per_row_of(s);
   return s.varlen ? per_row + s.num_seqs : per_row * s.batch;
 }
 
@@ -53,7 +57,7 @@ struct ForwardPlan {
 // The segmentation of the state pass on the current device (FLARE_KDA_STATE_SEGMENT=<chunks>
 // forces a segment length: tests, tuning).
 detail::KdaStateSegments state_segments_of(const detail::KdaShape& s) {
-  const int64_t chunks_per_row = (int64_t{s.seqlen} + detail::kKdaChunk - 1) / detail::kKdaChunk;
+  const int64_t chunks_per_row = chunks_per_row_of(s);
   const int64_t wide_ctas = int64_t{s.num_seqs} * s.heads_v * (s.value_dim / (s.value_dim < 128 ? s.value_dim : 128));
   const char* env = std::getenv("FLARE_KDA_STATE_SEGMENT");
   const int forced = env != nullptr ? std::atoi(env) : 0;
@@ -120,7 +124,7 @@ detail::KdaFwdArgs input_args(const Params& p, const detail::KdaShape& s, int64_
 
   a.batch = s.batch, a.seqlen = s.seqlen, a.heads = s.heads, a.heads_v = s.heads_v, a.num_seqs = s.num_seqs;
   a.key_dim = s.key_dim, a.value_dim = s.value_dim;
-  a.chunks_per_row = static_cast<int>((int64_t{s.seqlen} + detail::kKdaChunk - 1) / detail::kKdaChunk);
+  a.chunks_per_row = static_cast<int>(chunks_per_row_of(s));
   a.max_chunks = static_cast<int>(max_chunks);
   a.varlen = s.varlen, a.scalar_gate = s.scalar_gate;
   a.scale = s.scale;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <type_traits>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -66,17 +67,17 @@ Status launch_chunk_prep(const KdaFwdArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
-// Calls launch(std::integral_constant<int, BV>) with the value-slice width of the sequential
-// state passes (state_slice_width; a width only where it divides V and is at most MaxBV).
-template <int V, int MaxBV, typename Launch>
-cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
-  switch (state_slice_width(a, detail::current_device_facts().num_sms, MaxBV)) {
+// Calls launch(std::integral_constant<int, BV>) for a width bv in {16, 32, 64, 128} that divides V
+// and is at most MaxBV (another width: cudaErrorInvalidValue, nothing launched).
+template <int V, int MaxBV = 128, typename Launch>
+cudaError_t with_width(int bv, Launch&& launch) {
+  switch (bv) {
     case 128:
       if constexpr (V % 128 == 0 && MaxBV >= 128) return launch(std::integral_constant<int, 128>{});
-      return cudaSuccess;
+      return cudaErrorInvalidValue;
     case 64:
-      if constexpr (V % 64 == 0) return launch(std::integral_constant<int, 64>{});
-      return cudaSuccess;
+      if constexpr (V % 64 == 0 && MaxBV >= 64) return launch(std::integral_constant<int, 64>{});
+      return cudaErrorInvalidValue;
     case 32:
       return launch(std::integral_constant<int, 32>{});
     default:
@@ -84,20 +85,11 @@ cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
   }
 }
 
-// Calls launch(std::integral_constant<int, BV>) for a width bv in {16, 32, 64, 128} dividing V.
-template <int V, typename Launch>
-cudaError_t with_width(int bv, Launch&& launch) {
-  switch (bv) {
-    case 128:
-      if constexpr (V % 128 == 0) return launch(std::integral_constant<int, 128>{});
-      return cudaErrorInvalidValue;
-    case 64:
-      return launch(std::integral_constant<int, 64>{});
-    case 32:
-      return launch(std::integral_constant<int, 32>{});
-    default:
-      return launch(std::integral_constant<int, 16>{});
-  }
+// with_width at the value-slice width of the sequential state passes (state_slice_width).
+template <int V, int MaxBV, typename Launch>
+cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
+  return with_width<V, MaxBV>(state_slice_width(a, detail::current_device_facts().num_sms, MaxBV),
+                              std::forward<Launch>(launch));
 }
 
 // The segmented state pass (kda_state_segments.h): every segment's transition, the combine, then

@@ -97,6 +97,17 @@ __device__ __forceinline__ void load_chunk(StateStage<T, K, BV, kPass>& st, cons
   for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
 }
 
+// The segmented pass's arrays for head = sequence * HV + value head: segment s's S0 | X
+// (K x (V + K), s < state_segments - 1) and the state where segment s >= 1 starts (K x V).
+template <int K, int V>
+__device__ __forceinline__ float* segment_transition(const KdaFwdArgs& a, int64_t head, int s) {
+  return a.seg_transition + (head * (a.state_segments - 1) + s) * K * (V + K);
+}
+template <int K, int V>
+__device__ __forceinline__ float* segment_start(const KdaFwdArgs& a, int64_t head, int s) {
+  return a.seg_start + (head * (a.state_segments - 1) + s - 1) * K * V;
+}
+
 // S^T = the identity's columns [j0, j0 + 16) (transposed): row v = j0 + g (+8) is e_v.
 template <int K>
 __device__ __forceinline__ void identity_state_frag(float (&S)[K / 8][4], int j0, int g, int t) {
@@ -176,7 +187,7 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
     if (seg == 0)
       load_state_frag<K>(S, a.initial_state ? a.initial_state + head * K * V + v0 + vw + g : nullptr, V, t);
     else
-      load_state_frag<K>(S, a.seg_start + (head * (a.state_segments - 1) + seg - 1) * K * V + v0 + vw + g, V, t);
+      load_state_frag<K>(S, segment_start<K, V>(a, head, seg) + v0 + vw + g, V, t);
   } else if (value_slice) {
     load_state_frag<K>(S, nullptr, V, t);
   } else {
@@ -250,7 +261,7 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
     if (seg == a.state_segments - 1)
       store_state_frag<K>(S, a.final_state ? a.final_state + head * K * V + v0 + vw + g : nullptr, V, t);
   } else {
-    store_state_frag<K>(S, a.seg_transition + (head * segments + seg) * K * (V + K) + v0 + vw + g, V + K, t);
+    store_state_frag<K>(S, segment_transition<K, V>(a, head, seg) + v0 + vw + g, V + K, t);
   }
 }
 
@@ -285,7 +296,7 @@ __global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaF
     start[i][c] = a.initial_state ? a.initial_state[head * K * V + int64_t{i} * V + c0 + c] : 0.f;
   __syncthreads();
   for (int s = 0; s < transitions; ++s) {
-    const float* row = a.seg_transition + (head * transitions + s) * K * (V + K) + int64_t{i} * (V + K);
+    const float* row = segment_transition<K, V>(a, head, s) + int64_t{i} * (V + K);
     float acc[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) acc[c] = row[c0 + c];  // S0
@@ -300,7 +311,7 @@ __global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaF
         for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xs[e], start[4 * k4 + e][c], acc[c]);
     }
     __syncthreads();  // every row has read start_s
-    float* out = a.seg_start + (head * transitions + s) * K * V + int64_t{i} * V + c0;
+    float* out = segment_start<K, V>(a, head, s + 1) + int64_t{i} * V + c0;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) start[i][c] = acc[c], out[c] = acc[c];
     __syncthreads();

@@ -15,10 +15,13 @@
 //     writing the output (and, in the last segment, the final state).
 // About 2.5x the state pass's arithmetic, spread over count times as many CTAs.
 //
-// Pure host/device functions: the rule below is tested on the CPU (tests/cpu/test_kda_args.cpp).
+// Pure host functions: the rule below is tested on the CPU (tests/cpu/test_kda_args.cpp).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+
+#include "flare/decode_plan.h"  // decode_wave_efficiency
 
 namespace flare::detail {
 
@@ -34,14 +37,8 @@ struct KdaStateSegments {
   int chunks = 0;  // chunks per segment (the last may hold fewer); 0 when count is 1
 };
 
-// n / (ceil(n / slots) * slots): the used fraction of the launched waves.
-constexpr double kda_wave_efficiency(int64_t ctas, int slots) {
-  const int64_t waves = (ctas + slots - 1) / slots;
-  return waves == 0 ? 0.0 : static_cast<double>(ctas) / static_cast<double>(waves * slots);
-}
-
 // count and chunks for `count` segments over chunks_per_row chunks (the last segment non-empty).
-constexpr KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
+inline KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
   if (count <= 1 || chunks_per_row <= 1) return {};
   const int64_t chunks = (chunks_per_row + count - 1) / count;
   return {static_cast<int>((chunks_per_row + chunks - 1) / chunks), static_cast<int>(chunks)};
@@ -50,9 +47,10 @@ constexpr KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
 // The segmentation of the forward state pass. wide_ctas: the output pass's CTAs without
 // segments at its widest value slice (sequences x value heads x V / min(V, 128)), which run one
 // per SM. Segments where those fill at most half the SMs; their count: the fewest (at least 16
-// chunks each, at most 16) whose CTAs fill the waves within 5 % of the best count. Varlen batches are not segmented (their sequences differ in length). forced_chunks > 0
-// (FLARE_KDA_STATE_SEGMENT, tests and tuning) sets the segment length instead.
-constexpr KdaStateSegments kda_state_segments(int64_t wide_ctas, int64_t chunks_per_row, bool varlen, int num_sms,
+// chunks each, at most 16) whose CTAs fill the waves (decode_wave_efficiency) within 5 % of the
+// best count. Varlen batches are not segmented (their sequences differ in length).
+// forced_chunks > 0 (FLARE_KDA_STATE_SEGMENT, tests and tuning) sets the segment length instead.
+inline KdaStateSegments kda_state_segments(int64_t wide_ctas, int64_t chunks_per_row, bool varlen, int num_sms,
                                               int forced_chunks = 0) {
   if (varlen || chunks_per_row <= 1 || wide_ctas <= 0) return {};
   if (forced_chunks > 0)
@@ -60,15 +58,11 @@ constexpr KdaStateSegments kda_state_segments(int64_t wide_ctas, int64_t chunks_
   // No device facts, or half the SMs have a CTA already (the unsegmented pass then runs narrower
   // slices on the rest; segments would buy little for their extra arithmetic).
   if (num_sms <= 0 || wide_ctas * 2 > num_sms) return {};
-  const int64_t most = chunks_per_row / kKdaMinSegmentChunks < kKdaMaxSegments
-                           ? chunks_per_row / kKdaMinSegmentChunks
-                           : kKdaMaxSegments;
+  const int most = static_cast<int>(std::min<int64_t>(chunks_per_row / kKdaMinSegmentChunks, kKdaMaxSegments));
   double best = 0;
+  for (int count = 1; count <= most; ++count) best = std::max(best, decode_wave_efficiency(wide_ctas * count, num_sms));
   for (int count = 1; count <= most; ++count)
-    best = kda_wave_efficiency(wide_ctas * count, num_sms) > best ? kda_wave_efficiency(wide_ctas * count, num_sms)
-                                                                  : best;
-  for (int count = 1; count <= most; ++count)
-    if (kda_wave_efficiency(wide_ctas * count, num_sms) >= best * (1 - kKdaSegmentWaveSlack))
+    if (decode_wave_efficiency(wide_ctas * count, num_sms) >= best * (1 - kKdaSegmentWaveSlack))
       return kda_segments_of(chunks_per_row, count);
   return {};
 }

@@ -374,14 +374,8 @@ const char* plan_source_name(flare::DecodePlanSource source) {
   }
 }
 
-// The plan of a decode shape, for Python to size a workspace once (CUDA graphs): a dict with
-// kernel, num_splits, kv_chunk, workspace_bytes and source.
-py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t q_len,
-                          int64_t max_cache_len, int64_t page_size, int64_t window_left, bool bf16,
-                          int64_t num_splits, int64_t device) {
-  const flare::DecodeShapeKey key =
-      decode_key(batch, heads_q, heads_kv, head_dim, q_len, max_cache_len, page_size, window_left, bf16);
-  const flare::DecodePlan plan = plan_for(key, num_splits, static_cast<int>(device));
+// A plan as Python's KVCachePlan takes it.
+py::dict plan_dict(const flare::DecodePlan& plan) {
   py::dict d;
   d["kernel"] = flare::decode_kernel_name(plan.kernel);
   d["num_splits"] = plan.num_splits;
@@ -390,6 +384,28 @@ py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
   d["source"] = plan_source_name(plan.source);
   return d;
 }
+
+// The plan of a decode shape, for Python to size a workspace once (CUDA graphs): a dict with
+// kernel, num_splits, kv_chunk, workspace_bytes and source.
+py::dict decode_plan_info(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t q_len,
+                          int64_t max_cache_len, int64_t page_size, int64_t window_left, bool bf16,
+                          int64_t num_splits, int64_t device) {
+  const flare::DecodeShapeKey key =
+      decode_key(batch, heads_q, heads_kv, head_dim, q_len, max_cache_len, page_size, window_left, bf16);
+  return plan_dict(plan_for(key, num_splits, static_cast<int>(device)));
+}
+
+// A split-KV plan's workspace: the caller's (checked: contiguous, large enough), else a new one.
+at::Tensor plan_workspace(const flare::DecodePlan& plan, const OptTensor& workspace, const at::Device& device) {
+  if (!workspace.has_value()) return workspace_tensor(plan.workspace_bytes, device);
+  const auto bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
+  TORCH_CHECK_VALUE(workspace->is_contiguous() && bytes >= plan.workspace_bytes, "argument 'workspace': the plan (",
+                    plan.num_splits, " splits) needs a contiguous buffer of ", plan.workspace_bytes, " bytes, got ",
+                    bytes, " bytes");
+  return *workspace;
+}
+
+std::size_t tensor_bytes(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()) * t.element_size(); }
 
 // The plan depends on the shapes only; a decode loop asks for the same one every step. The last
 // shapes seen (per thread) and their plan are kept, so a repeated call skips the validation pass
@@ -465,23 +481,9 @@ std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& q_in, const at::Tens
   p.stream = current_stream(device);
 
   const flare::DecodePlan plan = memoized_plan(p, page_table, num_splits, device.index());
-  void* ws = nullptr;
-  std::size_t ws_bytes = 0;
-  at::Tensor owned;
-  if (plan.workspace_bytes > 0) {
-    if (workspace.has_value()) {
-      ws_bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
-      TORCH_CHECK_VALUE(workspace->is_contiguous() && ws_bytes >= plan.workspace_bytes,
-                        "argument 'workspace': the plan (", plan.num_splits, " splits) needs a contiguous buffer of ",
-                        plan.workspace_bytes, " bytes, got ", ws_bytes, " bytes");
-      ws = workspace->data_ptr();
-    } else {
-      owned = workspace_tensor(plan.workspace_bytes, device);
-      ws = owned.data_ptr();
-      ws_bytes = plan.workspace_bytes;
-    }
-  }
-  throw_if_error(flare::decode_run(plan, p, ws, ws_bytes), kDecodeNames);
+  const at::Tensor ws = plan.workspace_bytes > 0 ? plan_workspace(plan, workspace, device) : at::Tensor();
+  throw_if_error(flare::decode_run(plan, p, ws.defined() ? ws.data_ptr() : nullptr, ws.defined() ? tensor_bytes(ws) : 0),
+                 kDecodeNames);
   return {out, lse};
 }
 
@@ -519,17 +521,8 @@ class DecodeRunner {
     throw_if_error(flare::decode_shape_key(p, &key), kDecodeNames);
     plan_ = plan_for(key, num_splits, device_.index());
     if (plan_.workspace_bytes > 0) {
-      if (workspace.has_value()) {
-        const auto bytes = static_cast<std::size_t>(workspace->numel()) * workspace->element_size();
-        TORCH_CHECK_VALUE(workspace->is_contiguous() && bytes >= plan_.workspace_bytes,
-                          "argument 'workspace': the plan (", plan_.num_splits,
-                          " splits) needs a contiguous buffer of ", plan_.workspace_bytes, " bytes, got ", bytes,
-                          " bytes");
-        workspace_ = *workspace;
-      } else {
-        workspace_ = workspace_tensor(plan_.workspace_bytes, device_);
-      }
-      workspace_bytes_ = static_cast<std::size_t>(workspace_.numel()) * workspace_.element_size();
+      workspace_ = plan_workspace(plan_, workspace, device_);
+      workspace_bytes_ = tensor_bytes(workspace_);
     }
   }
 
@@ -564,15 +557,7 @@ class DecodeRunner {
     return py::cast(std::make_tuple(out, lse));
   }
 
-  py::dict plan_info() const {
-    py::dict d;
-    d["kernel"] = flare::decode_kernel_name(plan_.kernel);
-    d["num_splits"] = plan_.num_splits;
-    d["kv_chunk"] = plan_.kv_chunk;
-    d["workspace_bytes"] = plan_.workspace_bytes;
-    d["source"] = plan_source_name(plan_.source);
-    return d;
-  }
+  py::dict plan_info() const { return plan_dict(plan_); }
 
  private:
   void check_step(const at::Tensor& t, const char* name, at::IntArrayRef sizes) const {

@@ -15,8 +15,8 @@
 // its q blocks in the planned order, and adds the dQ of each query tile (m, j) (tile j of mask q
 // block m) when that tile's semaphore shows its turn, dq_turn(step) * tiles_per_kv_block + slice,
 // so the adds land in schedule order (handing the turn on after the next tile's dQ product instead
-// measured slower: det/ordinary 0.75-0.84 against 0.77-0.88); GQA's dK/dV adds take the turn dkv_turn(tile) per (batch,
-// kv head, kv block, slice). A slice without keys (past seqlen_k) computes nothing and still takes
+// measured slower: det/ordinary 0.75-0.84 against 0.77-0.88); GQA's dK/dV adds take the turn
+// dkv_turn(tile) per (batch, kv head, kv block, slice). A slice without keys (past seqlen_k) computes nothing and still takes
 // every turn. Turns follow grid order, so a CTA only waits for CTAs launched before it.
 #pragma once
 
@@ -74,12 +74,18 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   };
   int* dkv_sem = (kDet && p.group > 1) ? P.dkv_semaphore + plan.dkv_slice_semaphore(b, hk, n, slice, tiles_per_kv_block)
                                        : nullptr;
+  // The tile's q blocks: the plan's walk (deterministic) or the mask's transposed lists.
+  auto walk_of_tile = [&] {
+    if constexpr (kDet)
+      return SparseBlockWalk::planned(plan.data + plan.layout.walk_q_blocks + step0,
+                                      plan.data + plan.layout.walk_is_full + step0, plan.walk_end(tile) - step0,
+                                      bs.q_block_size, bs.num_q_blocks, seq.seqlen_q);
+    else
+      return SparseBlockWalk::of(bs.partial_q, bs.full_q, b, h, n, bs.q_block_size, bs.num_q_blocks, seq.seqlen_q);
+  };
   if (col0 >= col_end) {
     if constexpr (kDet) {  // no keys: take every turn anyway
-      const SparseBlockWalk walk = SparseBlockWalk::planned(plan.data + plan.layout.walk_q_blocks + step0,
-                                                            plan.data + plan.layout.walk_is_full + step0,
-                                                            plan.walk_end(tile) - step0, bs.q_block_size,
-                                                            bs.num_q_blocks, seq.seqlen_q);
+      const SparseBlockWalk walk = walk_of_tile();
       for (SparseTileCursor c = walk.begin(); c.block >= 0; walk.advance<kBlockM>(c)) {
         int* sem = dq_semaphore(c);
         wait_turn(sem, plan.dq_slice_turn(step0 + c.pos, slice, tiles_per_kv_block));
@@ -106,11 +112,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
   const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
 
-  const SparseBlockWalk walk =
-      kDet ? SparseBlockWalk::planned(plan.data + plan.layout.walk_q_blocks + step0,
-                                      plan.data + plan.layout.walk_is_full + step0, plan.walk_end(tile) - step0,
-                                      bs.q_block_size, bs.num_q_blocks, seq.seqlen_q)
-           : SparseBlockWalk::of(bs.partial_q, bs.full_q, b, h, n, bs.q_block_size, bs.num_q_blocks, seq.seqlen_q);
+  const SparseBlockWalk walk = walk_of_tile();
   const sched::Band band = detail::band_of(p, seq);  // a dense mask given with the block mask
   const block_sparse::ElementMaskParams& el = bs.element;
 
