@@ -192,35 +192,48 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
 
 // The cumulative activated gate (log2 units) of one chunk, in place over gam's 64 rows: row i
 // holds the sum over rows j <= i, j < len (rows from len on hold the total). raw(i, c) is the gate
-// as stored (it may read gam itself). Every thread works on kSegs / (kThreads / K) segments of 8
-// rows of one channel (independent chains), then adds the totals of the segments before each: those
-// are the segments' last rows, read before anyone adds (a barrier between). Ends with a barrier.
+// as stored (it may read gam itself; callers choose the stored format outside, so raw has no
+// branch). Every thread works on kSegs / (kThreads / K) segments of 8 rows of one channel, then adds
+// the totals of the segments before each: those are the segments' last rows, read before anyone
+// adds (a barrier between). Without the activation a thread loads all its raw values first and
+// keeps the running sums in registers, so no shared load waits on a store (the chained form was a
+// quarter of the chunk prep's stall samples). Ends with a barrier.
 template <int K, int kThreads, int LD, typename Raw>
 __device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
   constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K, kMine = kSegs / kStep;
   static_assert(kThreads % K == 0 && kSegs % kStep == 0, "whole segments per thread");
   const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
+  auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
   const GateActivation activate(a, hv, c);
-  // Segment sums, the segments' chains interleaved. With the activation the row loop stays rolled
-  // (its softplus and sigmoid are long: unrolled, their copies made the code outgrow the
-  // instruction cache).
-  float run[kMine];
-#pragma unroll
-  for (int m = 0; m < kMine; ++m) run[m] = 0.f;
-  auto add_row = [&](int r, auto act) {
-#pragma unroll
-    for (int m = 0; m < kMine; ++m) {
-      const int i = (seg0 + m * kStep) * kSegRows + r;
-      if (i < len) run[m] += act(raw(i, c)) * kRcpLn2;
-      gam[i][c] = run[m];
-    }
-  };
+  float run[kMine][kSegRows];  // plain: segment m's running sums
   if (activate.on) {
+    // The segments' chains interleaved, the row loop rolled (its softplus and sigmoid are long:
+    // unrolled, their copies made the code outgrow the instruction cache).
+    float sum[kMine];
+#pragma unroll
+    for (int m = 0; m < kMine; ++m) sum[m] = 0.f;
 #pragma unroll 1
-    for (int r = 0; r < kSegRows; ++r) add_row(r, activate);
+    for (int r = 0; r < kSegRows; ++r)
+#pragma unroll
+      for (int m = 0; m < kMine; ++m) {
+        const int i = row_of(m, r);
+        if (i < len) sum[m] += activate(raw(i, c)) * kRcpLn2;
+        gam[i][c] = sum[m];
+      }
   } else {
 #pragma unroll
-    for (int r = 0; r < kSegRows; ++r) add_row(r, [](float g) { return g; });
+    for (int m = 0; m < kMine; ++m)
+#pragma unroll
+      for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
+#pragma unroll
+    for (int m = 0; m < kMine; ++m)
+#pragma unroll
+      for (int r = 0; r < kSegRows; ++r) {
+        const float x = row_of(m, r) < len ? run[m][r] : 0.f;
+        run[m][r] = fmaf(x, kRcpLn2, r > 0 ? run[m][r - 1] : 0.f);
+      }
+#pragma unroll
+    for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
   }
   __syncthreads();
   float total[kSegs - 1], offset[kMine];
@@ -235,11 +248,13 @@ __device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs
   }
   __syncthreads();
 #pragma unroll
-  for (int m = 0; m < kMine; ++m) {
-    const int i0 = (seg0 + m * kStep) * kSegRows;
+  for (int m = 0; m < kMine; ++m)
 #pragma unroll
-    for (int r = 0; r < kSegRows; ++r) gam[i0 + r][c] += offset[m];
-  }
+    for (int r = 0; r < kSegRows; ++r) {
+      const int i = row_of(m, r);
+      if (activate.on) gam[i][c] += offset[m];
+      else gam[i][c] = run[m][r] + offset[m];
+    }
   __syncthreads();
 }
 
@@ -305,13 +320,10 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   const T* q = static_cast<const T*>(a.q) + ch.batch * a.q_st.batch + ch.t0 * a.q_st.token + h * a.q_st.head;
   const T* k = static_cast<const T*>(a.k) + ch.batch * a.k_st.batch + ch.t0 * a.k_st.token + h * a.k_st.head;
   const T* v = static_cast<const T*>(a.v) + ch.batch * a.v_st.batch + ch.t0 * a.v_st.token + hv * a.v_st.head;
-  load_rows<T, K>(s.q, q, a.q_st.token, ch.len);
-  load_rows<T, K>(s.k, k, a.k_st.token, ch.len);
-  load_rows<T, V>(s.v, v, a.v_st.token, ch.len);
-  cp_async_commit();
 
-  // The raw gate, as it is stored: fp32 rows straight into gam, 16-bit rows into kb (free until
-  // the scaling pass), a scalar gate (GDN) one value per row.
+  // The raw gate first, as it is stored: fp32 rows straight into gam, 16-bit rows into kb (free
+  // until the scaling pass), a scalar gate (GDN) one value per row. The cumulative gate is formed
+  // while q, k and v are still landing.
   const int64_t g_base = ch.batch * a.g_st.batch + ch.t0 * a.g_st.token + hv * a.g_st.head;
   if (a.scalar_gate) {
     if (tid < kKdaChunk)
@@ -322,6 +334,10 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     load_rows<T, K>(s.kb, static_cast<const T*>(a.g) + g_base, a.g_st.token, ch.len);
   }
   cp_async_commit();
+  load_rows<T, K>(s.q, q, a.q_st.token, ch.len);
+  load_rows<T, K>(s.k, k, a.k_st.token, ch.len);
+  load_rows<T, V>(s.v, v, a.v_st.token, ch.len);
+  cp_async_commit();
   if (tid < kKdaChunk) {
     float b = 0.f;
     if (tid < ch.len) {
@@ -331,18 +347,16 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     }
     s.beta[tid] = b;
   }
-  cp_async_wait<0>();
+  cp_async_wait<1>();
   __syncthreads();
 
-  // ---- l2norm (per warp: its rows); gate activation, cumulative gate, references (per channel)
-  if (a.qk_l2norm) {
-    constexpr int kRows = kKdaChunk / C::kWarps;
-    l2norm_rows<T, K, kRows>(s.q, warp * kRows);
-    l2norm_rows<T, K, kRows>(s.k, warp * kRows);
-  }
-  cumulate_gate<K, C::kThreads>(s.gam, a, hv, ch.len, [&](int i, int c) {
-    return a.scalar_gate ? s.scalar_gate[i] : a.g_fp32 ? s.gam[i][c] : to_float(s.kb[i][c]);
-  });
+  // ---- gate activation, cumulative gate, references (per channel); then l2norm (per warp: its rows)
+  if (a.scalar_gate)
+    cumulate_gate<K, C::kThreads>(s.gam, a, hv, ch.len, [&](int i, int) { return s.scalar_gate[i]; });
+  else if (a.g_fp32)
+    cumulate_gate<K, C::kThreads>(s.gam, a, hv, ch.len, [&](int i, int c) { return s.gam[i][c]; });
+  else
+    cumulate_gate<K, C::kThreads>(s.gam, a, hv, ch.len, [&](int i, int c) { return to_float(s.kb[i][c]); });
   for (int c = tid; c < K; c += C::kThreads) {
     float m[4];
 #pragma unroll
@@ -357,7 +371,14 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
       for (int J = 0; J < I; ++J) s.cross[sub_pair(I, J)][c] = exp2_clamped(m[I] - m[J]);
     a.decay[slot * K + c] = exp2_clamped(s.gam[kKdaChunk - 1][c]);
   }
+  cp_async_wait<0>();
   __syncthreads();
+  if (a.qk_l2norm) {
+    constexpr int kRows = kKdaChunk / C::kWarps;
+    l2norm_rows<T, K, kRows>(s.q, warp * kRows);
+    l2norm_rows<T, K, kRows>(s.k, warp * kRows);
+    __syncthreads();
+  }
 
   // ---- scaled operands: qa, ka, kb in place / smem; qg, kg to global -------------------------
   {
