@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     *reinterpret_cast<float4*>(last) = *reinterpret_cast<const float4*>(&s.gam[kKdaChunk - 1][c0]);
     *reinterpret_cast<float4*>(last + 4) = *reinterpret_cast<const float4*>(&s.gam[kKdaChunk - 1][c0 + 4]);
     const float scale = a.scale;
-#pragma unroll 2
+#pragma unroll 4
     for (int i = tid / kVecs; i < kKdaChunk; i += kRowStep) {
       const int I = i / kKdaSubChunk;
       const float beta = s.beta[i];
