@@ -3,7 +3,7 @@
 // the rows of sub-chunk I, [16 I, 16 I + 16): the first computes P and w, the second L and u.
 // All gates are in log2 units (exp -> exp2).
 //
-//   load      q, k, v (cp.async), the gate (activated in flight), beta
+//   load      the gate, then q, k, v (bulk copies on sm_90, else cp.async), beta
 //   cumsum    Gam = cumulative gate; per sub-chunk the reference m_I = Gam at row 16 I + 7
 //   scale     qa = scale q 2^(Gam - m_I), ka = beta k 2^(Gam - m_I), kb = k 2^(m_J - Gam) (smem)
 //             qg = scale q 2^Gam, kg = k 2^(Gam_last - Gam)                        (global)
@@ -23,6 +23,7 @@
 
 #include <type_traits>
 
+#include "src/common/bulk_copy.h"
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_tiles.cuh"
 
@@ -78,6 +79,7 @@ struct PrepSmem {
   float cross[C::kPairs][K];  // 2^(m_I - m_J), J < I
   float beta[kKdaChunk];
   float scalar_gate[kKdaChunk];  // GDN: the raw scalar gate of each row
+  uint64_t bar[2];                // sm_90 loads: the gate's rows, then q, k, v
 };
 
 __device__ __forceinline__ KdaChunk chunk_at(const KdaFwdArgs& a, int c) {
@@ -323,21 +325,65 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
 
   // The raw gate first, as it is stored: fp32 rows straight into gam, 16-bit rows into kb (free
   // until the scaling pass), a scalar gate (GDN) one value per row. The cumulative gate is formed
-  // while q, k and v are still landing.
+  // while q, k and v are still landing. Rows from len on: q, k, v zeros, the gate undefined (the
+  // cumsum does not read it).
   const int64_t g_base = ch.batch * a.g_st.batch + ch.t0 * a.g_st.token + hv * a.g_st.head;
-  if (a.scalar_gate) {
-    if (tid < kKdaChunk)
-      s.scalar_gate[tid] = tid < ch.len ? load_scalar<T>(a.g, a.g_fp32, g_base + tid * a.g_st.token) : 0.f;
-  } else if (a.g_fp32) {
-    load_rows<float, K>(s.gam, static_cast<const float*>(a.g) + g_base, a.g_st.token, ch.len);
-  } else {
-    load_rows<T, K>(s.kb, static_cast<const T*>(a.g) + g_base, a.g_st.token, ch.len);
+  if (a.scalar_gate && tid < kKdaChunk)
+    s.scalar_gate[tid] = tid < ch.len ? load_scalar<T>(a.g, a.g_fp32, g_base + tid * a.g_st.token) : 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // sm_90: one bulk copy per row, a row per thread: threads 0-63 the gate's rows, completing on
+  // bar[0], the others those of q, k, v on bar[1] (issued in a few instructions, where the
+  // 16-byte cp.async loop took some 400 per warp before the last copy left).
+  if (tid == 0) {
+    sm90::mbar_init(&s.bar[0], kKdaChunk);
+    sm90::mbar_init(&s.bar[1], C::kThreads - kKdaChunk);
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+  {
+    static_assert(C::kThreads == 4 * kKdaChunk, "a row per thread: the gate, q, k, v");
+    const int row = tid % kKdaChunk, which = tid / kKdaChunk;  // 0: gate, 1: q, 2: k, 3: v
+    const bool in = row < ch.len;
+    uint64_t* bar = &s.bar[which == 0 ? 0 : 1];
+    void* dst = nullptr;
+    const void* src = nullptr;
+    uint32_t bytes = 0;
+    if (which == 0) {
+      if (!a.scalar_gate && in) {
+        dst = a.g_fp32 ? static_cast<void*>(&s.gam[row][0]) : static_cast<void*>(&s.kb[row][0]);
+        src = a.g_fp32 ? static_cast<const void*>(static_cast<const float*>(a.g) + g_base + row * a.g_st.token)
+                       : static_cast<const void*>(static_cast<const T*>(a.g) + g_base + row * a.g_st.token);
+        bytes = K * (a.g_fp32 ? 4 : sizeof(T));
+      }
+    } else {
+      T* d = which == 1 ? &s.q[row][0] : which == 2 ? &s.k[row][0] : &s.v[row][0];
+      const int cols = which == 3 ? V : K;
+      if (in) {
+        dst = d;
+        src = which == 1 ? q + row * a.q_st.token : which == 2 ? k + row * a.k_st.token : v + row * a.v_st.token;
+        bytes = cols * sizeof(T);
+      } else {
+        for (int c = 0; c < cols; c += 8) *reinterpret_cast<uint4*>(d + c) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (bytes != 0) {
+      sm90::mbar_arrive_expect_tx(bar, bytes);
+      sm90::bulk_copy_g2s(dst, src, bytes, bar);
+    } else {
+      sm90::mbar_arrive(bar);
+    }
+  }
+#else
+  if (!a.scalar_gate) {
+    if (a.g_fp32) load_rows<float, K>(s.gam, static_cast<const float*>(a.g) + g_base, a.g_st.token, ch.len);
+    else load_rows<T, K>(s.kb, static_cast<const T*>(a.g) + g_base, a.g_st.token, ch.len);
   }
   cp_async_commit();
   load_rows<T, K>(s.q, q, a.q_st.token, ch.len);
   load_rows<T, K>(s.k, k, a.k_st.token, ch.len);
   load_rows<T, V>(s.v, v, a.v_st.token, ch.len);
   cp_async_commit();
+#endif
   if (tid < kKdaChunk) {
     float b = 0.f;
     if (tid < ch.len) {
@@ -347,7 +393,11 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     }
     s.beta[tid] = b;
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  sm90::mbar_wait(&s.bar[0], 0);
+#else
   cp_async_wait<1>();
+#endif
   __syncthreads();
 
   // ---- gate activation, cumulative gate, references (per channel); then l2norm (per warp: its rows)
@@ -371,7 +421,11 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
       for (int J = 0; J < I; ++J) s.cross[sub_pair(I, J)][c] = exp2_clamped(m[I] - m[J]);
     a.decay[slot * K + c] = exp2_clamped(s.gam[kKdaChunk - 1][c]);
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  sm90::mbar_wait(&s.bar[1], 0);
+#else
   cp_async_wait<0>();
+#endif
   __syncthreads();
   if (a.qk_l2norm) {
     constexpr int kRows = kKdaChunk / C::kWarps;
