@@ -69,15 +69,18 @@ RowPlan plan_mask_row(const HostBlockMask& mask, int mask_b, int mask_h, TileSch
   return row;
 }
 
-// Rank r of every (b, h), then rank r + 1: a head's tiles keep their order (their turns were
-// assigned in it) and as few of them as possible run at once.
-std::vector<int32_t> interleaved_schedule(const DqPlanView& v, const std::vector<RowPlan>& rows) {
+// Rank r of every (b, h) of a group of head_group heads (0: all), then rank r + 1: a head's tiles
+// keep their order (their turns were assigned in it) and as few of them as possible run at once.
+std::vector<int32_t> interleaved_schedule(const DqPlanView& v, const std::vector<RowPlan>& rows, int head_group) {
   std::vector<int32_t> schedule;
   schedule.reserve(static_cast<size_t>(v.num_tiles()));
-  for (int rank = 0; rank < v.num_kv_blocks; ++rank)
-    for (int b = 0; b < v.batch; ++b)
-      for (int h = 0; h < v.heads; ++h)
+  const int heads = v.batch * v.heads, group = head_group > 0 ? std::min(head_group, heads) : heads;
+  for (int first = 0; first < heads; first += group)
+    for (int rank = 0; rank < v.num_kv_blocks; ++rank)
+      for (int bh = first; bh < std::min(first + group, heads); ++bh) {
+        const int b = bh / v.heads, h = bh % v.heads;
         schedule.push_back(v.tile_id(DqTile{b, h, rows[v.mask_row(b, h)].head_order[rank]}));
+      }
   return schedule;
 }
 
@@ -240,7 +243,7 @@ Status make_dq_write_plan(const HostBlockMask& mask, int batch, int heads, int h
       for (const TileWalk& tile : rows.back().tiles) steps += static_cast<int64_t>(tile.q_blocks.size());
     }
   const DqPlanView dims = p.view_at(nullptr);  // the index arithmetic, before there is data
-  const std::vector<int32_t> schedule = interleaved_schedule(dims, rows);
+  const std::vector<int32_t> schedule = interleaved_schedule(dims, rows, options.head_group);
   WalkPlanner planner(dims, options);
   for (int32_t id : schedule) {
     const DqTile tile{id / p.num_kv_blocks / heads, id / p.num_kv_blocks % heads, id % p.num_kv_blocks};

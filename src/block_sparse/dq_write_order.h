@@ -89,6 +89,10 @@ struct DqPlanOptions {
   // The planned walk's model of the launch: resident CTAs (SMs x CTAs per SM) and step costs in
   // units of a full block. Only the speed depends on them, never the deadlock freedom.
   int resident_ctas = 132;
+  // Heads interleaved in groups of this many (b, h) (0: all of them): rank r of every head of a
+  // group, then rank r + 1, group after group. Smaller groups keep fewer heads' Q and dO in
+  // flight (L2 reuse) and make more tiles of one head run at once (more waits).
+  int head_group = 0;
   double full_block_cost = 1.0, partial_block_cost = 1.0;
   double dq_add_cost = 0.05, dkv_add_cost = 0.1;
 };

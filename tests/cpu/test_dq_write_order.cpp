@@ -485,8 +485,8 @@ TEST(DqWriteOrder, ReportsTheCostOfTheOrderAt8192Tokens) {
   masks[2].element.doc_ids_k = masks[2].element.doc_ids_q;
   masks[3].name = "random 25%", masks[3].random = true;
 
-  std::printf("%-11s %5s | %8s %8s | %8s %6s %6s %5s %9s | %6s %6s | %6s %6s %6s\n", "mask", "heads", "ordinary",
-              "free", "det dyn", "/free", "/ord", "wait", "path", "static", "noisy", "SPT", "monot", "h-major");
+  std::printf("%-11s %5s | %8s %8s | %8s %6s %6s %5s %9s | %6s %6s | %6s %6s %6s %6s %6s\n", "mask", "heads", "ordinary",
+              "free", "det dyn", "/free", "/ord", "wait", "path", "static", "noisy", "SPT", "monot", "h-major", "grp 2", "grp 4");
   for (const Mask& m : masks)
     for (int heads : {16, 1}) {
       HostBlockMask mask;
@@ -525,10 +525,17 @@ TEST(DqWriteOrder, ReportsTheCostOfTheOrderAt8192Tokens) {
       const double spt_ratio = makespan(det_spt, Dispatch::kDynamic, true) / ordinary;
       const double monotone_ratio = makespan(det_monotone, Dispatch::kDynamic, true) / ordinary;
       const double head_major_ratio = makespan(head_major_of(plan.view(), det), Dispatch::kDynamic, true) / ordinary;
-      std::printf("%-11s %5d | %8.1f %8.1f | %8.1f %6.3f %6.3f %5.1f %4d/%-4d | %6.3f %6.3f | %6.3f %6.3f %6.3f\n",
+      double group_ratio[2];
+      for (int i = 0; i < 2; ++i) {
+        DqPlanOptions grouped;
+        grouped.head_group = 2 << i;
+        DqWritePlan grouped_plan;
+        group_ratio[i] = makespan(det_workload(grouped, &grouped_plan), Dispatch::kDynamic, true) / ordinary;
+      }
+      std::printf("%-11s %5d | %8.1f %8.1f | %8.1f %6.3f %6.3f %5.1f %4d/%-4d | %6.3f %6.3f | %6.3f %6.3f %6.3f %6.3f %6.3f\n",
                   m.name, heads, ordinary, free, dynamic, dynamic / free, dynamic / ordinary, r.total_wait / kH100Ctas,
                   r.semaphore_links(), static_cast<int>(r.critical_path.size()), static_ratio, noisy_ratio, spt_ratio,
-                  monotone_ratio, head_major_ratio);
+                  monotone_ratio, head_major_ratio, group_ratio[0], group_ratio[1]);
       // With many heads the ordering costs a few percent. A single head's tiles are all resident
       // at once and every q block's adds chain through them in schedule order: a random mask
       // pays for that chain (the GPU is a third idle there anyway: 64 tiles on 132 CTAs).

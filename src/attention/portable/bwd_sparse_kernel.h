@@ -12,12 +12,16 @@
 //
 // Deterministic mode (kDet): the grid is 1D in the plan's schedule (dq_write_order.h), CTA x the
 // key slice x % tiles_per_kv_block of the tile at position x / tiles_per_kv_block; the tile walks
-// its q blocks in the planned order, and adds the dQ of each query tile (m, j) (tile j of mask q
-// block m) when that tile's semaphore shows its turn, dq_turn(step) * tiles_per_kv_block + slice,
-// so the adds land in schedule order (handing the turn on after the next tile's dQ product instead
-// measured slower: det/ordinary 0.75-0.84 against 0.77-0.88); GQA's dK/dV adds take the turn
-// dkv_turn(tile) per (batch, kv head, kv block, slice). A slice without keys (past seqlen_k) computes nothing and still takes
-// every turn. Turns follow grid order, so a CTA only waits for CTAs launched before it.
+// its q blocks in the planned order. The dQ of a q block's query tiles is staged in shared memory
+// (DqStage: up to 4 tiles, a group) and a group's adds are made when its semaphore, one per (b, h,
+// mask q block m, group), shows the turn dq_turn(step) * tiles_per_kv_block + slice, so the adds
+// land in schedule order. A turn per query tile cost 0.75-0.86 of the ordinary backward: each
+// one is an acquire poll and a release that waits for the CTA's reductions, with every warp
+// waiting at the barriers around them; a turn per group of 4 measured 0.82-0.95. (Handing the
+// turn on after the next tile's dQ product measured slower than per tile.) GQA's dK/dV adds take
+// the turn dkv_turn(tile) per (batch, kv head, kv block, slice). A slice without keys (past
+// seqlen_k) computes nothing and still takes every turn. Turns follow grid order, so a CTA only
+// waits for CTAs launched before it.
 #pragma once
 
 #include "src/attention/portable/bwd_kernel.h"
@@ -40,6 +44,49 @@ __device__ __forceinline__ void mask_probs(float (&s)[kQTiles][4], int row0, int
       const int qi = row0 + 8 * j + 2 * t + (e % 2), key = key0 + g + 8 * (e / 2);
       s[j][e] = visible(qi, key) ? s[j][e] : 0.f;
     }
+}
+
+// Deterministic mode: the dQ of up to kTiles consecutive query tiles of a q block is staged in
+// shared memory (fp32, rows padded by 8 floats) and added under one turn, so a CTA takes one turn
+// (an acquire poll, and a release that waits for its reductions) per group instead of per query
+// tile. As many tiles as fit beside the kernel's own shared memory, at most 4.
+template <typename Cfg, typename T>
+struct DqStage {
+  static constexpr int kStride = Cfg::kHeadDim + 8;
+  static constexpr int kTileBytes = Cfg::kBlockM * kStride * static_cast<int>(sizeof(float));
+  static constexpr int kBase = (bwd_smem_bytes<Cfg, T>() + 15) / 16 * 16;
+  static constexpr int kFit = (227 * 1024 - kBase) / kTileBytes;
+  static constexpr int kTiles = kFit < 4 ? kFit : 4;
+  static_assert(kTiles >= 1, "one staged dQ tile fits");
+  static constexpr int kBytes = kBase + kTiles * kTileBytes;  // the deterministic kernel's shared memory
+};
+
+// Stages this warp's part of a query tile's dQ (scaled) in `stage` (kStride floats per row).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void stage_dq(float* stage, DqPart<Cfg> part, int lane, float scale,
+                                         const float (&dq)[Cfg::kDqCols / 8][4]) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int c = 0; c < Cfg::kDqCols / 8; ++c)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<float2*>(stage + (part.row + g + 8 * r) * DqStage<Cfg, T>::kStride + part.col + 8 * c + 2 * t) =
+          make_float2(dq[c][2 * r] * scale, dq[c][2 * r + 1] * scale);
+}
+
+// Adds the staged rows [0, rows) (query rows row0 ...) into the fp32 accumulator, every thread a
+// column pair of a row in turn (coalesced reductions).
+template <typename Cfg, typename T>
+__device__ __forceinline__ void add_staged_dq(const BwdKernelParams& P, const detail::SeqInfo& seq, int b, int h,
+                                              int row0, int rows, const float* stage) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const int pairs = p.head_dim / 2;
+  for (int e = threadIdx.x; e < rows * pairs; e += Cfg::kThreads) {
+    const int r = e / pairs, col = 2 * (e - r * pairs);
+    const float2 v = *reinterpret_cast<const float2*>(stage + r * DqStage<Cfg, T>::kStride + col);
+    red_add_f32x2(P.dq_accum + (detail::accum_row(p, b, seq.q_start, row0 + r, p.seqlen_q) * p.heads + h) * p.head_dim + col,
+                  v.x, v.y);
+  }
 }
 
 template <typename Cfg, typename T, bool kDet>
@@ -67,10 +114,17 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int col_end = min((n + 1) * bs.kv_block_size, seq.seqlen_k);  // the kv block's end
   const int hk = h / p.group;
   const int tiles_per_q_block = (bs.q_block_size + kBlockM - 1) / kBlockM;
-  // Deterministic: the walk's first step in the plan, and the semaphores.
+  // Deterministic: the walk's first step in the plan, and the semaphores: a q block's query tiles
+  // in groups of DqStage::kTiles, a semaphore per group.
   const int step0 = kDet ? plan.walk_begin(tile) : 0;
+  constexpr int kStageTiles = DqStage<Cfg, T>::kTiles;
+  const int groups_per_q_block = (tiles_per_q_block + kStageTiles - 1) / kStageTiles;
   auto dq_semaphore = [&](const SparseTileCursor& c) {
-    return P.dq_semaphore + plan.dq_tile_semaphore(b, h, c.block, c.sub, tiles_per_q_block);
+    return P.dq_semaphore + plan.dq_tile_semaphore(b, h, c.block, c.sub / kStageTiles, groups_per_q_block);
+  };
+  // Whether the tile at `c` ends its group (`after`: the walk's next tile).
+  auto ends_group = [&](const SparseTileCursor& c, const SparseTileCursor& after) {
+    return after.block < 0 || after.pos != c.pos || after.sub % kStageTiles == 0;
   };
   int* dkv_sem = (kDet && p.group > 1) ? P.dkv_semaphore + plan.dkv_slice_semaphore(b, hk, n, slice, tiles_per_kv_block)
                                        : nullptr;
@@ -86,10 +140,15 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   if (col0 >= col_end) {
     if constexpr (kDet) {  // no keys: take every turn anyway
       const SparseBlockWalk walk = walk_of_tile();
-      for (SparseTileCursor c = walk.begin(); c.block >= 0; walk.advance<kBlockM>(c)) {
-        int* sem = dq_semaphore(c);
-        wait_turn(sem, plan.dq_slice_turn(step0 + c.pos, slice, tiles_per_kv_block));
-        pass_turn(sem);
+      for (SparseTileCursor c = walk.begin(); c.block >= 0;) {
+        SparseTileCursor after = c;
+        walk.advance<kBlockM>(after);
+        if (ends_group(c, after)) {
+          int* sem = dq_semaphore(c);
+          wait_turn(sem, plan.dq_slice_turn(step0 + c.pos, slice, tiles_per_kv_block));
+          pass_turn(sem);
+        }
+        c = after;
       }
       if (dkv_sem) {
         wait_turn(dkv_sem, plan.dkv_turn(tile));
@@ -183,10 +242,20 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     const DqPart<Cfg> dq_part(warp);
     float dq[kDqTiles][4];
     bwd_dq_product<Cfg, T>(sm.ds, sm.k, dq_part, lane, dq);
-    int* sem = kDet ? dq_semaphore(cur) : nullptr;
-    if (sem) wait_turn(sem, plan.dq_slice_turn(step0 + cur.pos, slice, tiles_per_kv_block));
-    bwd_add_dq<Cfg>(P, seq, b, h, row0, row_end, dq_part, lane, dq);
-    if (sem) pass_turn(sem);
+    if constexpr (kDet) {  // staged; the group's adds under one turn
+      float* stage = reinterpret_cast<float*>(smem_raw + DqStage<Cfg, T>::kBase);
+      const int in_group = cur.sub % kStageTiles;
+      stage_dq<Cfg, T>(stage + in_group * kBlockM * DqStage<Cfg, T>::kStride, dq_part, lane, p.scale, dq);
+      if (ends_group(cur, next)) {
+        int* sem = dq_semaphore(cur);
+        wait_turn(sem, plan.dq_slice_turn(step0 + cur.pos, slice, tiles_per_kv_block));  // (every part staged)
+        const int group_row0 = row0 - in_group * kBlockM;
+        add_staged_dq<Cfg, T>(P, seq, b, h, group_row0, row_end - group_row0, stage);
+        pass_turn(sem);
+      }
+    } else {
+      bwd_add_dq<Cfg>(P, seq, b, h, row0, row_end, dq_part, lane, dq);
+    }
 
     cur = next;
     if (next.block >= 0) walk.advance<kBlockM>(next);
@@ -204,11 +273,11 @@ template <typename Cfg, typename T>
 Status launch_portable_bwd_sparse_cfg(const BwdKernelParams& P, const block_sparse::BlockSparseParams& bs,
                                       const block_sparse::DqPlanView* plan, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
-  constexpr int kSmem = bwd_smem_bytes<Cfg, T>();
+  constexpr int kSmem = bwd_smem_bytes<Cfg, T>(), kDetSmem = DqStage<Cfg, T>::kBytes;
   auto kernel = portable_bwd_sparse_kernel<Cfg, T, false>;
   auto det_kernel = portable_bwd_sparse_kernel<Cfg, T, true>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
-  static const cudaError_t det_attr = prepare_smem(det_kernel, kSmem);
+  static const cudaError_t det_attr = prepare_smem(det_kernel, kDetSmem);
   if (attr != cudaSuccess || det_attr != cudaSuccess)
     return detail::cuda_status(attr != cudaSuccess ? attr : det_attr,
                                "portable block-sparse backward: shared memory attribute");
@@ -217,7 +286,7 @@ Status launch_portable_bwd_sparse_cfg(const BwdKernelParams& P, const block_spar
   if (p.seqlen_k > 0 && bs.num_kv_blocks > 0) {
     const int tiles_per_kv_block = (bs.kv_block_size + Cfg::kBlockN - 1) / Cfg::kBlockN;
     if (plan != nullptr) {
-      det_kernel<<<plan->num_tiles() * tiles_per_kv_block, Cfg::kThreads, kSmem, stream>>>(P, bs, *plan);
+      det_kernel<<<plan->num_tiles() * tiles_per_kv_block, Cfg::kThreads, kDetSmem, stream>>>(P, bs, *plan);
     } else {
       const dim3 grid(bs.num_kv_blocks * tiles_per_kv_block, p.heads, p.batch);
       kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P, bs, block_sparse::DqPlanView{});
