@@ -11,7 +11,12 @@
 namespace flare::sm90 {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
+#if defined(__CUDA_ARCH__)
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#else
+  (void)p;  // a host compilation (the CPU emulation of the kernels): the sm_90 paths are not taken
+  return 0;
+#endif
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
