@@ -22,21 +22,30 @@
 namespace flare {
 namespace {
 
-// Block-sparse masks run on the portable kernel (the Hopper path is a later issue). The lists
-// must cover the attention's batched shape: varlen sequences have no per-batch block rows.
+// Block-sparse masks run on the Hopper kernel where it takes the mask's block sizes (kAuto on an
+// sm_90 device, or kHopper), else on the portable one. The lists must cover the attention's
+// batched shape: varlen sequences have no per-batch block rows.
 Status block_sparse_forward(const AttentionForwardParams& params, const detail::AttentionShape& shape,
                             const detail::FwdKernelParams& kp) {
   if (shape.varlen)
     return Status::NotSupported("block_mask: block-sparse attention with varlen sequences (cu_seqlens) is not supported");
   if (params.backend == Backend::kReference)
     return Status::NotSupported("backend: the reference kernel has no block-sparse mask (the CPU oracle is flare::ref)");
-  if (params.backend == Backend::kHopper)
-    return Status::NotSupported("backend: the Hopper forward has no block-sparse mask yet (use kAuto or kPortable)");
   const detail::BlockMaskProblem problem{shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k};
   detail::BlockMaskShape mask_shape;
   FLARE_RETURN_IF_ERROR(detail::validate_block_mask(*params.block_mask, problem, DeviceKind::kCUDA, &mask_shape));
   const block_sparse::BlockSparseParams bs =
       block_sparse::make_block_sparse_params(*params.block_mask, shape.seqlen_q, shape.seqlen_k);
+  if (params.backend != Backend::kPortable) {
+#ifdef FLARE_WITH_HOPPER
+    const Status hopper = hopper::hopper_forward_sparse_check(kp, bs, params.q.dtype);
+    if (hopper.ok()) return hopper::hopper_attention_forward_sparse(kp, bs, params.q.dtype, params.stream);
+    if (params.backend == Backend::kHopper) return hopper;
+#else
+    if (params.backend == Backend::kHopper)
+      return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
+#endif
+  }
   return portable::portable_attention_forward_sparse(kp, bs, params.q.dtype, params.stream);
 }
 

@@ -17,6 +17,7 @@
 
 #include "flare/block_mask.h"
 #include "flare_instantiated.h"
+#include "src/attention/portable/head_dims.h"
 #include "src/block_sparse/block_mask_build.h"
 #include "tests/gpu/attention_case.h"
 
@@ -57,6 +58,19 @@ struct SparseCase {
     return s.str();
   }
 };
+
+// The Hopper block-sparse forward takes a case when this build has it, the device is an sm_90 and
+// the mask's blocks suit its tiles (q blocks of 128 rows or a multiple, kv blocks a multiple of its
+// key tile: 128 up to head dim 128, 64 above); it refuses the others.
+inline bool hopper_sparse_runs(const SparseCase& c) {
+#ifdef FLARE_HAS_HOPPER
+  const int kv_tile = portable::instantiated_head_dim(c.attn.head_dim) <= 128 ? 128 : 64;
+  return hopper_device() && c.q_block % 128 == 0 && c.kv_block % kv_tile == 0;
+#else
+  (void)c;
+  return false;
+#endif
+}
 
 // A CPU int32 tensor with its device copy.
 struct IntTensor {

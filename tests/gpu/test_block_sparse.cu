@@ -1,4 +1,5 @@
-// Block-sparse attention on the GPU: the portable block-sparse forward and backward against the
+// Block-sparse attention on the GPU: the block-sparse forward (portable, and Hopper where it takes
+// the mask's block sizes) and the portable backward against the
 // CPU oracle (reference/attention_ref.h, which reads the same BlockMask) over host-built masks of every
 // kind (random block kinds, causal, sliding window, documents, prefix-LM, bit-packed), head dims
 // 64/128, GQA, sequence lengths off the block grid, broadcast batch/head dims and block sizes that
@@ -37,6 +38,9 @@ using block_sparse::TileKind;
 
 // ---- the forward against the oracle --------------------------------------------------------------
 
+// Cases the Hopper block-sparse forward ran (tests assert that the standard masks reached it).
+int g_hopper_sparse_runs = 0;
+
 void run_sparse_forward(const SparseCase& c, const BlockMask* gpu_built = nullptr) {
   SCOPED_TRACE(c.name());
   if (!instantiated(c.attn)) {
@@ -48,12 +52,25 @@ void run_sparse_forward(const SparseCase& c, const BlockMask* gpu_built = nullpt
   AttnProblem prob(c.attn);
   ASSERT_NO_FATAL_FAILURE(run_sparse_forward_oracle(c, mask, &prob));
 
-  AttentionForwardParams p = prob.forward_params(Backend::kPortable);  // outputs poisoned
-  p.block_mask = gpu_built ? gpu_built : &mask.device_view;
-  const Status s = attention_forward(p);
-  ASSERT_TRUE(s.ok()) << s.message();
-  FLARE_CUDA_OK(cudaDeviceSynchronize());
-  prob.check_forward();
+  for (Backend backend : {Backend::kPortable, Backend::kHopper}) {
+    SCOPED_TRACE(backend == Backend::kHopper ? "hopper" : "portable");
+    AttentionForwardParams p = prob.forward_params(backend);  // outputs poisoned
+    p.block_mask = gpu_built ? gpu_built : &mask.device_view;
+    const Status s = attention_forward(p);
+    if (backend == Backend::kHopper && !hopper_sparse_runs(c)) {
+      ASSERT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+      continue;
+    }
+    ASSERT_TRUE(s.ok()) << s.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_forward();
+    if (backend == Backend::kHopper) ++g_hopper_sparse_runs;
+  }
+}
+
+// The Hopper forward ran the mask kinds (on an sm_90 device of a build with it).
+void expect_hopper_ran(int before) {
+  if (hopper_sparse_runs(SparseCase{})) EXPECT_GT(g_hopper_sparse_runs, before) << "the Hopper block-sparse forward never ran";
 }
 
 SparseCase base_case(MaskKind kind, int head_dim, uint64_t seed) {
@@ -71,12 +88,14 @@ SparseCase base_case(MaskKind kind, int head_dim, uint64_t seed) {
 
 TEST(BlockSparseForward, EveryMaskKind) {
   FLARE_REQUIRE_GPU();
+  const int before = g_hopper_sparse_runs;
   uint64_t seed = 1000;
   for (int d : {64, 128})
     for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
       if (reduced() && (d == 64 || k % 2)) continue;
       run_sparse_forward(base_case(static_cast<MaskKind>(k), d, seed++));
     }
+  expect_hopper_ran(before);
 }
 
 TEST(BlockSparseForward, ShapesGqaAndBlockSizes) {
@@ -165,10 +184,19 @@ TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
   Status s = attention_forward(p);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
   p.block_mask = &mask.device_view;
-  p.backend = Backend::kHopper;
-  EXPECT_EQ(attention_forward(p).code(), StatusCode::kNotSupported);
   p.backend = Backend::kReference;
   EXPECT_EQ(attention_forward(p).code(), StatusCode::kNotSupported);
+  // The Hopper forward names the block size it cannot take.
+  c.q_block = 64;
+  SparseMask mask64;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask64));
+  p.block_mask = &mask64.device_view;
+  p.backend = Backend::kHopper;
+  s = attention_forward(p);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported);
+#ifdef FLARE_HAS_HOPPER
+  if (hopper_device()) EXPECT_NE(s.message().find("q block size 64"), std::string::npos) << s.message();
+#endif
 }
 
 // ---- the backward against the oracle -------------------------------------------------------------

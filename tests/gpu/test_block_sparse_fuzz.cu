@@ -419,6 +419,7 @@ struct FuzzStats {
   int cases = 0, failing = 0;
   int per_family[4] = {};
   int deterministic_run = 0;
+  int hopper_forward = 0;  // cases whose forward ran on the Hopper kernel (kAuto picked it)
   double oracle_s = 0, gpu_s = 0;
 };
 
@@ -469,6 +470,7 @@ void run_on_gpu(CaseRun& r, bool deterministic_arm, FuzzStats* stats) {
   ASSERT_TRUE(fs.ok()) << "forward: " << fs.message();
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_forward();
+  if (hopper_sparse_runs(r.fc.sparse)) ++stats->hopper_forward;
 
   AttentionBackwardParams bwd = prob.backward_params(Backend::kAuto, /*deterministic=*/false);  // grads poisoned
   bwd.block_mask = &r.mask.device_view;
@@ -571,10 +573,11 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
   }
 
   std::printf("block-sparse fuzzer: %d cases run (block-grid %d, random-kinds %d, predicates %d, bits %d), %d failing; "
-              "oracle %.1f s on %d threads, GPU and checks %.1f s; deterministic arm: %d cases%s\n",
+              "oracle %.1f s on %d threads, GPU and checks %.1f s; deterministic arm: %d cases%s; forward on the Hopper "
+              "kernel: %d cases\n",
               stats.cases, stats.per_family[0], stats.per_family[1], stats.per_family[2], stats.per_family[3],
               stats.failing, stats.oracle_s, threads, stats.gpu_s, stats.deterministic_run,
-              deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)");
+              deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)", stats.hopper_forward);
   EXPECT_EQ(stats.failing, 0);
 }
 

@@ -52,4 +52,16 @@ template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 1
 template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
 template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
 
+// The block-sparse forward (a block mask's lists, fwd_kv_walk.h): a CTA's 128 rows lie in one mask
+// q block and its key tiles divide the mask's kv blocks, so masks of 128 x 128 blocks (Flex's
+// default) and their multiples run here; two consumer warpgroups at every head dim, key tiles of
+// 128 up to d128 and 64 above (d192's 96 divides no power of two).
+inline constexpr int kHopperSparseBlockM = 128;
+constexpr int hopper_sparse_kv_tile(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+template <int kHeadDim>
+struct HopperFwdSparseConfigFor {
+  using type = HopperFwdConfig<kHeadDim, hopper_sparse_kv_tile(kHeadDim), 2>;
+  static_assert(type::kBlockM == kHopperSparseBlockM, "the launcher checks q blocks against kHopperSparseBlockM");
+};
+
 }  // namespace flare::hopper

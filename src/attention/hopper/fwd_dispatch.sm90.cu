@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "src/attention/hopper/fwd_config.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/attention/hopper/operand_checks.h"
 #include "src/attention/portable/head_dims.h"
@@ -31,6 +32,28 @@ Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype) {
 Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, Stream stream) {
   return portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto elem) {
     return launch_hopper_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
+  });
+}
+
+Status hopper_forward_sparse_check(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                   DType dtype) {
+  FLARE_RETURN_IF_ERROR(hopper_forward_check(p, dtype));
+  if (bs.q_block_size % kHopperSparseBlockM != 0)
+    return Status::NotSupported("block_mask: q block size " + std::to_string(bs.q_block_size) +
+                                ": the Hopper block-sparse forward needs a multiple of " +
+                                std::to_string(kHopperSparseBlockM));
+  const int kv_tile = hopper_sparse_kv_tile(portable::instantiated_head_dim(p.head_dim));
+  if (bs.kv_block_size % kv_tile != 0)
+    return Status::NotSupported("block_mask: kv block size " + std::to_string(bs.kv_block_size) +
+                                ": the Hopper block-sparse forward at head dim " + std::to_string(p.head_dim) +
+                                " needs a multiple of " + std::to_string(kv_tile));
+  return Status::Ok();
+}
+
+Status hopper_attention_forward_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                       DType dtype, Stream stream) {
+  return portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto elem) {
+    return launch_hopper_fwd_sparse<decltype(hd)::value, decltype(elem)>(p, bs, stream);
   });
 }
 

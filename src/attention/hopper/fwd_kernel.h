@@ -10,23 +10,30 @@
 //     P_n = exp2(S_n * scale - m_n)      (online softmax; O rescaled by exp2(m_{n+1} - m_n))
 //
 // Masks apply on the partial tiles only. The epilogue normalizes O and writes it and the LSE.
+//
+// With a block mask (kSparse, fwd_kv_walk.h) the CTA's rows lie in one mask q block and the key
+// tiles come from its lists instead of the band: partial blocks first (the element predicate on
+// top of the band's), then full ones.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "src/attention/fwd_params.h"
 #include "src/attention/hopper/fwd_config.h"
+#include "src/attention/hopper/fwd_kv_walk.h"
 #include "src/attention/hopper/fwd_layouts.h"
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/smem_struct.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
+#include "src/block_sparse/block_sparse_params.h"
 
 namespace flare::hopper {
 
@@ -37,6 +44,7 @@ struct HopperFwdParams {
   typename L::TmaQ tma_q;
   typename L::TmaKV tma_k, tma_v;
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
+  block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
 };
 
 template <typename Cfg, typename T>
@@ -60,17 +68,19 @@ struct PipePos {
   uint32_t q_phase = 0;
 };
 
-// The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, key blocks [first, last).
+// The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, the key tiles of `kv`.
+template <typename Walk>
 struct FwdTile {
   detail::SeqInfo seq;
   sched::Band band;
   int m_block = 0, h = 0, b = 0, row0 = 0, rows = 0;
-  sched::BlockRange range;
+  Walk kv;
 };
 
-template <typename Cfg>
-__device__ __forceinline__ FwdTile fwd_tile_of(const detail::FwdKernelParams& p, int m_block, int h, int b) {
-  FwdTile t;
+template <typename Cfg, typename Walk, typename T>
+__device__ __forceinline__ FwdTile<Walk> fwd_tile_of(const HopperFwdParams<Cfg, T>& hp, int m_block, int h, int b) {
+  const detail::FwdKernelParams& p = hp.p;
+  FwdTile<Walk> t;
   t.seq = detail::seq_info(p, b);
   t.band = detail::band_of(p, t.seq);
   t.m_block = m_block;
@@ -78,14 +88,21 @@ __device__ __forceinline__ FwdTile fwd_tile_of(const detail::FwdKernelParams& p,
   t.b = b;
   t.row0 = m_block * Cfg::kBlockM;
   t.rows = t.seq.seqlen_q - t.row0 < Cfg::kBlockM ? t.seq.seqlen_q - t.row0 : Cfg::kBlockM;
-  if (t.rows > 0) t.range = sched::kv_block_range(t.band, t.row0, t.row0 + t.rows, t.seq.seqlen_k, Cfg::kBlockN);
+  if (t.rows <= 0) return t;
+  if constexpr (Walk::kSparse) {
+    const block_sparse::BlockSparseParams& bs = hp.bs;  // q blocks are whole CTAs (the launcher checks)
+    t.kv.list = portable::SparseBlockWalk::of(bs.partial_kv, bs.full_kv, b, h, t.row0 / bs.q_block_size,
+                                              bs.kv_block_size, bs.num_kv_blocks, t.seq.seqlen_k);
+  } else {
+    t.kv.range = sched::kv_block_range(t.band, t.row0, t.row0 + t.rows, t.seq.seqlen_k, Cfg::kBlockN);
+  }
   return t;
 }
 
 // The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them.
-template <typename Cfg, typename T>
-__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t,
-                                        PipePos& pos) {
+template <typename Cfg, typename T, typename Walk>
+__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm,
+                                        const FwdTile<Walk>& t, PipePos& pos) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -129,17 +146,35 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
     copy(hp.tma_v.with(bar), v_src(_, _, _, n), v_dst(_, _, _, vpos.index));
     vpos.template advance<Cfg::kStages>();
   };
-  load_k(t.range.last - 1);
-  for (int n = t.range.last - 2; n >= t.range.first; --n) {
+  typename Walk::Cursor c = t.kv.begin();
+  int prev = t.kv.tile(c);
+  load_k(prev);
+  for (t.kv.advance(c); t.kv.more(c); t.kv.advance(c)) {
+    const int n = t.kv.tile(c);
     load_k(n);
-    load_v(n + 1);
+    load_v(prev);
+    prev = n;
   }
-  load_v(t.range.first);
+  load_v(prev);
 }
 
-// Soft-cap and mask one S tile of this warpgroup's 64 rows (scores stay raw when not capped).
-template <typename Cfg, typename FragS>
-__device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernelParams& p, const FwdTile& t,
+// Row `row`'s visible columns of the tile from col0, [lo, hi) relative to `base` (col0 + the
+// thread's first column), narrowed to the element predicate's interval.
+__device__ __forceinline__ void narrow_to_interval(const block_sparse::ColumnInterval& iv, int64_t base, int limit,
+                                                   int& lo, int& hi) {
+  const int64_t l = iv.lo - base, h = iv.hi + 1 - base;  // clamped into [-1, limit]: no overflow
+  const int lc = static_cast<int>(l < -1 ? -1 : (l > limit ? limit : l));
+  const int hc = static_cast<int>(h < -1 ? -1 : (h > limit ? limit : h));
+  lo = lc > lo ? lc : lo;
+  hi = hc < hi ? hc : hi;
+}
+
+// Soft-cap and mask one S tile of this warpgroup's 64 rows (scores stay raw when not capped): the
+// band (with the sequence's end) on its partial tiles, and with `element` (a block mask's partial
+// block) the element predicate too.
+template <typename Cfg, typename FragS, typename Walk>
+__device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernelParams& p,
+                                               const block_sparse::ElementMaskParams* element, const FwdTile<Walk>& t,
                                                int wg_row0, int n, int quad_row, int quad_col) {
   if (p.softcap > 0.f) {
     const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
@@ -147,8 +182,8 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
     for (int i = 0; i < cute::size(s); ++i) s(i) = post * fast_tanh(s(i) * pre);
   }
   const int col0 = n * Cfg::kBlockN;
-  if (sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN, t.seq.seqlen_k) ==
-      sched::TileKind::kFull)
+  if (element == nullptr && sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN,
+                                                 t.seq.seqlen_k) == sched::TileKind::kFull)
     return;
   // Accumulator element i = 4 j + 2 r + c sits at row quad_row + 8 r, column 8 j + quad_col + c;
   // row r sees the columns [lo_r, hi_r) (the band clipped to the sequence).
@@ -159,6 +194,41 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
     lo[r] = t.band.row_lo(row) - col0 - quad_col;
     hi[r] = t.band.row_hi(row, t.seq.seqlen_k) - col0 - quad_col;
   }
+  if constexpr (Walk::kSparse) {
+    if (element != nullptr) {
+      // Rows past the sequence (never written out) read the last row's predicate.
+      int32_t doc[2] = {0, 0};
+      const uint32_t* bits[2] = {nullptr, nullptr};
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        int row = wg_row0 + quad_row + 8 * r;
+        row = row < t.seq.seqlen_q ? row : t.seq.seqlen_q - 1;
+        narrow_to_interval(element->row_interval(row), int64_t{col0} + quad_col, Cfg::kBlockN, lo[r], hi[r]);
+        if (element->doc_q != nullptr) doc[r] = element->doc_of_row(t.b, row);
+        if (element->bits != nullptr) bits[r] = element->bits_row_ptr(t.b, t.h, row);
+      }
+      if (element->has_lookups()) {
+        // The lookups first, into a bit per column (bit k: column 8 (k / 2) + k % 2), in a rolled
+        // loop: unrolled, their loads would hold a register each beside the live accumulators.
+        static_assert(Cfg::kBlockN / 4 <= 32, "a thread's columns fit one mask word");
+        uint32_t seen[2] = {0u, 0u};
+#pragma unroll 2
+        for (int k = 0; k < Cfg::kBlockN / 4; ++k) {
+          const int c = 8 * (k / 2) + (k % 2);
+          CUTE_UNROLL
+          for (int r = 0; r < 2; ++r)  // inside the sequence before any lookup
+            if (c >= lo[r] && c < hi[r] && element->lookups_visible(t.b, doc[r], bits[r], col0 + quad_col + c))
+              seen[r] |= 1u << k;
+        }
+        CUTE_UNROLL
+        for (int i = 0; i < cute::size(s); ++i) {
+          const int r = (i / 2) % 2, k = 2 * (i / 4) + (i % 2);
+          s(i) = (seen[r] >> k) & 1u ? s(i) : -INFINITY;
+        }
+        return;
+      }
+    }
+  }
   CUTE_UNROLL
   for (int i = 0; i < cute::size(s); ++i) {
     const int r = (i / 2) % 2, c = 8 * (i / 4) + (i % 2);
@@ -167,9 +237,9 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
 }
 
 // One consumer warpgroup's 64 rows of the tile.
-template <typename Cfg, typename T>
-__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm, const FwdTile& t,
-                                        int consumer_thread, PipePos& pos) {
+template <typename Cfg, typename T, typename Walk>
+__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm,
+                                        const FwdTile<Walk>& t, int consumer_thread, PipePos& pos) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -202,12 +272,16 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     for (int i = 0; i < size(s_acc); ++i) p_frag(i) = static_cast<typename L::Elem>(s_acc(i));
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
-  if (t.range.first < t.range.last) {
+  // The tile's element predicate, if any (a block mask's partial block).
+  auto element_of = [&](const typename Walk::Cursor& c) -> const block_sparse::ElementMaskParams* {
+    return t.kv.element_masked(c) ? &hp.bs.element : nullptr;
+  };
+  if (!t.kv.empty()) {
     RingPos& kpos = pos.k;
     RingPos& vpos = pos.v;
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
     pos.q_phase ^= 1u;
-    int n = t.range.last - 1;
+    typename Walk::Cursor c = t.kv.begin();
     sm.k_ring.wait_full(kpos);
     Turns::wait(wg);
     wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
@@ -215,10 +289,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     wg_wait<0>(s_acc);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
-    prepare_scores<Cfg>(s_acc, p, t, wg_row0, n, quad_row, quad_col);
+    prepare_scores<Cfg>(s_acc, p, element_of(c), t, wg_row0, t.kv.tile(c), quad_row, quad_col);
     RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
     to_p();
-    for (--n; n >= t.range.first; --n) {
+    for (t.kv.advance(c); t.kv.more(c); t.kv.advance(c)) {
       sm.k_ring.wait_full(kpos);
       Turns::wait(wg);
       wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
@@ -232,7 +306,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 #if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
       alpha = RowScale{{1.f, 1.f}};
 #else
-      prepare_scores<Cfg>(s_acc, p, t, wg_row0, n, quad_row, quad_col);
+      prepare_scores<Cfg>(s_acc, p, element_of(c), t, wg_row0, t.kv.tile(c), quad_row, quad_col);
       alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
 #endif
       wg_wait<0>(o_acc);
@@ -274,9 +348,13 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 
 // kPersistent: CTA c works on tiles c, c + gridDim.x, ... of the L2-grouped order, its producer
 // loading the next tile's Q and K/V while the consumers finish the current one. Otherwise one CTA
-// per tile, launched longest first when rows see different numbers of keys.
-template <typename Cfg, typename T, bool kPersistent>
+// per tile, launched longest first when rows see different numbers of keys. kSparse: the key tiles
+// of hp.bs's lists, one CTA per tile, the last q blocks first (the longest lists of causal-like
+// masks).
+template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
+  static_assert(!(kSparse && kPersistent), "the block-sparse forward runs one CTA per tile");
+  using Walk = std::conditional_t<kSparse, SparseKvWalk<Cfg::kBlockN>, DenseKvWalk>;
   extern __shared__ unsigned char smem_raw[];
   auto& sm = smem_struct<FwdSmem<Cfg, T>>(smem_raw);
   const detail::FwdKernelParams& p = hp.p;
@@ -290,28 +368,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   }
   __syncthreads();
 
-  const bool longest_first = p.causal || p.window_left >= 0;
+  const bool longest_first = kSparse || p.causal || p.window_left >= 0;
   auto for_each_tile = [&](auto&& work) {
     if constexpr (kPersistent) {
       for (int i = blockIdx.x; i < p.order.num_tiles; i += gridDim.x) {
         const sched::TileCoord c = sched::tile_at(p.order, i);
-        work(fwd_tile_of<Cfg>(p, c.block, c.head, c.batch));
+        work(fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch));
       }
     } else {
-      work(fwd_tile_of<Cfg>(p, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z));
+      work(fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z));
     }
   };
   PipePos pos;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync())
-      for_each_tile([&](const FwdTile& tile) {
-        if (tile.rows > 0 && tile.range.first < tile.range.last) produce<Cfg, T>(hp, sm, tile, pos);
+      for_each_tile([&](const FwdTile<Walk>& tile) {
+        if (tile.rows > 0 && !tile.kv.empty()) produce<Cfg, T>(hp, sm, tile, pos);
       });
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
-    for_each_tile([&](const FwdTile& tile) {
+    for_each_tile([&](const FwdTile<Walk>& tile) {
       if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
     });
   }

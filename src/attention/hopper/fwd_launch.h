@@ -4,11 +4,15 @@
 #pragma once
 
 #include "src/attention/fwd_params.h"
+#include "src/block_sparse/block_sparse_params.h"
 
 namespace flare::hopper {
 
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream);
+template <int kHeadDim, typename T>
+Status launch_hopper_fwd_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                Stream stream);
 
 // Ok when the Hopper kernel can run this problem on the current device, else why not.
 Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype);
@@ -16,5 +20,13 @@ Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype);
 // Launches the kernel of the smallest instantiated head dim >= p.head_dim, for a problem that
 // hopper_forward_check accepted.
 Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, Stream stream);
+
+// The block-sparse forward (a block mask's lists `bs`): Ok when it can run the problem (as
+// hopper_forward_check, and q blocks of a multiple of 128 rows, kv blocks of a multiple of its key
+// tile: 128 up to head dim 128, 64 above), else why not.
+Status hopper_forward_sparse_check(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                   DType dtype);
+Status hopper_attention_forward_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                       DType dtype, Stream stream);
 
 }  // namespace flare::hopper

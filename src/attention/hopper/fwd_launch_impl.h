@@ -23,13 +23,14 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
 // (longest first when masked). Measured on the H100 at seqlen 4096 (bench/RESULTS.md): the
 // persistent static round-robin lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal
 // work, so the library instantiates only the one-CTA-per-tile kernel; the tuning sweep keeps the
-// other selectable.
-template <typename Cfg, typename T, bool kPersistent = false>
-Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
+// other selectable. kSparse: the key tiles of the block mask `bs` (one CTA per tile).
+template <typename Cfg, typename T, bool kPersistent = false, bool kSparse = false>
+Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
+                             const block_sparse::BlockSparseParams* bs = nullptr) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T>();
-  auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent>;
+  auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent, kSparse>;
   static const cudaError_t attr = [&] {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) (void)cudaGetLastError();
@@ -41,6 +42,7 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   HopperFwdParams<Cfg, T> hp;
   hp.p = p;
+  if constexpr (kSparse) hp.bs = *bs;
   GStride q_stride, k_stride, v_stride;
   GShape k_shape_unused;
   global_view(p.q_str, varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, p.batch, varlen, &hp.shape_q, &q_stride);
@@ -68,6 +70,12 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream) {
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream);
+}
+
+template <int kHeadDim, typename T>
+Status launch_hopper_fwd_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                Stream stream) {
+  return launch_hopper_fwd_cfg<typename HopperFwdSparseConfigFor<kHeadDim>::type, T, false, true>(p, stream, &bs);
 }
 
 }  // namespace flare::hopper
