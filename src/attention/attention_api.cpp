@@ -116,14 +116,12 @@ Status check_dq_plan(const AttentionBackwardParams& p, const detail::AttentionSh
   return Status::Ok();
 }
 
-// The block-sparse backward runs on the portable kernel, walking the mask's transposed lists (per
-// kv block, the q blocks that see it), so those must be given; as in the forward, no varlen.
+// The block-sparse backward walks the mask's transposed lists (per kv block, the q blocks that see
+// it), so those must be given; as in the forward, no varlen.
 Status check_block_sparse_backward(const AttentionBackwardParams& p, const detail::AttentionShape& shape,
                                    detail::BlockMaskShape* mask_shape) {
   if (shape.varlen)
     return Status::NotSupported("block_mask: block-sparse attention with varlen sequences (cu_seqlens) is not supported");
-  if (p.backend == Backend::kHopper)
-    return Status::NotSupported("backend: the Hopper backward has no block-sparse mask yet (use kAuto or kPortable)");
   const detail::BlockMaskProblem problem{shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k};
   FLARE_RETURN_IF_ERROR(detail::validate_block_mask(*p.block_mask, problem, DeviceKind::kCUDA, mask_shape));
   if (!mask_shape->has_transposed_lists)
@@ -144,8 +142,12 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     return Status::NotSupported("head dim " + std::to_string(plan->shape.head_dim) +
                                 ": no backward kernel instantiated for it in this build (see FLARE_HEAD_DIMS)");
 #ifdef FLARE_WITH_HOPPER
-  if (p.backend == Backend::kAuto || p.backend == Backend::kHopper) {
-    const Status hop = hopper::hopper_backward_check(p, plan->blocks.head_dim);
+  // The Hopper block-sparse backward runs when asked for (kHopper); kAuto keeps block masks on the
+  // portable kernel until the Hopper one has passed its GPU tests.
+  const bool sparse = p.block_mask != nullptr;
+  if ((p.backend == Backend::kAuto && !sparse) || p.backend == Backend::kHopper) {
+    const Status hop = sparse ? hopper::hopper_backward_sparse_check(p, plan->blocks.head_dim)
+                              : hopper::hopper_backward_check(p, plan->blocks.head_dim);
     if (hop.ok()) {
       plan->hopper = true;
       plan->blocks.block_m = hopper::kHopperBwdBlockM;
@@ -207,8 +209,12 @@ Status attention_backward(const AttentionBackwardParams& params) {
       const block_sparse::DqPlanView dq_plan =
           params.deterministic ? block_sparse::dq_plan_view(*params.block_mask_dq_plan, params.block_mask_dq_plan_data)
                                : block_sparse::DqPlanView{};
-      st = portable::portable_attention_backward_sparse(k, bs, params.deterministic ? &dq_plan : nullptr,
-                                                        params.q.dtype, params.stream);
+#ifdef FLARE_WITH_HOPPER
+      if (plan.hopper) st = hopper::hopper_attention_backward_sparse(k, bs, params.q.dtype, params.stream);
+      else
+#endif
+        st = portable::portable_attention_backward_sparse(k, bs, params.deterministic ? &dq_plan : nullptr,
+                                                          params.q.dtype, params.stream);
     } else {
 #ifdef FLARE_WITH_HOPPER
       if (plan.hopper) st = hopper::hopper_attention_backward(k, params.q.dtype, params.stream);

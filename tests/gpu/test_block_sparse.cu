@@ -38,8 +38,10 @@ using block_sparse::TileKind;
 
 // ---- the forward against the oracle --------------------------------------------------------------
 
-// Cases the Hopper block-sparse forward ran (tests assert that the standard masks reached it).
+// Cases the Hopper block-sparse forward and backward ran (tests assert that the standard masks
+// reached them).
 int g_hopper_sparse_runs = 0;
+int g_hopper_sparse_backward_runs = 0;
 
 void run_sparse_forward(const SparseCase& c, const BlockMask* gpu_built = nullptr) {
   SCOPED_TRACE(c.name());
@@ -201,10 +203,10 @@ TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
 
 // ---- the backward against the oracle -------------------------------------------------------------
 
-// The GPU forward (for out and the LSE), then the backward on kAuto (the Hopper backward refuses
-// block masks, so this is the portable kernel) with dq, dk, dv poisoned, against the oracle's
-// backward over the same mask. Deterministic: with the mask's plan, then `repeats` more runs
-// (outputs poisoned each time) bitwise equal to the first.
+// The GPU forward (for out and the LSE), then the backward on kAuto (block masks stay on the
+// portable kernel there) with dq, dk, dv poisoned, against the oracle's backward over the same
+// mask. Deterministic: with the mask's plan, then `repeats` more runs (outputs poisoned each time)
+// bitwise equal to the first. Then the Hopper block-sparse backward (kHopper) where it runs.
 void run_sparse_backward(const SparseCase& c, bool deterministic = false, int repeats = 0) {
   SCOPED_TRACE(c.name() + (deterministic ? " | deterministic backward" : " | backward"));
   if (!instantiated(c.attn)) {
@@ -242,16 +244,39 @@ void run_sparse_backward(const SparseCase& c, bool deterministic = false, int re
     ASSERT_EQ(std::memcmp(first_dk.data(), prob.dk_host.data(), first_dk.nbytes()), 0) << "dk differs in run " << r;
     ASSERT_EQ(std::memcmp(first_dv.data(), prob.dv_host.data(), first_dv.nbytes()), 0) << "dv differs in run " << r;
   }
+  // The Hopper kernel (Backend::kHopper), grads poisoned again, against the same oracle; it must
+  // refuse what it does not run.
+  SCOPED_TRACE("hopper backward");
+  AttentionBackwardParams p = prob.backward_params(Backend::kHopper, deterministic);
+  p.block_mask = &mask.device_view;
+  if (deterministic) plan.attach(&p);
+  const Status st = attention_backward(p);
+  if (!hopper_sparse_backward_runs(c, deterministic)) {
+    ASSERT_EQ(st.code(), StatusCode::kNotSupported) << st.message();
+    return;
+  }
+  ASSERT_TRUE(st.ok()) << st.message();
+  FLARE_CUDA_OK(cudaDeviceSynchronize());
+  prob.check_backward();
+  ++g_hopper_sparse_backward_runs;
+}
+
+// The Hopper backward ran some of the cases (on an sm_90 device of a build with it).
+void expect_hopper_backward_ran(int before) {
+  if (hopper_sparse_backward_runs(SparseCase{}, false))
+    EXPECT_GT(g_hopper_sparse_backward_runs, before) << "the Hopper block-sparse backward never ran";
 }
 
 TEST(BlockSparseBackward, EveryMaskKind) {
   FLARE_REQUIRE_GPU();
+  const int before = g_hopper_sparse_backward_runs;
   uint64_t seed = 11000;
   for (int d : {64, 128})
     for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
       if (reduced() && (d == 64 || k % 2)) continue;
       run_sparse_backward(base_case(static_cast<MaskKind>(k), d, seed++));
     }
+  expect_hopper_backward_ran(before);
 }
 
 // Lengths off the block grid, seqlen_q != seqlen_k, MHA (dK/dV stored directly) and MQA/GQA
@@ -409,10 +434,19 @@ TEST(BlockSparseBackward, RejectsWhatItDoesNotRun) {
   EXPECT_NE(s.message().find("heads_kv"), std::string::npos) << s.message();
   p.block_mask_dq_plan = nullptr;
   p.deterministic = false;
-  p.backend = Backend::kHopper;
-  EXPECT_EQ(attention_backward(p).code(), StatusCode::kNotSupported);
   p.backend = Backend::kReference;
   EXPECT_EQ(attention_backward(p).code(), StatusCode::kNotSupported);
+  // The Hopper backward names the block size it cannot take.
+  c.kv_block = 64;
+  SparseMask mask64;
+  ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask64));
+  p.block_mask = &mask64.device_view;
+  p.backend = Backend::kHopper;
+  s = attention_backward(p);
+  EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
+#ifdef FLARE_HAS_HOPPER
+  if (hopper_device()) EXPECT_NE(s.message().find("kv block size 64"), std::string::npos) << s.message();
+#endif
 }
 
 // ---- the GPU builder against the host builder ----------------------------------------------------

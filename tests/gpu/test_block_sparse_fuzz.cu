@@ -419,7 +419,8 @@ struct FuzzStats {
   int cases = 0, failing = 0;
   int per_family[4] = {};
   int deterministic_run = 0;
-  int hopper_forward = 0;  // cases whose forward ran on the Hopper kernel (kAuto picked it)
+  int hopper_forward = 0;   // cases whose forward ran on the Hopper kernel (kAuto picked it)
+  int hopper_backward = 0;  // cases also run through the Hopper backward (kHopper)
   double oracle_s = 0, gpu_s = 0;
 };
 
@@ -478,6 +479,16 @@ void run_on_gpu(CaseRun& r, bool deterministic_arm, FuzzStats* stats) {
   ASSERT_TRUE(bs.ok()) << "backward: " << bs.message();
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();
+
+  if (hopper_sparse_backward_runs(r.fc.sparse, false)) {  // the Hopper backward, grads poisoned again
+    AttentionBackwardParams hb = prob.backward_params(Backend::kHopper, /*deterministic=*/false);
+    hb.block_mask = &r.mask.device_view;
+    const Status hs = attention_backward(hb);
+    ASSERT_TRUE(hs.ok()) << "hopper backward: " << hs.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_backward();
+    ++stats->hopper_backward;
+  }
 
   if (deterministic_arm) run_deterministic_arm(r, stats);
 }
@@ -574,10 +585,11 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
 
   std::printf("block-sparse fuzzer: %d cases run (block-grid %d, random-kinds %d, predicates %d, bits %d), %d failing; "
               "oracle %.1f s on %d threads, GPU and checks %.1f s; deterministic arm: %d cases%s; forward on the Hopper "
-              "kernel: %d cases\n",
+              "kernel: %d cases, backward also on the Hopper kernel: %d cases\n",
               stats.cases, stats.per_family[0], stats.per_family[1], stats.per_family[2], stats.per_family[3],
               stats.failing, stats.oracle_s, threads, stats.gpu_s, stats.deterministic_run,
-              deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)", stats.hopper_forward);
+              deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)", stats.hopper_forward,
+              stats.hopper_backward);
   EXPECT_EQ(stats.failing, 0);
 }
 

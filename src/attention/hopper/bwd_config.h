@@ -76,6 +76,10 @@ constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_di
 template <int kHeadDim>
 using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>, HopperBwdConfig<kHeadDim>>;
 
+// The block-sparse backward (ordinary mode) has the d <= 128 tiling only: its 128-key CTAs lie in
+// one mask kv block (kv_block_size a multiple of 128) and its 64-row steps divide the q blocks.
+constexpr bool hopper_bwd_sparse_serves(int head_dim) { return head_dim > 0 && head_dim <= 128; }
+
 // Keys per CTA and dQ turn chains per 64-row query block (the split tiling's halves have one each).
 constexpr int hopper_bwd_block_n(int head_dim) { return head_dim > 128 ? 64 : 128; }
 constexpr int hopper_bwd_dq_chains(int head_dim) { return head_dim > 128 ? 2 : 1; }

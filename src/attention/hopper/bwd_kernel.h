@@ -22,6 +22,11 @@
 // complete; two writers keep two such handoffs in flight. dK (scaled) and dV leave registers at
 // the end: stored, or added into fp32 accumulators under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
 // dsinks and the dQ conversion are the portable backward's.
+//
+// With a block mask (kSparse, ordinary mode) the query steps come from the CTA's kv block's
+// transposed lists (the q blocks that see it: partial ones first, with the element predicate, then
+// full ones), each q block q_block_size / 64 steps; a listed block out of range (device lists are
+// not validated) or a step past the sequence is computed fully masked and adds nothing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,6 +48,7 @@
 #include "src/attention/hopper/wg_gemm.h"
 #include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/warp_mma.h"
+#include "src/block_sparse/block_sparse_params.h"
 #include "src/common/bulk_copy.h"
 #include "src/common/turn_semaphore.h"
 #include "src/scheduling/dq_turns.h"
@@ -67,6 +73,7 @@ struct HopperBwdParams {
   // Query-block walks and dQ turns (src/scheduling/dq_turns.h) with this kernel's 64 x 128 tiles;
   // in deterministic mode also the tile order of the 1D grid (head-major, kv blocks descending).
   sched::DqPlan plan;
+  block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
 };
 
 template <typename Cfg, typename T>
@@ -89,22 +96,64 @@ constexpr int hopper_bwd_smem_bytes() {
   return static_cast<int>(sizeof(BwdSmem<Cfg, T>)) + 1024;
 }
 
-struct BwdTile {
+// A query step of a CTA's walk: the 64-row query block m; `valid` false: computed fully masked
+// and its dQ not added (a block mask's bad index, or a step past the sequence); `element`: the
+// block mask's element predicate applies (a partial block).
+struct QStep {
+  int m = 0;
+  bool valid = true, element = false;
+};
+
+// The block mask's transposed list row of a CTA's kv block, in 64-row steps.
+struct SparseQSteps {
+  const int32_t* partial = nullptr;
+  const int32_t* full = nullptr;
+  int num_partial = 0, num_listed = 0;
+  int subs = 1;            // 64-row steps per q block
+  int num_q_blocks = 0;    // of the mask
+  int num_m = 0;           // 64-row blocks of the sequence
+};
+
+template <bool kSparse>
+struct BwdTileT {
   detail::SeqInfo seq;
   sched::Band band;
   int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
-  sched::DqWalk walk;  // the query blocks that see any of the keys, in visiting order
-  __device__ __forceinline__ int steps() const { return walk.count; }
-  __device__ __forceinline__ int m_at(int step) const { return sched::q_block_at(walk, step); }
+  sched::DqWalk walk;  // dense: the query blocks that see any of the keys, in visiting order
+  SparseQSteps sparse;  // kSparse: the mask's lists instead
+  __device__ __forceinline__ int steps() const {
+    if constexpr (kSparse) {
+      return sparse.num_listed * sparse.subs;
+    } else {
+      return walk.count;
+    }
+  }
+  __device__ __forceinline__ QStep step_at(int step) const {
+    QStep s;
+    if constexpr (kSparse) {
+      const int pos = step / sparse.subs;
+      const int block = pos < sparse.num_partial ? sparse.partial[pos] : sparse.full[pos - sparse.num_partial];
+      s.m = block * sparse.subs + step % sparse.subs;
+      s.valid = block >= 0 && block < sparse.num_q_blocks && s.m < sparse.num_m;
+      s.element = pos < sparse.num_partial;
+      if (!s.valid) s.m = 0;  // loads stay inside the operands
+    } else {
+      s.m = sched::q_block_at(walk, step);
+    }
+    return s;
+  }
+  __device__ __forceinline__ int m_at(int step) const { return step_at(step).m; }
 };
+using BwdTile = BwdTileT<false>;
 
 // Ordinary mode: the 3D grid (kv block, head, sequence). Deterministic: a 1D grid in the plan's
-// tile order, which CTAs start in, as the turn order's deadlock freedom assumes.
-template <typename Cfg, typename Params>
-__device__ __forceinline__ BwdTile bwd_tile_of(const Params& hp) {
+// tile order, which CTAs start in, as the turn order's deadlock freedom assumes. kSparse: the 3D
+// grid over the kernel's 128-key blocks, the steps from the block mask's lists.
+template <typename Cfg, bool kSparse = false, typename Params>
+__device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
-  BwdTile t;
+  BwdTileT<kSparse> t;
   if (P.deterministic) {
     const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
     t.n = c.block, t.h = c.head, t.b = c.batch;
@@ -115,7 +164,22 @@ __device__ __forceinline__ BwdTile bwd_tile_of(const Params& hp) {
   t.band = detail::band_of(p, t.seq);
   t.col0 = t.n * Cfg::kBlockN;
   t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
-  if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
+  if constexpr (kSparse) {
+    // The kernel's key block lies in one mask kv block (kv_block_size % kBlockN == 0: the launcher checks).
+    if (t.keys <= 0) return t;
+    const block_sparse::BlockSparseParams& bs = hp.bs;
+    const int kv_block = t.col0 / bs.kv_block_size;
+    SparseQSteps& sq = t.sparse;
+    sq.num_partial = bs.partial_q.count(t.b, t.h, kv_block, bs.num_q_blocks);
+    sq.num_listed = sq.num_partial + bs.full_q.count(t.b, t.h, kv_block, bs.num_q_blocks);
+    sq.partial = bs.partial_q.counts ? bs.partial_q.row(t.b, t.h, kv_block) : nullptr;
+    sq.full = bs.full_q.counts ? bs.full_q.row(t.b, t.h, kv_block) : nullptr;
+    sq.subs = bs.q_block_size / Cfg::kBlockM;
+    sq.num_q_blocks = bs.num_q_blocks;
+    sq.num_m = (t.seq.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  } else {
+    if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
+  }
   return t;
 }
 
@@ -134,8 +198,8 @@ __device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& 
 // Producer warp 0 (one thread) of both backward tilings: K and V once, then per step of the walk
 // `step_loads(m, q_src, q_dst, do_src, do_dst, stats_src, stats_block)`, which issues that query
 // block's Q, dO and row statistics into the tiling's rings. SmemDO: dO's shared-memory layout.
-template <typename L, typename SmemDO, typename Params, typename Smem, typename StepLoads>
-__device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, const BwdTile& t, StepLoads&& step_loads) {
+template <typename L, typename SmemDO, typename Params, typename Smem, typename Tile, typename StepLoads>
+__device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, const Tile& t, StepLoads&& step_loads) {
   using namespace cute;
   const detail::FwdKernelParams& p = hp.p.fwd;
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -176,8 +240,8 @@ __device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, co
 }
 
 // The d <= 128 tiling: Q, dO and the statistics share one ring of kStages stages.
-template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t) {
+template <typename Cfg, typename T, typename Tile>
+__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const Tile& t) {
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
   RingPos pos;
@@ -209,14 +273,15 @@ struct DqWriterPart {
 // A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
 // dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
 // deterministic mode, their turn handoffs) in flight.
-template <typename Cfg, typename Params>
-__device__ __forceinline__ void bwd_write_dq(const Params& hp, const BwdTile& t, const DqWriterPart& part) {
+template <typename Cfg, typename Params, typename Tile>
+__device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   for (int it = part.first_step, k = 0; it < t.steps(); it += part.step_stride, ++k) {
-    const int m = t.m_at(it);
+    const QStep step = t.step_at(it);
+    const int m = step.m;
     int* sem = P.deterministic
                    ? P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m) * part.chains + part.chain
                    : nullptr;
@@ -225,7 +290,7 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const BwdTile& t,
       device_sync::wait_for_turn(sem, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
-    float* tile = hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m);
+    float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
     if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + part.tile_offset, part.smem, part.bytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
@@ -244,8 +309,8 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256
 // dK (scaled) and dV from the consumers' registers: stored, or added into the fp32 accumulators
 // under GQA (in q-head order, one turn per head of the group, when deterministic). ct: the
 // consumer thread (0..255); dkv_coord: the (key, column) of each accumulator element.
-template <typename Cfg, typename T, typename AccK, typename AccV, typename Coord>
-__device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, const BwdTile& t, const AccK& dk_acc,
+template <typename Cfg, typename T, typename Tile, typename AccK, typename AccV, typename Coord>
+__device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, const Tile& t, const AccK& dk_acc,
                                               const AccV& dv_acc, const Coord& dkv_coord, int ct) {
   using namespace cute;
   const detail::FwdKernelParams& p = P.fwd;
@@ -283,11 +348,38 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
 // P^T = exp2(S^T scale log2e - LSE log2e), rounded to the input dtype into `p_out` (a fragment of
 // the S^T accumulator's size), masked on the partial tiles only: rows past the sequence have
 // LSE = +inf, so P = 0 there without a mask. s_coord: the (key, q) of each accumulator element.
-template <typename Cfg, typename AccS, typename Coord, typename FragP>
+// A block mask's step (the sparse kernel): P = 0 on an invalid step, and on a partial block's the
+// element predicate `element` too.
+template <typename Cfg, typename AccS, typename Coord, typename FragP, typename Tile>
 __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coord, const float* lse_log2,
-                                          float scale_log2, const BwdTile& t, int q0, FragP& p_out) {
+                                          float scale_log2, const Tile& t, int q0, FragP& p_out,
+                                          const QStep& step = QStep{},
+                                          const block_sparse::ElementMaskParams* element = nullptr) {
   using Elem = typename FragP::value_type;
   constexpr int kN = decltype(cute::size(s_acc))::value;
+  if (!step.valid) {
+    CUTE_UNROLL
+    for (int i = 0; i < kN; ++i) p_out(i) = static_cast<Elem>(0.f);
+    return;
+  }
+  if (element != nullptr && step.element) {
+    // The predicate first, a bit per element, in a rolled loop (its lookups would otherwise hold a
+    // register each beside the live accumulators); keys and rows past the sequences never look up.
+    static_assert(kN <= 32, "a thread's S^T elements fit one mask word");
+    uint32_t seen = 0u;
+#pragma unroll 2
+    for (int i = 0; i < kN; ++i) {
+      const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
+      if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) && element->visible(t.b, t.h, q, key))
+        seen |= 1u << i;
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kN; ++i) {
+      const float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[cute::get<1>(s_coord(i))]));
+      p_out(i) = static_cast<Elem>((seen >> i) & 1u ? pv : 0.f);
+    }
+    return;
+  }
   auto probs = [&](auto masked) {
     CUTE_UNROLL
     for (int i = 0; i < kN; ++i) {
@@ -320,8 +412,8 @@ __device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_a
   sm90::fence_proxy_async_shared();
 }
 
-template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const BwdTile& t,
+template <typename Cfg, typename T, typename Tile>
+__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const Tile& t,
                                             int ct) {
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
@@ -379,8 +471,8 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos pos;
     for (int it = 0; it < t.steps(); ++it) {
-      const int m = t.m_at(it);
-      const int q0 = m * Cfg::kBlockM;
+      const QStep step = t.step_at(it);
+      const int q0 = step.m * Cfg::kBlockM;
       const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];
       const float* dpsum = lse_log2 + Cfg::kBlockM;
       sm.qdo_ring.wait_full(pos);
@@ -394,7 +486,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       CUTE_UNROLL
       for (int i = 0; i < kN; ++i) p_frag(i) = static_cast<Elem>(s_acc(i));
 #else
-      bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag);
+      bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag, step, &hp.bs.element);
 #endif
 #if FLARE_HOPPER_BWD_EXPERIMENT != 3
       wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);
@@ -440,7 +532,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
 
-template <typename Cfg, typename T>
+template <typename Cfg, typename T, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
   auto& sm = smem_struct<BwdSmem<Cfg, T>>(smem_raw);
@@ -455,7 +547,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  const BwdTile tile = bwd_tile_of<Cfg>(hp);
+  const BwdTileT<kSparse> tile = bwd_tile_of<Cfg, kSparse>(hp);
   if (tile.keys <= 0) return;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
