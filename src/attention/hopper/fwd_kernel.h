@@ -170,19 +170,21 @@ __device__ __forceinline__ void narrow_to_interval(const block_sparse::ColumnInt
 }
 
 // Soft-cap and mask one S tile of this warpgroup's 64 rows (scores stay raw when not capped): the
-// band (with the sequence's end) on its partial tiles, and with `element` (a block mask's partial
-// block) the element predicate too.
+// band (with the sequence's end) on its partial tiles, and where `element_masked` (a block mask's
+// partial block) the element predicate `el` too. `el` is the kernel parameter itself (read through
+// the constant bank: a pointer chosen at run time would make every field a generic load).
 template <typename Cfg, typename FragS, typename Walk>
 __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernelParams& p,
-                                               const block_sparse::ElementMaskParams* element, const FwdTile<Walk>& t,
-                                               int wg_row0, int n, int quad_row, int quad_col) {
+                                               const block_sparse::ElementMaskParams& el, bool element_masked,
+                                               const FwdTile<Walk>& t, int wg_row0, int n, int quad_row,
+                                               int quad_col) {
   if (p.softcap > 0.f) {
     const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
     CUTE_UNROLL
     for (int i = 0; i < cute::size(s); ++i) s(i) = post * fast_tanh(s(i) * pre);
   }
   const int col0 = n * Cfg::kBlockN;
-  if (element == nullptr && sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN,
+  if (!element_masked && sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN,
                                                  t.seq.seqlen_k) == sched::TileKind::kFull)
     return;
   // Accumulator element i = 4 j + 2 r + c sits at row quad_row + 8 r, column 8 j + quad_col + c;
@@ -195,7 +197,8 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
     hi[r] = t.band.row_hi(row, t.seq.seqlen_k) - col0 - quad_col;
   }
   if constexpr (Walk::kSparse) {
-    if (element != nullptr) {
+    if (element_masked) {
+      const block_sparse::ElementMaskParams* element = &el;
       // Rows past the sequence (never written out) read the last row's predicate.
       int32_t doc[2] = {0, 0};
       const uint32_t* bits[2] = {nullptr, nullptr};
@@ -272,16 +275,17 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     for (int i = 0; i < size(s_acc); ++i) p_frag(i) = static_cast<typename L::Elem>(s_acc(i));
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
-  // The tile's element predicate, if any (a block mask's partial block).
-  auto element_of = [&](const typename Walk::Cursor& c) -> const block_sparse::ElementMaskParams* {
-    return t.kv.element_masked(c) ? &hp.bs.element : nullptr;
-  };
   if (!t.kv.empty()) {
     RingPos& kpos = pos.k;
     RingPos& vpos = pos.v;
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
     pos.q_phase ^= 1u;
+    // The walk runs one tile ahead: the next tile is looked up (a block mask's list entry) while
+    // this one computes, not after it.
     typename Walk::Cursor c = t.kv.begin();
+    int n = t.kv.tile(c);
+    bool masked = t.kv.element_masked(c);
+    t.kv.advance(c);
     sm.k_ring.wait_full(kpos);
     Turns::wait(wg);
     wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
@@ -289,10 +293,13 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     wg_wait<0>(s_acc);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
-    prepare_scores<Cfg>(s_acc, p, element_of(c), t, wg_row0, t.kv.tile(c), quad_row, quad_col);
+    prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, wg_row0, n, quad_row, quad_col);
     RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
     to_p();
-    for (t.kv.advance(c); t.kv.more(c); t.kv.advance(c)) {
+    while (t.kv.more(c)) {
+      n = t.kv.tile(c);
+      masked = t.kv.element_masked(c);
+      t.kv.advance(c);
       sm.k_ring.wait_full(kpos);
       Turns::wait(wg);
       wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
@@ -306,7 +313,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 #if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
       alpha = RowScale{{1.f, 1.f}};
 #else
-      prepare_scores<Cfg>(s_acc, p, element_of(c), t, wg_row0, t.kv.tile(c), quad_row, quad_col);
+      prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, wg_row0, n, quad_row, quad_col);
       alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
 #endif
       wg_wait<0>(o_acc);
