@@ -132,7 +132,7 @@ struct BwdTileT {
     QStep s;
     if constexpr (kSparse) {
       const int pos = step / sparse.subs;
-      const int block = pos < sparse.num_partial ? sparse.partial[pos] : sparse.full[pos - sparse.num_partial];
+      const int block = pos < sparse.num_partial ? __ldg(sparse.partial + pos) : __ldg(sparse.full + pos - sparse.num_partial);
       s.m = block * sparse.subs + step % sparse.subs;
       s.valid = block >= 0 && block < sparse.num_q_blocks && s.m < sparse.num_m;
       s.element = pos < sparse.num_partial;
