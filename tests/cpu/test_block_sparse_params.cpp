@@ -1,6 +1,8 @@
 // The element predicate as the kernels evaluate it (block_sparse_params.h: a structural interval
 // per row, then per-element lookups) against the host builder's element_mask_visible, element by
-// element, over random compositions of every predicate; and the list params' broadcast strides.
+// element, over random compositions of every predicate; the list params' broadcast strides; and the
+// list rows walked by step index (list_steps.h, the Hopper block-sparse backward's query steps)
+// against a plain expansion of the lists.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -9,6 +11,7 @@
 
 #include "src/block_sparse/block_mask_build.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/list_steps.h"
 
 namespace flare::block_sparse {
 namespace {
@@ -77,6 +80,65 @@ TEST(BlockSparseParams, BroadcastDimsReadRowZero) {
   no_full.full_kv_num_blocks = TensorView{};
   no_full.full_kv_indices = TensorView{};
   EXPECT_EQ(make_block_sparse_params(no_full, 20, 64).full_kv.count(0, 0, 0, 4), 0);
+}
+
+// Every step of random list rows (bad entries included: negative, past the mask's blocks) against
+// the rows expanded by hand: each entry's block in step_rows steps, partial entries first, steps
+// past the sequence and of bad entries invalid (and naming block 0), valid ones in list order.
+TEST(ListSteps, ExpandTheListsInOrder) {
+  std::mt19937_64 rng(11);
+  auto pick = [&](int n) { return static_cast<int>(rng() % n); };
+  for (int trial = 0; trial < 500; ++trial) {
+    const int step_rows = 64, subs = 1 << pick(3);  // blocks of 64, 128, 256 rows
+    const int block_size = step_rows * subs;
+    const int seqlen = 1 + pick(1000);
+    const int num_blocks = (seqlen + block_size - 1) / block_size;
+    const int batch = 2, heads = 3, rows = 4;
+    const int cap = num_blocks + 2;  // room for bad entries
+    std::vector<int32_t> counts[2], indices[2];
+    BlockListParams lists[2];
+    for (int k = 0; k < 2; ++k) {
+      counts[k].assign(batch * heads * rows, 0);
+      indices[k].assign(static_cast<size_t>(batch) * heads * rows * cap, 0);
+      for (int r = 0; r < batch * heads * rows; ++r) {
+        counts[k][r] = pick(num_blocks + 1);
+        for (int i = 0; i < counts[k][r]; ++i)
+          indices[k][static_cast<size_t>(r) * cap + i] = pick(9) == 0 ? (pick(2) ? -1 - pick(3) : num_blocks + pick(3))
+                                                                       : pick(num_blocks);
+      }
+      lists[k].counts = counts[k].data();
+      lists[k].indices = indices[k].data();
+      lists[k].counts_batch = heads * rows, lists[k].counts_head = rows, lists[k].counts_row = 1;
+      lists[k].indices_batch = int64_t{heads} * rows * cap, lists[k].indices_head = int64_t{rows} * cap;
+      lists[k].indices_row = cap;
+    }
+    const int b = pick(batch), h = pick(heads), row = pick(rows);
+    const ListSteps steps = list_steps(lists[0], lists[1], b, h, row, block_size, num_blocks, seqlen, step_rows);
+    struct Expected {
+      int m;
+      bool valid, element;
+    };
+    std::vector<Expected> expected;
+    const int num_m = (seqlen + step_rows - 1) / step_rows;
+    for (int k = 0; k < 2; ++k) {
+      const int r = (b * heads + h) * rows + row;
+      for (int i = 0; i < counts[k][r]; ++i) {
+        const int block = indices[k][static_cast<size_t>(r) * cap + i];
+        for (int sub = 0; sub < subs; ++sub) {
+          const int m = block * subs + sub;
+          const bool valid = block >= 0 && block < num_blocks && m < num_m;
+          expected.push_back({valid ? m : 0, valid, k == 0});
+        }
+      }
+    }
+    ASSERT_EQ(steps.count(), static_cast<int>(expected.size())) << "trial " << trial;
+    for (int i = 0; i < steps.count(); ++i) {
+      const ListStep s = steps.at(i);
+      EXPECT_EQ(s.m, expected[i].m) << "trial " << trial << " step " << i;
+      EXPECT_EQ(s.valid, expected[i].valid) << "trial " << trial << " step " << i;
+      EXPECT_EQ(s.element, expected[i].element) << "trial " << trial << " step " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -49,6 +49,7 @@
 #include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/list_steps.h"
 #include "src/common/bulk_copy.h"
 #include "src/common/turn_semaphore.h"
 #include "src/scheduling/dq_turns.h"
@@ -98,21 +99,8 @@ constexpr int hopper_bwd_smem_bytes() {
 
 // A query step of a CTA's walk: the 64-row query block m; `valid` false: computed fully masked
 // and its dQ not added (a block mask's bad index, or a step past the sequence); `element`: the
-// block mask's element predicate applies (a partial block).
-struct QStep {
-  int m = 0;
-  bool valid = true, element = false;
-};
-
-// The block mask's transposed list row of a CTA's kv block, in 64-row steps.
-struct SparseQSteps {
-  const int32_t* partial = nullptr;
-  const int32_t* full = nullptr;
-  int num_partial = 0, num_listed = 0;
-  int subs = 1;            // 64-row steps per q block
-  int num_q_blocks = 0;    // of the mask
-  int num_m = 0;           // 64-row blocks of the sequence
-};
+// block mask's element predicate applies (a partial block). Dense walks' steps are all valid.
+using QStep = block_sparse::ListStep;
 
 template <bool kSparse>
 struct BwdTileT {
@@ -120,27 +108,22 @@ struct BwdTileT {
   sched::Band band;
   int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
   sched::DqWalk walk;  // dense: the query blocks that see any of the keys, in visiting order
-  SparseQSteps sparse;  // kSparse: the mask's lists instead
+  block_sparse::ListSteps sparse;  // kSparse: the mask's transposed lists instead
   __device__ __forceinline__ int steps() const {
     if constexpr (kSparse) {
-      return sparse.num_listed * sparse.subs;
+      return sparse.count();
     } else {
       return walk.count;
     }
   }
   __device__ __forceinline__ QStep step_at(int step) const {
-    QStep s;
     if constexpr (kSparse) {
-      const int pos = step / sparse.subs;
-      const int block = pos < sparse.num_partial ? __ldg(sparse.partial + pos) : __ldg(sparse.full + pos - sparse.num_partial);
-      s.m = block * sparse.subs + step % sparse.subs;
-      s.valid = block >= 0 && block < sparse.num_q_blocks && s.m < sparse.num_m;
-      s.element = pos < sparse.num_partial;
-      if (!s.valid) s.m = 0;  // loads stay inside the operands
+      return sparse.at(step);
     } else {
+      QStep s;
       s.m = sched::q_block_at(walk, step);
+      return s;
     }
-    return s;
   }
   __device__ __forceinline__ int m_at(int step) const { return step_at(step).m; }
 };
@@ -168,15 +151,8 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
     // The kernel's key block lies in one mask kv block (kv_block_size % kBlockN == 0: the launcher checks).
     if (t.keys <= 0) return t;
     const block_sparse::BlockSparseParams& bs = hp.bs;
-    const int kv_block = t.col0 / bs.kv_block_size;
-    SparseQSteps& sq = t.sparse;
-    sq.num_partial = bs.partial_q.count(t.b, t.h, kv_block, bs.num_q_blocks);
-    sq.num_listed = sq.num_partial + bs.full_q.count(t.b, t.h, kv_block, bs.num_q_blocks);
-    sq.partial = bs.partial_q.counts ? bs.partial_q.row(t.b, t.h, kv_block) : nullptr;
-    sq.full = bs.full_q.counts ? bs.full_q.row(t.b, t.h, kv_block) : nullptr;
-    sq.subs = bs.q_block_size / Cfg::kBlockM;
-    sq.num_q_blocks = bs.num_q_blocks;
-    sq.num_m = (t.seq.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+    t.sparse = block_sparse::list_steps(bs.partial_q, bs.full_q, t.b, t.h, t.col0 / bs.kv_block_size, bs.q_block_size,
+                                        bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
   } else {
     if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
   }
