@@ -210,7 +210,9 @@ Status attention_backward(const AttentionBackwardParams& params) {
           params.deterministic ? block_sparse::dq_plan_view(*params.block_mask_dq_plan, params.block_mask_dq_plan_data)
                                : block_sparse::DqPlanView{};
 #ifdef FLARE_WITH_HOPPER
-      if (plan.hopper) st = hopper::hopper_attention_backward_sparse(k, bs, params.q.dtype, params.stream);
+      if (plan.hopper)
+        st = hopper::hopper_attention_backward_sparse(k, bs, params.deterministic ? &dq_plan : nullptr,
+                                                      params.q.dtype, params.stream);
       else
 #endif
         st = portable::portable_attention_backward_sparse(k, bs, params.deterministic ? &dq_plan : nullptr,

@@ -131,13 +131,28 @@ TEST(ListSteps, ExpandTheListsInOrder) {
         }
       }
     }
-    ASSERT_EQ(steps.count(), static_cast<int>(expected.size())) << "trial " << trial;
-    for (int i = 0; i < steps.count(); ++i) {
-      const ListStep s = steps.at(i);
-      EXPECT_EQ(s.m, expected[i].m) << "trial " << trial << " step " << i;
-      EXPECT_EQ(s.valid, expected[i].valid) << "trial " << trial << " step " << i;
-      EXPECT_EQ(s.element, expected[i].element) << "trial " << trial << " step " << i;
+    auto check = [&](const ListSteps& walk, const char* what) {
+      ASSERT_EQ(walk.count(), static_cast<int>(expected.size())) << what << " trial " << trial;
+      for (int i = 0; i < walk.count(); ++i) {
+        const ListStep s = walk.at(i);
+        EXPECT_EQ(s.m, expected[i].m) << what << " trial " << trial << " step " << i;
+        EXPECT_EQ(s.valid, expected[i].valid) << what << " trial " << trial << " step " << i;
+        EXPECT_EQ(s.element, expected[i].element) << what << " trial " << trial << " step " << i;
+      }
+    };
+    check(steps, "lists");
+    // The same walk as a plan lists it: every block in order, a flag per full one.
+    std::vector<int32_t> blocks, is_full;
+    for (int k = 0; k < 2; ++k) {
+      const int r = (b * heads + h) * rows + row;
+      for (int i = 0; i < counts[k][r]; ++i) {
+        blocks.push_back(indices[k][static_cast<size_t>(r) * cap + i]);
+        is_full.push_back(k);
+      }
     }
+    check(planned_list_steps(blocks.data(), is_full.data(), static_cast<int>(blocks.size()), block_size, num_blocks,
+                             seqlen, step_rows),
+          "planned");
   }
 }
 

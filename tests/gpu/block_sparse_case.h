@@ -73,15 +73,14 @@ inline bool hopper_sparse_runs(const SparseCase& c) {
 }
 
 // The Hopper block-sparse backward (asked for with Backend::kHopper; kAuto keeps block masks on
-// the portable kernel): ordinary mode, head dims up to 128, q blocks a multiple of 64 rows, kv
-// blocks a multiple of 128 keys, no soft-capping.
-inline bool hopper_sparse_backward_runs(const SparseCase& c, bool deterministic) {
+// the portable kernel), ordinary and deterministic: head dims up to 128, q blocks a multiple of 64
+// rows, kv blocks a multiple of 128 keys, no soft-capping.
+inline bool hopper_sparse_backward_runs(const SparseCase& c) {
 #ifdef FLARE_HAS_HOPPER
-  return hopper_device() && !deterministic && portable::instantiated_head_dim(c.attn.head_dim) <= 128 &&
-         c.q_block % 64 == 0 && c.kv_block % 128 == 0 && c.attn.softcap == 0.f;
+  return hopper_device() && portable::instantiated_head_dim(c.attn.head_dim) <= 128 && c.q_block % 64 == 0 &&
+         c.kv_block % 128 == 0 && c.attn.softcap == 0.f;
 #else
   (void)c;
-  (void)deterministic;
   return false;
 #endif
 }

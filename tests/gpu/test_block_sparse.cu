@@ -244,26 +244,39 @@ void run_sparse_backward(const SparseCase& c, bool deterministic = false, int re
     ASSERT_EQ(std::memcmp(first_dk.data(), prob.dk_host.data(), first_dk.nbytes()), 0) << "dk differs in run " << r;
     ASSERT_EQ(std::memcmp(first_dv.data(), prob.dv_host.data(), first_dv.nbytes()), 0) << "dv differs in run " << r;
   }
-  // The Hopper kernel (Backend::kHopper), grads poisoned again, against the same oracle; it must
-  // refuse what it does not run.
+  // The Hopper kernel (Backend::kHopper), grads poisoned again, against the same oracle (and,
+  // deterministic, bitwise equal over the repeats); it must refuse what it does not run.
   SCOPED_TRACE("hopper backward");
-  AttentionBackwardParams p = prob.backward_params(Backend::kHopper, deterministic);
-  p.block_mask = &mask.device_view;
-  if (deterministic) plan.attach(&p);
-  const Status st = attention_backward(p);
-  if (!hopper_sparse_backward_runs(c, deterministic)) {
+  auto run_hopper = [&](Status* st) {
+    AttentionBackwardParams p = prob.backward_params(Backend::kHopper, deterministic);
+    p.block_mask = &mask.device_view;
+    if (deterministic) plan.attach(&p);
+    *st = attention_backward(p);
+    if (st->ok()) FLARE_CUDA_OK(cudaDeviceSynchronize());
+  };
+  Status st;
+  ASSERT_NO_FATAL_FAILURE(run_hopper(&st));
+  if (!hopper_sparse_backward_runs(c)) {
     ASSERT_EQ(st.code(), StatusCode::kNotSupported) << st.message();
     return;
   }
   ASSERT_TRUE(st.ok()) << st.message();
-  FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();
   ++g_hopper_sparse_backward_runs;
+  const ref::HostTensor hopper_dq = prob.dq_host, hopper_dk = prob.dk_host, hopper_dv = prob.dv_host;
+  for (int r = 1; r <= repeats; ++r) {
+    ASSERT_NO_FATAL_FAILURE(run_hopper(&st));
+    ASSERT_TRUE(st.ok()) << st.message();
+    prob.download_grads();
+    ASSERT_EQ(std::memcmp(hopper_dq.data(), prob.dq_host.data(), hopper_dq.nbytes()), 0) << "hopper dq differs in run " << r;
+    ASSERT_EQ(std::memcmp(hopper_dk.data(), prob.dk_host.data(), hopper_dk.nbytes()), 0) << "hopper dk differs in run " << r;
+    ASSERT_EQ(std::memcmp(hopper_dv.data(), prob.dv_host.data(), hopper_dv.nbytes()), 0) << "hopper dv differs in run " << r;
+  }
 }
 
 // The Hopper backward ran some of the cases (on an sm_90 device of a build with it).
 void expect_hopper_backward_ran(int before) {
-  if (hopper_sparse_backward_runs(SparseCase{}, false))
+  if (hopper_sparse_backward_runs(SparseCase{}))
     EXPECT_GT(g_hopper_sparse_backward_runs, before) << "the Hopper block-sparse backward never ran";
 }
 
@@ -326,6 +339,7 @@ TEST(BlockSparseBackward, ShapesGqaAndBlockSizes) {
 // seqlen_k that only pass their turns), broadcast masks with a dense mask, softcap and sinks.
 TEST(BlockSparseBackward, Deterministic) {
   FLARE_REQUIRE_GPU();
+  const int before = g_hopper_sparse_backward_runs;
   const int repeats = reduced() ? 2 : 19;
   uint64_t seed = 17000;
   for (int d : {64, 128})
@@ -344,6 +358,7 @@ TEST(BlockSparseBackward, Deterministic) {
   c.attn.softcap = 30.f;
   c.attn.sinks = true;
   run_sparse_backward(c, true, repeats);
+  expect_hopper_backward_ran(before);
 }
 
 TEST(BlockSparseBackward, EveryMaskKindFp16Blocks64) {

@@ -421,40 +421,47 @@ struct FuzzStats {
   int deterministic_run = 0;
   int hopper_forward = 0;   // cases whose forward ran on the Hopper kernel (kAuto picked it)
   int hopper_backward = 0;  // cases also run through the Hopper backward (kHopper)
+  int hopper_deterministic = 0;  // deterministic arms also run on the Hopper backward
   double oracle_s = 0, gpu_s = 0;
 };
 
 // ---- the deterministic-backward arm ----
 // attention_backward with deterministic = true and the mask's plan (make_block_sparse_dq_plan from
 // its host copy): within the oracle's tolerance as the ordinary mode is, and bitwise identical
-// over kDeterministicRuns runs.
+// over kDeterministicRuns runs; on the portable kernel (kAuto) and, where it applies, the Hopper
+// one (kHopper).
 void run_deterministic_arm(CaseRun& r, FuzzStats* stats) {
   AttnProblem& prob = *r.prob;
   const AttnCase& a = r.fc.sparse.attn;
   DqPlanOnDevice plan;
   const Status ps = plan.make(r.mask.host_view, a.batch, a.heads, a.heads_kv, a.seqlen_q, a.seqlen_k);
   ASSERT_TRUE(ps.ok()) << "deterministic backward's plan: " << ps.message();
-  std::vector<unsigned char> first[3];
-  for (int run = 0; run < kDeterministicRuns; ++run) {
-    AttentionBackwardParams p = prob.backward_params(Backend::kAuto, /*deterministic=*/true);
-    p.block_mask = &r.mask.device_view;
-    plan.attach(&p);
-    const Status s = attention_backward(p);
-    ASSERT_TRUE(s.ok()) << "deterministic backward: " << s.message();
-    FLARE_CUDA_OK(cudaDeviceSynchronize());
-    prob.download_grads();
-    const ref::HostTensor* grads[3] = {&prob.dq_host, &prob.dk_host, &prob.dv_host};
-    const char* names[3] = {"dq", "dk", "dv"};
-    for (int g = 0; g < 3; ++g) {
-      const auto* bytes = static_cast<const unsigned char*>(grads[g]->data());
-      if (run == 0) {
-        first[g].assign(bytes, bytes + grads[g]->nbytes());
-      } else {
-        ASSERT_EQ(std::memcmp(first[g].data(), bytes, first[g].size()), 0)
-            << "deterministic backward: " << names[g] << " of run " << run << " differs from run 0's";
+  for (Backend backend : {Backend::kAuto, Backend::kHopper}) {
+    if (backend == Backend::kHopper && !hopper_sparse_backward_runs(r.fc.sparse)) break;
+    SCOPED_TRACE(backend == Backend::kHopper ? "hopper" : "auto");
+    std::vector<unsigned char> first[3];
+    for (int run = 0; run < kDeterministicRuns; ++run) {
+      AttentionBackwardParams p = prob.backward_params(backend, /*deterministic=*/true);
+      p.block_mask = &r.mask.device_view;
+      plan.attach(&p);
+      const Status s = attention_backward(p);
+      ASSERT_TRUE(s.ok()) << "deterministic backward: " << s.message();
+      FLARE_CUDA_OK(cudaDeviceSynchronize());
+      prob.download_grads();
+      const ref::HostTensor* grads[3] = {&prob.dq_host, &prob.dk_host, &prob.dv_host};
+      const char* names[3] = {"dq", "dk", "dv"};
+      for (int g = 0; g < 3; ++g) {
+        const auto* bytes = static_cast<const unsigned char*>(grads[g]->data());
+        if (run == 0) {
+          first[g].assign(bytes, bytes + grads[g]->nbytes());
+        } else {
+          ASSERT_EQ(std::memcmp(first[g].data(), bytes, first[g].size()), 0)
+              << "deterministic backward: " << names[g] << " of run " << run << " differs from run 0's";
+        }
       }
+      if (run == 0) prob.check_backward();
     }
-    if (run == 0) prob.check_backward();
+    if (backend == Backend::kHopper) ++stats->hopper_deterministic;
   }
   ++stats->deterministic_run;
 }
@@ -480,7 +487,7 @@ void run_on_gpu(CaseRun& r, bool deterministic_arm, FuzzStats* stats) {
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();
 
-  if (hopper_sparse_backward_runs(r.fc.sparse, false)) {  // the Hopper backward, grads poisoned again
+  if (hopper_sparse_backward_runs(r.fc.sparse)) {  // the Hopper backward, grads poisoned again
     AttentionBackwardParams hb = prob.backward_params(Backend::kHopper, /*deterministic=*/false);
     hb.block_mask = &r.mask.device_view;
     const Status hs = attention_backward(hb);
@@ -585,11 +592,11 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
 
   std::printf("block-sparse fuzzer: %d cases run (block-grid %d, random-kinds %d, predicates %d, bits %d), %d failing; "
               "oracle %.1f s on %d threads, GPU and checks %.1f s; deterministic arm: %d cases%s; forward on the Hopper "
-              "kernel: %d cases, backward also on the Hopper kernel: %d cases\n",
+              "kernel: %d cases, backward also on the Hopper kernel: %d cases (deterministic: %d)\n",
               stats.cases, stats.per_family[0], stats.per_family[1], stats.per_family[2], stats.per_family[3],
               stats.failing, stats.oracle_s, threads, stats.gpu_s, stats.deterministic_run,
               deterministic_arm ? "" : " (arm off: FLARE_FUZZ_DETERMINISTIC=0)", stats.hopper_forward,
-              stats.hopper_backward);
+              stats.hopper_backward, stats.hopper_deterministic);
   EXPECT_EQ(stats.failing, 0);
 }
 

@@ -40,9 +40,6 @@ Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim) {
 
 Status hopper_backward_sparse_check(const AttentionBackwardParams& p, int head_dim) {
   if (p.block_mask == nullptr) return Status::InvalidArgument("block_mask", "null pointer");
-  if (p.deterministic)
-    return Status::NotSupported("deterministic: the Hopper block-sparse backward is ordinary only (the portable one "
-                                "serves the deterministic mode)");
   if (!hopper_bwd_sparse_serves(head_dim))
     return Status::NotSupported("head dim: the Hopper block-sparse backward serves head dims up to 128, not " +
                                 std::to_string(head_dim));
@@ -58,9 +55,9 @@ Status hopper_backward_sparse_check(const AttentionBackwardParams& p, int head_d
 }
 
 Status hopper_attention_backward_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
-                                        DType dtype, Stream stream) {
+                                        const block_sparse::DqPlanView* dq_plan, DType dtype, Stream stream) {
   return portable::visit_instantiation(p.fwd.head_dim, dtype, [&](auto hd, auto elem) {
-    return launch_hopper_bwd_sparse<decltype(hd)::value, decltype(elem)>(p, bs, stream);
+    return launch_hopper_bwd_sparse<decltype(hd)::value, decltype(elem)>(p, bs, dq_plan, stream);
   });
 }
 

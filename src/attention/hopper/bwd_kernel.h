@@ -23,10 +23,14 @@
 // the end: stored, or added into fp32 accumulators under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
 // dsinks and the dQ conversion are the portable backward's.
 //
-// With a block mask (kSparse, ordinary mode) the query steps come from the CTA's kv block's
-// transposed lists (the q blocks that see it: partial ones first, with the element predicate, then
-// full ones), each q block q_block_size / 64 steps; a listed block out of range (device lists are
-// not validated) or a step past the sequence is computed fully masked and adds nothing.
+// With a block mask (kSparse) the query steps come from the CTA's kv block's transposed lists (the
+// q blocks that see it: partial ones first, with the element predicate, then full ones), each q
+// block q_block_size / 64 steps (list_steps.h); a listed block out of range (device lists are not
+// validated) or a step past the sequence is computed fully masked and adds nothing. Deterministic
+// mode follows the mask's plan (dq_write_order.h) as the portable kernel does: a 1D grid in the
+// plan's schedule, CTA x key slice x % key_slices of the tile at position x / key_slices, its walk
+// the plan's, each 64-row step's dQ added on that step's semaphore at the plan's turn (a step that
+// adds nothing, and a CTA without keys, still take their turns), GQA's dK/dV at the plan's turn.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,6 +53,7 @@
 #include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/dq_write_order.h"
 #include "src/block_sparse/list_steps.h"
 #include "src/common/bulk_copy.h"
 #include "src/common/turn_semaphore.h"
@@ -75,6 +80,7 @@ struct HopperBwdParams {
   // in deterministic mode also the tile order of the 1D grid (head-major, kv blocks descending).
   sched::DqPlan plan;
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
+  block_sparse::DqPlanView dq_plan;    // its deterministic plan (the sparse kernel, deterministic)
 };
 
 template <typename Cfg, typename T>
@@ -102,13 +108,21 @@ constexpr int hopper_bwd_smem_bytes() {
 // block mask's element predicate applies (a partial block). Dense walks' steps are all valid.
 using QStep = block_sparse::ListStep;
 
-template <bool kSparse>
+template <bool kSparse_>
 struct BwdTileT {
+  static constexpr bool kSparse = kSparse_;
   detail::SeqInfo seq;
   sched::Band band;
   int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
   sched::DqWalk walk;  // dense: the query blocks that see any of the keys, in visiting order
-  block_sparse::ListSteps sparse;  // kSparse: the mask's transposed lists instead
+  block_sparse::ListSteps sparse;  // kSparse: the mask's transposed lists (or the plan's walk) instead
+  // kSparse, deterministic: the plan's tile, the CTA's key slice of its kv block, the walk's first
+  // step in the plan.
+  // GQA: the dK/dV semaphore (null: none) and turn.
+  block_sparse::DqTile plan_tile;
+  int slice = 0, key_slices = 1, step0 = 0;
+  int* dkv_sem = nullptr;
+  int dkv_turn = 0;
   __device__ __forceinline__ int steps() const {
     if constexpr (kSparse) {
       return sparse.count();
@@ -137,7 +151,15 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   BwdTileT<kSparse> t;
-  if (P.deterministic) {
+  if (kSparse && P.deterministic) {
+    if constexpr (kSparse) {
+      t.key_slices = hp.bs.kv_block_size / Cfg::kBlockN;
+      t.slice = blockIdx.x % t.key_slices;
+      t.plan_tile = hp.dq_plan.tile_at(blockIdx.x / t.key_slices);
+      t.n = t.plan_tile.kv_block * t.key_slices + t.slice;
+      t.h = t.plan_tile.head, t.b = t.plan_tile.batch;
+    }
+  } else if (P.deterministic) {
     const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
     t.n = c.block, t.h = c.head, t.b = c.batch;
   } else {
@@ -149,10 +171,24 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
   if constexpr (kSparse) {
     // The kernel's key block lies in one mask kv block (kv_block_size % kBlockN == 0: the launcher checks).
-    if (t.keys <= 0) return t;
+    if (t.keys <= 0 && !P.deterministic) return t;
     const block_sparse::BlockSparseParams& bs = hp.bs;
-    t.sparse = block_sparse::list_steps(bs.partial_q, bs.full_q, t.b, t.h, t.col0 / bs.kv_block_size, bs.q_block_size,
-                                        bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
+    if (P.deterministic) {  // the plan's walk (a CTA without keys still walks it: its turns)
+      const block_sparse::DqPlanView& plan = hp.dq_plan;
+      t.step0 = plan.walk_begin(t.plan_tile);
+      t.sparse = block_sparse::planned_list_steps(plan.data + plan.layout.walk_q_blocks + t.step0,
+                                                  plan.data + plan.layout.walk_is_full + t.step0,
+                                                  plan.walk_end(t.plan_tile) - t.step0, bs.q_block_size,
+                                                  bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
+      if (p.group > 1) {
+        t.dkv_sem = P.dkv_semaphore + plan.dkv_slice_semaphore(t.b, t.h / p.group, t.plan_tile.kv_block, t.slice,
+                                                               t.key_slices);
+        t.dkv_turn = plan.dkv_turn(t.plan_tile);
+      }
+    } else {
+      t.sparse = block_sparse::list_steps(bs.partial_q, bs.full_q, t.b, t.h, t.col0 / bs.kv_block_size,
+                                          bs.q_block_size, bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
+    }
   } else {
     if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
   }
@@ -249,6 +285,38 @@ struct DqWriterPart {
 // A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
 // dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
 // deterministic mode, their turn handoffs) in flight.
+// The block-sparse deterministic mode's semaphore and turn for step `it` of a tile's planned walk:
+// the semaphore of the step's 64-row part of its q block, the plan's turn of the tile's walk
+// entry (key slices of one kv block take consecutive turns).
+struct DqTurn {
+  int* sem = nullptr;
+  int turn = 0;
+};
+template <typename Params, typename Tile>
+__device__ __forceinline__ DqTurn sparse_dq_turn(const Params& hp, const Tile& t, int it) {
+  const block_sparse::DqPlanView& plan = hp.dq_plan;
+  const int subs = t.sparse.subs, entry = t.step0 + it / subs;
+  DqTurn d;
+  d.sem = hp.p.dq_semaphore + plan.dq_tile_semaphore(t.b, t.h, plan.q_block(entry), it % subs, subs);
+  d.turn = plan.dq_slice_turn(entry, t.slice, t.key_slices);
+  return d;
+}
+
+// A CTA of the block-sparse deterministic mode without keys (a key slice past seqlen_k): it adds
+// nothing but takes each of its turns, dQ and (GQA) dK/dV, so later CTAs do not wait for it.
+template <typename Params, typename Tile>
+__device__ __forceinline__ void pass_sparse_turns(const Params& hp, const Tile& t) {
+  for (int it = 0; it < t.steps(); ++it) {
+    const DqTurn d = sparse_dq_turn(hp, t, it);
+    device_sync::wait_for_turn(d.sem, d.turn);
+    device_sync::pass_turn(d.sem);
+  }
+  if (t.dkv_sem != nullptr) {
+    device_sync::wait_for_turn(t.dkv_sem, t.dkv_turn);
+    device_sync::pass_turn(t.dkv_sem);
+  }
+}
+
 template <typename Cfg, typename Params, typename Tile>
 __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
@@ -258,6 +326,25 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
   for (int it = part.first_step, k = 0; it < t.steps(); it += part.step_stride, ++k) {
     const QStep step = t.step_at(it);
     const int m = step.m;
+    if constexpr (Tile::kSparse) {
+      const DqTurn d = P.deterministic ? sparse_dq_turn(hp, t, it) : DqTurn{};
+      cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
+      if (d.sem != nullptr) {
+        device_sync::wait_for_turn(d.sem, d.turn);
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      }
+      float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
+      if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + part.tile_offset, part.smem, part.bytes);
+      sm90::bulk_commit_group();
+      sm90::bulk_wait_read_all();
+      cutlass::arch::ClusterBarrier::arrive(part.empty);
+      if (d.sem != nullptr) {
+        sm90::bulk_wait_all();
+        __threadfence();
+        device_sync::pass_turn(d.sem);
+      }
+      continue;
+    }
     int* sem = P.deterministic
                    ? P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m) * part.chains + part.chain
                    : nullptr;
@@ -283,8 +370,9 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 // dK (scaled) and dV from the consumers' registers: stored, or added into the fp32 accumulators
-// under GQA (in q-head order, one turn per head of the group, when deterministic). ct: the
-// consumer thread (0..255); dkv_coord: the (key, column) of each accumulator element.
+// under GQA (in q-head order, one turn per head of the group, when deterministic; a block mask's
+// plan gives the semaphore and turn). ct: the consumer thread (0..255); dkv_coord: the (key,
+// column) of each accumulator element.
 template <typename Cfg, typename T, typename Tile, typename AccK, typename AccV, typename Coord>
 __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, const Tile& t, const AccK& dk_acc,
                                               const AccV& dv_acc, const Coord& dkv_coord, int ct) {
@@ -292,9 +380,17 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
   const detail::FwdKernelParams& p = P.fwd;
   const bool gqa = p.group > 1;
   const int hk = t.h / p.group;
-  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{t.b} * p.heads_kv + hk) * P.num_n_blocks + t.n : nullptr;
+  int* sem;
+  int turn;
+  if constexpr (Tile::kSparse) {
+    sem = t.dkv_sem;
+    turn = t.dkv_turn;
+  } else {
+    sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{t.b} * p.heads_kv + hk) * P.num_n_blocks + t.n : nullptr;
+    turn = t.h % p.group;
+  }
   if (sem != nullptr) {
-    if (ct == 0) device_sync::wait_for_turn(sem, t.h % p.group);
+    if (ct == 0) device_sync::wait_for_turn(sem, turn);
     consumers_sync();
   }
   CUTE_UNROLL
@@ -524,7 +620,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   }
   __syncthreads();
   const BwdTileT<kSparse> tile = bwd_tile_of<Cfg, kSparse>(hp);
-  if (tile.keys <= 0) return;
+  if (tile.keys <= 0) {
+    if constexpr (kSparse) {
+      if (hp.p.deterministic && threadIdx.x == 0) pass_sparse_turns(hp, tile);
+    }
+    return;
+  }
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);

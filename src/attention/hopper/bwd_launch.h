@@ -4,6 +4,7 @@
 #include "src/attention/bwd_params.h"
 #include "src/attention/hopper/bwd_config.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/dq_write_order.h"
 
 namespace flare::hopper {
 
@@ -11,7 +12,7 @@ template <int kHeadDim, typename T>
 Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream);
 template <int kHeadDim, typename T>
 Status launch_hopper_bwd_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
-                                Stream stream);
+                                const block_sparse::DqPlanView* dq_plan, Stream stream);
 
 // Ok when the Hopper backward can run this problem (sm_90, head dim <= 256, no soft-capping, no
 // block mask, TMA-addressable operands), else why not. `head_dim` is the instantiated one.
@@ -23,10 +24,10 @@ inline constexpr int kHopperBwdBlockM = 64;
 Status hopper_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream);
 
 // The block-sparse backward (p.block_mask set): Ok when the Hopper kernel can run it (as
-// hopper_backward_check, and ordinary mode, head dim <= 128, q blocks a multiple of 64 rows, kv
-// blocks a multiple of 128 keys), else why not.
+// hopper_backward_check, and head dim <= 128, q blocks a multiple of 64 rows, kv blocks a multiple
+// of 128 keys), else why not. Deterministic mode takes the mask's plan (`dq_plan`, else null).
 Status hopper_backward_sparse_check(const AttentionBackwardParams& p, int head_dim);
 Status hopper_attention_backward_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
-                                        DType dtype, Stream stream);
+                                        const block_sparse::DqPlanView* dq_plan, DType dtype, Stream stream);
 
 }  // namespace flare::hopper

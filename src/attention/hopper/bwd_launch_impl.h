@@ -11,11 +11,12 @@
 
 namespace flare::hopper {
 
-// kSparse: the query steps of the block mask `bs`'s transposed lists (ordinary mode, the d <= 128
-// tiling).
+// kSparse: the query steps of the block mask `bs`'s transposed lists, or in deterministic mode of
+// its plan `dq_plan` (the d <= 128 tiling).
 template <typename Cfg, typename T, bool kSparse = false>
 Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
-                             const block_sparse::BlockSparseParams* bs = nullptr) {
+                             const block_sparse::BlockSparseParams* bs = nullptr,
+                             const block_sparse::DqPlanView* dq_plan = nullptr) {
   static_assert(!kSparse || !Cfg::kSplitHeadDim, "the block-sparse backward has the d <= 128 tiling only");
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
@@ -53,7 +54,10 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     const bool varlen = p.cu_seqlens_q != nullptr;
     HopperBwdParams<Cfg, T> hp;
     hp.p = P;
-    if constexpr (kSparse) hp.bs = *bs;
+    if constexpr (kSparse) {
+      hp.bs = *bs;
+      if (P.deterministic) hp.dq_plan = *dq_plan;
+    }
     GStride q_stride, do_stride, k_stride, v_stride;
     GShape unused;
     global_view(p.q_str, varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, p.batch, varlen, &hp.shape_q, &q_stride);
@@ -79,7 +83,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
-    const dim3 grid = P.deterministic && !kSparse ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
+    dim3 grid = P.deterministic ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
+    if (kSparse && P.deterministic) grid = dim3(dq_plan->num_tiles() * (bs->kv_block_size / Cfg::kBlockN));
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
@@ -103,16 +108,18 @@ Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream) {
 
 template <int kHeadDim, typename T>
 Status launch_hopper_bwd_sparse(const detail::BwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
-                                Stream stream) {
+                                const block_sparse::DqPlanView* dq_plan, Stream stream) {
   if constexpr (!hopper_bwd_sparse_serves(kHeadDim)) {
     (void)p;
     (void)bs;
+    (void)dq_plan;
     (void)stream;
     return Status::NotSupported("head dim " + std::to_string(kHeadDim) +
                                 ": the Hopper block-sparse backward serves head dims up to 128");
   } else {
-    if (p.deterministic) return Status::NotSupported("deterministic: the Hopper block-sparse backward is ordinary only");
-    return launch_hopper_bwd_cfg<HopperBwdConfigFor<kHeadDim>, T, true>(p, stream, &bs);
+    if (p.deterministic && dq_plan == nullptr)
+      return Status::InvalidArgument("block_mask_dq_plan", "the deterministic block-sparse backward needs its plan");
+    return launch_hopper_bwd_cfg<HopperBwdConfigFor<kHeadDim>, T, true>(p, stream, &bs, dq_plan);
   }
 }
 
