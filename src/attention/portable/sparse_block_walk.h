@@ -56,12 +56,11 @@ struct SparseBlockWalk {
     return w;
   }
 
-  // Through the read-only path: the lists do not change during a kernel.
   __device__ __forceinline__ int block_at(int pos) const {
-    return pos < num_partial ? __ldg(partial + pos) : __ldg(full + pos - num_partial);
+    return pos < num_partial ? partial[pos] : full[pos - num_partial];
   }
   __device__ __forceinline__ bool in_partial(const SparseTileCursor& c) const {
-    return full_flags != nullptr ? __ldg(full_flags + c.pos) == 0 : c.pos < num_partial;
+    return full_flags != nullptr ? full_flags[c.pos] == 0 : c.pos < num_partial;
   }
   // The first listed block at or after `pos` that is in range (device lists are not validated).
   __device__ __forceinline__ void settle(SparseTileCursor& c) const {
