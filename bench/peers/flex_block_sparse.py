@@ -8,9 +8,11 @@ entry and head).
 
 Forward, and backward alone (torch.autograd.grad on a retained graph, as
 bench/peers/sdpa_attention.py times it); fwd+bwd is their sum. Median of CUDA-event timings after
-warm-up (torch.compile compiles during the warm-up). FLOPs on the visible pairs only: 4 * b * h * d
-* visible_pairs forward, 2.5x that backward. "flare/Flex" is flare's speed over FlexAttention's
-(FlexAttention's time over flare's): the issue asks for >= 1.5 forward and backward. Each mask also
+warm-up (torch.compile compiles during the warm-up); each sample one call with the GPU otherwise idle
+(the host's time before the launch counts), or --calls N back-to-back calls per sample. FLOPs on
+the visible pairs only: 4 * b * h * d * visible_pairs forward, 2.5x that backward. "flare/Flex" is
+flare's speed over FlexAttention's (FlexAttention's time over flare's): the issue asks for >= 1.5
+forward and backward. Each mask also
 reports the largest difference between the two implementations' out, dq, dk, dv (relative to the
 largest |value| of FlexAttention's), a check that both ran the same mask.
 
@@ -149,12 +151,12 @@ def measure(args, torch, flare):
             out = None
         results, grads = {}, {}
         for impl, fwd in runs.items():
-            fwd_ms = time_ms(fwd, args.warmup, args.repeats)
+            fwd_ms = time_ms(fwd, args.warmup, args.repeats, args.calls)
             bwd_ms = float("nan")
             out = fwd()
             if not args.no_backward:
                 bwd_ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                                 args.warmup, args.repeats)
+                                 args.warmup, args.repeats, args.calls)
                 grads[impl] = (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
             else:
                 grads[impl] = (out.detach(),)
@@ -229,6 +231,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="document lengths, random blocks and inputs")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=1,
+                    help="back-to-back calls per timed sample (> 1 hides the host's per-call time behind the GPU's)")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--deterministic", action="store_true", help="also flare's deterministic backward, if it has one")
     ap.add_argument("--json", help="write the records here")
