@@ -165,14 +165,18 @@ TEST(BlockSparseForward, EmptyMaskWritesZerosAndInfiniteLse) {
     t->upload();
   }
   AttnProblem prob(c.attn);
-  AttentionForwardParams p = prob.forward_params(Backend::kPortable);
-  p.block_mask = &mask.device_view;
-  ASSERT_TRUE(attention_forward(p).ok());
-  FLARE_CUDA_OK(cudaDeviceSynchronize());
-  cudaMemcpy(prob.out_host.data(), p.out.data, prob.out_host.nbytes(), cudaMemcpyDeviceToHost);
-  cudaMemcpy(prob.lse_host.data(), p.lse.data, prob.lse_host.nbytes(), cudaMemcpyDeviceToHost);
-  for (int64_t i = 0; i < prob.out_host.numel(); ++i) ASSERT_EQ(prob.out_host.get(i), 0.0) << i;
-  for (int64_t i = 0; i < prob.lse_host.numel(); ++i) ASSERT_TRUE(std::isinf(prob.lse_host.get(i))) << i;
+  for (Backend backend : {Backend::kPortable, Backend::kHopper}) {
+    if (backend == Backend::kHopper && !hopper_sparse_runs(c)) continue;
+    SCOPED_TRACE(backend == Backend::kHopper ? "hopper" : "portable");
+    AttentionForwardParams p = prob.forward_params(backend);  // outputs poisoned
+    p.block_mask = &mask.device_view;
+    ASSERT_TRUE(attention_forward(p).ok());
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    cudaMemcpy(prob.out_host.data(), p.out.data, prob.out_host.nbytes(), cudaMemcpyDeviceToHost);
+    cudaMemcpy(prob.lse_host.data(), p.lse.data, prob.lse_host.nbytes(), cudaMemcpyDeviceToHost);
+    for (int64_t i = 0; i < prob.out_host.numel(); ++i) ASSERT_EQ(prob.out_host.get(i), 0.0) << i;
+    for (int64_t i = 0; i < prob.lse_host.numel(); ++i) ASSERT_TRUE(std::isinf(prob.lse_host.get(i))) << i;
+  }
 }
 
 TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
@@ -405,14 +409,18 @@ TEST(BlockSparseBackward, EmptyMaskWritesZeroGradients) {
   AttentionForwardParams f = prob.forward_params(Backend::kPortable);
   f.block_mask = &mask.device_view;
   ASSERT_TRUE(attention_forward(f).ok());
-  AttentionBackwardParams p = prob.backward_params(Backend::kPortable, false);
-  p.block_mask = &mask.device_view;
-  const Status s = attention_backward(p);
-  ASSERT_TRUE(s.ok()) << s.message();
-  FLARE_CUDA_OK(cudaDeviceSynchronize());
-  prob.download_grads();
-  for (const ref::HostTensor* t : {&prob.dq_host, &prob.dk_host, &prob.dv_host})
-    for (int64_t i = 0; i < t->numel(); ++i) ASSERT_EQ(t->get(i), 0.0) << i;
+  for (Backend backend : {Backend::kPortable, Backend::kHopper}) {
+    if (backend == Backend::kHopper && !hopper_sparse_backward_runs(c)) continue;
+    SCOPED_TRACE(backend == Backend::kHopper ? "hopper" : "portable");
+    AttentionBackwardParams p = prob.backward_params(backend, false);  // grads poisoned
+    p.block_mask = &mask.device_view;
+    const Status s = attention_backward(p);
+    ASSERT_TRUE(s.ok()) << s.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.download_grads();
+    for (const ref::HostTensor* t : {&prob.dq_host, &prob.dk_host, &prob.dv_host})
+      for (int64_t i = 0; i < t->numel(); ++i) ASSERT_EQ(t->get(i), 0.0) << i;
+  }
 }
 
 TEST(BlockSparseBackward, RejectsWhatItDoesNotRun) {
