@@ -282,9 +282,6 @@ struct DqWriterPart {
   int chain = 0, chains = 1;
 };
 
-// A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
-// dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
-// deterministic mode, their turn handoffs) in flight.
 // The block-sparse deterministic mode's semaphore and turn for step `it` of a tile's planned walk:
 // the semaphore of the step's 64-row part of its q block, the plan's turn of the tile's walk
 // entry (key slices of one kv block take consecutive turns).
@@ -317,6 +314,10 @@ __device__ __forceinline__ void pass_sparse_turns(const Params& hp, const Tile& 
   }
 }
 
+// A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
+// dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
+// deterministic mode, their turn handoffs) in flight. A block mask's step that adds nothing still
+// takes its turn.
 template <typename Cfg, typename Params, typename Tile>
 __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
