@@ -327,31 +327,16 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
   for (int it = part.first_step, k = 0; it < t.steps(); it += part.step_stride, ++k) {
     const QStep step = t.step_at(it);
     const int m = step.m;
+    DqTurn d;
     if constexpr (Tile::kSparse) {
-      const DqTurn d = P.deterministic ? sparse_dq_turn(hp, t, it) : DqTurn{};
-      cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
-      if (d.sem != nullptr) {
-        device_sync::wait_for_turn(d.sem, d.turn);
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-      }
-      float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
-      if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + part.tile_offset, part.smem, part.bytes);
-      sm90::bulk_commit_group();
-      sm90::bulk_wait_read_all();
-      cutlass::arch::ClusterBarrier::arrive(part.empty);
-      if (d.sem != nullptr) {
-        sm90::bulk_wait_all();
-        __threadfence();
-        device_sync::pass_turn(d.sem);
-      }
-      continue;
+      if (P.deterministic) d = sparse_dq_turn(hp, t, it);
+    } else if (P.deterministic) {
+      d.sem = P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m) * part.chains + part.chain;
     }
-    int* sem = P.deterministic
-                   ? P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m) * part.chains + part.chain
-                   : nullptr;
+    int* sem = d.sem;
     cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
     if (sem != nullptr) {
-      device_sync::wait_for_turn(sem, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
+      device_sync::wait_for_turn(sem, Tile::kSparse ? d.turn : sched::dq_turn_at(turns, hp.plan, dq_seq, m));
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
