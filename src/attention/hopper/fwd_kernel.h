@@ -99,7 +99,8 @@ __device__ __forceinline__ FwdTile<Walk> fwd_tile_of(const HopperFwdParams<Cfg, 
   return t;
 }
 
-// The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them.
+// The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them. A
+// block mask's Q is issued before its list is read (the list's loads would otherwise delay it).
 template <typename Cfg, typename T, typename Walk>
 __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm,
                                         const FwdTile<Walk>& t, PipePos& pos) {
@@ -147,6 +148,7 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
     vpos.template advance<Cfg::kStages>();
   };
   typename Walk::Cursor c = t.kv.begin();
+  if (!t.kv.more(c)) return;  // a block mask's empty row: Q alone (the consumers wait for it)
   int prev = t.kv.tile(c);
   load_k(prev);
   for (t.kv.advance(c); t.kv.more(c); t.kv.advance(c)) {
@@ -275,6 +277,13 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     for (int i = 0; i < size(s_acc); ++i) p_frag(i) = static_cast<typename L::Elem>(s_acc(i));
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
+  if constexpr (Walk::kSparse) {
+    if (t.kv.empty()) {  // Q was loaded anyway (produce): wait for it before the CTA's shared memory goes
+      cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
+      pos.q_phase ^= 1u;
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.q_empty);
+    }
+  }
   if (!t.kv.empty()) {
     RingPos& kpos = pos.k;
     RingPos& vpos = pos.v;
@@ -391,7 +400,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync())
       for_each_tile([&](const FwdTile<Walk>& tile) {
-        if (tile.rows > 0 && !tile.kv.empty()) produce<Cfg, T>(hp, sm, tile, pos);
+        if (tile.rows > 0 && (Walk::kSparse || !tile.kv.empty())) produce<Cfg, T>(hp, sm, tile, pos);
       });
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
