@@ -290,7 +290,7 @@ bool parse_args(int argc, const char* const* argv, Args* args, std::string* erro
 
     const bool is_flag = name == "--graph" || name == "--no-flush" || name == "--quick";
     const bool takes_value =
-        name == "--json" || name == "--repeats" || name == "--warmup" || name == "--filter";
+        name == "--json" || name == "--repeats" || name == "--warmup" || name == "--filter" || name == "--seqlen";
     if (is_flag) {
       if (inline_value) return fail(name + " takes no value");
       if (name == "--graph") args->graph = true;
@@ -317,13 +317,12 @@ bool parse_args(int argc, const char* const* argv, Args* args, std::string* erro
     } else if (name == "--filter") {
       args->filter = value;
     } else {
-      const bool is_repeats = name == "--repeats";
+      const int least = name == "--warmup" ? 0 : 1;
       int n = 0;
-      if (!parse_int(value, is_repeats ? 1 : 0, &n)) {
-        return fail(name + ": expected an integer >= " + (is_repeats ? "1" : "0") + ", got '" +
-                    value + "'");
+      if (!parse_int(value, least, &n)) {
+        return fail(name + ": expected an integer >= " + std::to_string(least) + ", got '" + value + "'");
       }
-      (is_repeats ? args->repeats : args->warmup) = n;
+      (name == "--repeats" ? args->repeats : name == "--warmup" ? args->warmup : args->seqlen) = n;
     }
   }
   return true;
@@ -338,6 +337,7 @@ std::string usage(std::string_view program) {
          "  --graph          time CUDA-graph replays instead of direct launches\n"
          "  --no-flush       keep L2 warm between samples\n"
          "  --filter SUBSTR  run only the cases whose name contains SUBSTR\n"
+         "  --seqlen N       the sequence length, for the sweeps that take one\n"
          "  --quick          a smaller sweep with fewer samples\n"
          "  -h, --help       print this help\n";
 }

@@ -122,6 +122,7 @@ struct Args {
   std::string json_path;       // --json PATH: also write the records there
   std::optional<int> repeats;  // --repeats N (N >= 1)
   std::optional<int> warmup;   // --warmup N (N >= 0)
+  std::optional<int> seqlen;   // --seqlen N (N >= 1): the sequence length, for sweeps that take one
   bool graph = false;          // --graph: time CUDA-graph replays
   bool no_flush = false;       // --no-flush: keep L2 warm between samples
   std::string filter;          // --filter SUBSTR: run only cases whose name contains it

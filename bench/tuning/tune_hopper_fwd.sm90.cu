@@ -1,6 +1,7 @@
 // Tile-shape sweep of the Hopper forward: times alternative HopperFwdConfigs on the benchmark's
-// configuration (bf16, 16k tokens, hidden 2048, seqlen 4096), each checked against the simple
-// fp32 kernel. Used to choose HopperFwdConfigFor<head_dim>.
+// configuration (bf16, 16k tokens, hidden 2048, seqlen 4096 or --seqlen N, N dividing 16384), each
+// checked against the simple fp32 kernel. Used to choose HopperFwdConfigFor<head_dim> (and whether
+// the persistent grid wins at short sequences).
 #include <cuda_bf16.h>
 
 #include <cstdio>
@@ -16,8 +17,9 @@ using hopper::HopperFwdConfig;
 
 template <typename Cfg, bool kPersistent = false>
 void measure(Env& e, const char* label, bool causal) {
-  constexpr int d = Cfg::kHeadDim, s = 4096;
-  std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
+  constexpr int d = Cfg::kHeadDim;
+  const int s = e.args.seqlen.value_or(4096);
+  std::string name = "d" + std::to_string(d) + " s" + std::to_string(s) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
   const int64_t n = int64_t{16384} * (2048 / d) * d;
   auto ref = params_for(e, d, s, causal, e.ref);
@@ -49,11 +51,13 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<64, 128, 3, 2, false>>(e, "3wg n128 no ping-pong", causal);
   measure<HopperFwdConfig<96, 128, 2>>(e, "2wg n128", causal);
   measure<HopperFwdConfig<128, 128, 2>>(e, "2wg n128", causal);
+  measure<HopperFwdConfig<128, 128, 2>, true>(e, "2wg n128 persistent", causal);
   measure<HopperFwdConfig<128, 128, 2, 3>>(e, "2wg n128 3 stages", causal);
   measure<HopperFwdConfig<128, 128, 2, 2, false>>(e, "2wg n128 no ping-pong", causal);
   measure<HopperFwdConfig<128, 128, 2, 2, true, 8>>(e, "2wg n128 exp2 poly 1/8", causal);
   measure<HopperFwdConfig<192, 96, 2>>(e, "2wg n96", causal);
   measure<HopperFwdConfig<256, 64, 2>>(e, "2wg n64", causal);
+  measure<HopperFwdConfig<256, 64, 2>, true>(e, "2wg n64 persistent", causal);
   measure<HopperFwdConfig<256, 80, 2>>(e, "2wg n80", causal);
   measure<HopperFwdConfig<256, 64, 2, 2, false>>(e, "2wg n64 no ping-pong", causal);
   measure<HopperFwdConfig<256, 64, 2, 2, true, 4>>(e, "2wg n64 exp2 poly 1/4", causal);
@@ -62,6 +66,10 @@ void sweep(Env& e, bool causal) {
 int run(int argc, char** argv) {
   Env e{};
   setup_fwd_tuning(e, argc, argv);
+  if (16384 % e.args.seqlen.value_or(4096) != 0) {
+    std::fprintf(stderr, "tune_hopper_fwd: --seqlen must divide 16384 (the batch is 16384 / seqlen)\n");
+    return 2;
+  }
   for (bool causal : {false, true}) sweep(e, causal);
   e.table.print();
   return 0;

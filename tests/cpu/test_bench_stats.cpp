@@ -254,6 +254,7 @@ TEST(Args, Defaults) {
   EXPECT_TRUE(a.json_path.empty());
   EXPECT_FALSE(a.repeats.has_value());
   EXPECT_FALSE(a.warmup.has_value());
+  EXPECT_FALSE(a.seqlen.has_value());
   EXPECT_FALSE(a.graph || a.no_flush || a.quick || a.help);
   EXPECT_TRUE(a.selected("anything"));
   const TimingOptions t = a.timing();
@@ -267,9 +268,10 @@ TEST(Args, AllOptionsSeparateValues) {
   Args a;
   std::string error;
   ASSERT_TRUE(parse({"--json", "out/r.json", "--repeats", "20", "--warmup", "0", "--graph",
-                     "--no-flush", "--filter", "d128", "--quick"},
+                     "--no-flush", "--filter", "d128", "--quick", "--seqlen", "1024"},
                     &a, &error))
       << error;
+  EXPECT_EQ(a.seqlen, 1024);
   EXPECT_EQ(a.json_path, "out/r.json");
   EXPECT_EQ(a.repeats, 20);
   EXPECT_EQ(a.warmup, 0);
@@ -326,7 +328,7 @@ TEST(Args, Help) {
   const std::string u = usage("bench_attention_fwd");
   EXPECT_EQ(u.rfind("usage: bench_attention_fwd [options]\n", 0), 0u);
   for (const char* option : {"--json", "--repeats", "--warmup", "--graph", "--no-flush",
-                             "--filter", "--quick", "--help"}) {
+                             "--filter", "--quick", "--seqlen", "--help"}) {
     EXPECT_NE(u.find(option), std::string::npos) << option;
   }
 }
@@ -338,6 +340,7 @@ TEST(Args, Errors) {
   };
   const std::vector<Case> cases = {
       {{"--bogus"}, "unknown option '--bogus'"},
+      {{"--seqlen", "0"}, "--seqlen: expected an integer >= 1, got '0'"},
       {{"positional"}, "unexpected argument 'positional'"},
       {{"-x"}, "unexpected argument '-x'"},
       {{"--json"}, "--json needs a value"},
