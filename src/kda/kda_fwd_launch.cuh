@@ -108,7 +108,7 @@ cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream
   });
   if (e != cudaSuccess) return e;
   e = launch(kda_state_segment_combine_kernel<K, V>, dim3(V / kSegmentCombineCols, a.heads_v, a.num_seqs), K,
-             sizeof(float) * K * kSegmentCombineCols, stream, a);
+             segment_combine_smem_bytes<K>(), stream, a);
   if (e != cudaSuccess) return e;
   return with_width<V>(bv, [&](auto w) {
     constexpr int BV = decltype(w)::value;

@@ -277,44 +277,67 @@ __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_transi
 }
 
 inline constexpr int kSegmentCombineCols = 16;
+inline constexpr int kSegmentCombineChunk = 32;  // columns of X staged in shared memory at a time
+
+// The combine's dynamic shared memory: start (K x 16) and a chunk of X (K x 32, rows padded).
+template <int K>
+constexpr size_t segment_combine_smem_bytes() {
+  return sizeof(float) * K * (kSegmentCombineCols + kSegmentCombineChunk + 1);
+}
 
 // The segmented pass's second kernel: start_{s+1} = X_s start_s + S0_s over the segments, in
 // fp32, from start_0 = the initial state (or 0). One CTA per (sequence, value head, 16 value
-// columns), thread i the state's row i; K x 16 floats of dynamic shared memory. (ncu, B1 T32768,
-// 3 transitions: 71 us at base clocks; two lanes per row with all of X's loads in flight measured
-// 80 us, so the time is not the loads' latency; not found yet.)
+// columns), thread i the state's row i. X_s (K x K) goes through shared memory 32 columns at a
+// time, each chunk loaded by all threads in 128-byte rows (thread i reading its own row of X from
+// global memory, 1 KB apart from its neighbours', left every load instruction uncoalesced: 71 us
+// at base clocks at B1 T32768 with 3 transitions, two lanes per row 80 us); rows padded by one
+// float so that thread i's reads of row i are conflict-free. Same sums in the same order as
+// before.
 template <int K, int V>
 __global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaFwdArgs a) {
-  constexpr int kCols = kSegmentCombineCols;
+  constexpr int kCols = kSegmentCombineCols, kChunk = kSegmentCombineChunk, kLd = kChunk + 1;
+  static_assert(K % kChunk == 0 && V % kCols == 0 && kCols % 4 == 0, "whole chunks and float4 columns");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);  // K x kCols floats
+  auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);                          // K x kCols
+  auto& x_chunk = *reinterpret_cast<float(*)[K][kLd]>(smem_raw + sizeof(float) * K * kCols);  // K x kChunk
   const int n = blockIdx.z, hv = blockIdx.y, c0 = blockIdx.x * kCols, i = threadIdx.x;
   const int transitions = a.state_segments - 1;
   const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
 #pragma unroll
   for (int c = 0; c < kCols; ++c)
     start[i][c] = a.initial_state ? a.initial_state[head * K * V + int64_t{i} * V + c0 + c] : 0.f;
-  __syncthreads();
   for (int s = 0; s < transitions; ++s) {
-    const float* row = segment_transition<K, V>(a, head, s) + int64_t{i} * (V + K);
+    const float* rows = segment_transition<K, V>(a, head, s);  // row r: S0 in [0, V), X in [V, V + K)
     float acc[kCols];
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[c] = row[c0 + c];  // S0
-    const float4* x = reinterpret_cast<const float4*>(row + V);
-#pragma unroll 4
-    for (int k4 = 0; k4 < K / 4; ++k4) {
-      const float4 xk = x[k4];
-      const float xs[4] = {xk.x, xk.y, xk.z, xk.w};
+    for (int c4 = 0; c4 < kCols / 4; ++c4) {  // S0
+      const float4 v = *reinterpret_cast<const float4*>(rows + int64_t{i} * (V + K) + c0 + 4 * c4);
+      acc[4 * c4] = v.x, acc[4 * c4 + 1] = v.y, acc[4 * c4 + 2] = v.z, acc[4 * c4 + 3] = v.w;
+    }
+    for (int k0 = 0; k0 < K; k0 += kChunk) {
+      __syncthreads();  // start written (first chunk), the previous chunk read
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
+      for (int j = 0; j < kChunk / 4; ++j) {  // K x kChunk / 4 float4 over K threads
+        const int idx = i + j * K, r = idx / (kChunk / 4), c4 = idx % (kChunk / 4);
+        const float4 v = *reinterpret_cast<const float4*>(rows + int64_t{r} * (V + K) + V + k0 + 4 * c4);
+        x_chunk[r][4 * c4] = v.x, x_chunk[r][4 * c4 + 1] = v.y, x_chunk[r][4 * c4 + 2] = v.z;
+        x_chunk[r][4 * c4 + 3] = v.w;
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int k = 0; k < kChunk; ++k) {
+        const float x = x_chunk[i][k];
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xs[e], start[4 * k4 + e][c], acc[c]);
+        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(x, start[k0 + k][c], acc[c]);
+      }
     }
     __syncthreads();  // every row has read start_s
     float* out = segment_start<K, V>(a, head, s + 1) + int64_t{i} * V + c0;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) start[i][c] = acc[c], out[c] = acc[c];
-    __syncthreads();
+    for (int c4 = 0; c4 < kCols / 4; ++c4)
+      *reinterpret_cast<float4*>(out + 4 * c4) = make_float4(acc[4 * c4], acc[4 * c4 + 1], acc[4 * c4 + 2], acc[4 * c4 + 3]);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) start[i][c] = acc[c];
   }
 }
 
