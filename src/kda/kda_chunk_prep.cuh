@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     // This thread's rows i0 = 16 I + g and i0 + 8 of P (columns 2t, 2t + 1 of each 8-column tile)
     // and of L.
     const int i0 = I * 16 + g;
-    T* P = static_cast<T*>(a.P) + slot * kKdaChunk * kKdaChunk + i0 * kKdaChunk + 2 * t;
+    T* P = static_cast<T*>(a.P) + slot * kKdaChunk * kKdaChunk + I * 16 * kKdaChunk;  // row block I
     float* Lrow = &s.wy.L[i0][2 * t];
 #pragma unroll
     for (int J = 0; J < C::kSubChunks; ++J) {
@@ -527,11 +527,12 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
           if (is_L) {
             if (J == I) v0 = j < i ? v0 : 0.f, v1 = j + 1 < i ? v1 : 0.f;
             *reinterpret_cast<float2*>(Lrow + at) = make_float2(v0, v1);
-          } else {
-            if (J == I) v0 = j <= i ? v0 : 0.f, v1 = j + 1 <= i ? v1 : 0.f;
-            *reinterpret_cast<uint32_t*>(P + at) = pack2<T>(v0, v1);
+          } else if (J == I) {
+            acc[nt][2 * half] = j <= i ? v0 : 0.f;
+            acc[nt][2 * half + 1] = j + 1 <= i ? v1 : 0.f;
           }
         }
+      if (!is_L) store_tile16<T>(P + J * 16, kKdaChunk, acc, g, t);
     }
   }
   __syncthreads();
@@ -647,12 +648,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
         load_b_cols(b, rhs, ld, J * 16, n0);
         mma_pair<T>(acc[0], acc[1], aA[J], b);
       }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int i = I * 16 + g, c = n0 + nt * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(dst + i * dst_ld + c) = pack2<T>(acc[nt][0], acc[nt][1]);
-        *reinterpret_cast<uint32_t*>(dst + (i + 8) * dst_ld + c) = pack2<T>(acc[nt][2], acc[nt][3]);
-      }
+      store_tile16<T>(dst + I * 16 * dst_ld + n0, dst_ld, acc, g, t);
     };
     if (warp < C::kSubChunks) {
 #pragma unroll 2
