@@ -142,11 +142,9 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     return Status::NotSupported("head dim " + std::to_string(plan->shape.head_dim) +
                                 ": no backward kernel instantiated for it in this build (see FLARE_HEAD_DIMS)");
 #ifdef FLARE_WITH_HOPPER
-  // The Hopper block-sparse backward runs when asked for (kHopper); kAuto keeps block masks on the
-  // portable kernel until the Hopper one has passed its GPU tests (then this becomes true).
-  constexpr bool kAutoHopperSparseBackward = false;
+  // Block masks too (ordinary and deterministic) wherever hopper_backward_sparse_check accepts them.
   const bool sparse = p.block_mask != nullptr;
-  if ((p.backend == Backend::kAuto && (!sparse || kAutoHopperSparseBackward)) || p.backend == Backend::kHopper) {
+  if (p.backend == Backend::kAuto || p.backend == Backend::kHopper) {
     const Status hop = sparse ? hopper::hopper_backward_sparse_check(p, plan->blocks.head_dim)
                               : hopper::hopper_backward_check(p, plan->blocks.head_dim);
     if (hop.ok()) {
