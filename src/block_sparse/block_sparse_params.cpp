@@ -20,6 +20,12 @@ BlockListParams list_params(const TensorView& counts, const TensorView& indices)
   return l;
 }
 
+// Neighbouring ids of a document-id array [batch, seqlen] load as one 8-byte int2.
+bool id_pairs(const TensorView& ids) {
+  return ids.stride[1] == 1 && reinterpret_cast<uintptr_t>(ids.data) % 8 == 0 &&
+         (ids.shape[0] == 1 || ids.stride[0] % 2 == 0);
+}
+
 }  // namespace
 
 ElementMaskParams make_element_mask_params(const ElementMask& e) {
@@ -35,6 +41,8 @@ ElementMaskParams make_element_mask_params(const ElementMask& e) {
     m.doc_q_row = e.doc_ids_q.stride[1];
     m.doc_k_batch = e.doc_ids_k.stride[0];
     m.doc_k_row = e.doc_ids_k.stride[1];
+    m.doc_q_pairs = id_pairs(e.doc_ids_q);
+    m.doc_k_pairs = id_pairs(e.doc_ids_k);
   }
   if (e.bits.defined()) {
     m.bits = e.bits.ptr<const uint32_t>();

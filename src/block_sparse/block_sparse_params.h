@@ -29,6 +29,9 @@ struct ElementMaskParams {
   const int32_t* doc_q = nullptr;  // [batch, seqlen_q]; doc_k given with it
   const int32_t* doc_k = nullptr;
   int64_t doc_q_batch = 0, doc_q_row = 0, doc_k_batch = 0, doc_k_row = 0;
+  // Ids of two neighbouring positions load as one int2 (the row stride is 1, every batch's
+  // first id 8-byte aligned): the Hopper kernels' grouped lookups (element_lookups.h).
+  bool doc_q_pairs = false, doc_k_pairs = false;
   const uint32_t* bits = nullptr;              // [B|1, H|1, seqlen_q, words], words contiguous
   int64_t bits_batch = 0, bits_head = 0, bits_row = 0;  // 0 on broadcast dims
 

@@ -46,6 +46,7 @@
 #include "src/attention/hopper/bwd_config.h"
 #include "src/attention/hopper/bwd_layouts.h"
 #include "src/attention/hopper/bwd_split_layouts.h"
+#include "src/attention/hopper/element_lookups.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/smem_struct.h"
 #include "src/attention/hopper/stage_ring.h"
@@ -403,6 +404,30 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
   }
 }
 
+// A block mask's per-element lookups (doc ids, bit mask; element_lookups.h) for the thread's S^T
+// fragment of the step at q0, a bit per fragment element (all set where the step has none).
+// Element i = 4 j + 2 r + c is key row r, query column 8 j + c from the thread's first; keys and
+// queries past the sequences read clamped rows (bwd_probs masks them). Computed before the step's
+// GEMMs, while only dK and dV hold registers, and kept as one word.
+template <int kN, typename Coord, typename Tile>
+__device__ __forceinline__ uint32_t bwd_lookups(const block_sparse::ElementMaskParams& el, const Tile& t,
+                                                const Coord& s_coord, int q0, bool element) {
+  if (!element || !el.has_lookups()) return ~0u;
+  int64_t keys[2];
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int key = t.col0 + cute::get<0>(s_coord(2 * r));
+    keys[r] = key < t.seq.seqlen_k ? key : t.seq.seqlen_k - 1;
+  }
+  uint32_t found[2];
+  element_lookup_bits<kN / 4, false>(el, t.b, t.h, keys, int64_t{q0} + cute::get<1>(s_coord(0)), t.seq.seqlen_q,
+                                     found);
+  uint32_t spread = 0u;
+  CUTE_UNROLL
+  for (int i = 0; i < kN; ++i) spread |= ((found[(i / 2) % 2] >> (2 * (i / 4) + i % 2)) & 1u) << i;
+  return spread;
+}
+
 // P^T = exp2(S^T scale log2e - LSE log2e), rounded to the input dtype into `p_out` (a fragment of
 // the S^T accumulator's size), masked on the partial tiles only: rows past the sequence have
 // LSE = +inf, so P = 0 there without a mask. s_coord: the (key, q) of each accumulator element.
@@ -412,7 +437,8 @@ template <typename Cfg, typename AccS, typename Coord, typename FragP, typename 
 __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coord, const float* lse_log2,
                                           float scale_log2, const Tile& t, int q0, FragP& p_out,
                                           const QStep& step = QStep{},
-                                          const block_sparse::ElementMaskParams* element = nullptr) {
+                                          const block_sparse::ElementMaskParams* element = nullptr,
+                                          uint32_t lookups = ~0u) {
   using Elem = typename FragP::value_type;
   constexpr int kN = decltype(cute::size(s_acc))::value;
   if (!step.valid) {
@@ -421,16 +447,17 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
     return;
   }
   if (element != nullptr && step.element) {
-    // The predicate first, a bit per element, in a rolled loop (its lookups would otherwise hold a
-    // register each beside the live accumulators); keys and rows past the sequences never look up.
-    static_assert(kN <= 32, "a thread's S^T elements fit one mask word");
+    // The structural predicates, a bit per element in a rolled loop, and the lookups' bits.
+    static_assert(kN <= 32 && kN % 4 == 0, "a thread's S^T elements fit one mask word");
     uint32_t seen = 0u;
 #pragma unroll 2
     for (int i = 0; i < kN; ++i) {
       const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
-      if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) && element->visible(t.b, t.h, q, key))
+      if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
+          element->row_interval(q).contains(key))
         seen |= 1u << i;
     }
+    seen &= lookups;
     CUTE_UNROLL
     for (int i = 0; i < kN; ++i) {
       const float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[cute::get<1>(s_coord(i))]));
@@ -533,6 +560,8 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       const int q0 = step.m * Cfg::kBlockM;
       const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];
       const float* dpsum = lse_log2 + Cfg::kBlockM;
+      uint32_t lookups = ~0u;
+      if constexpr (Tile::kSparse) lookups = bwd_lookups<kN>(hp.bs.element, t, s_coord, q0, step.valid && step.element);
       sm.qdo_ring.wait_full(pos);
       wg_gemm<true>(mma_sdp, k_frag, q_frag(_, _, _, pos.index), s_acc);
       wg_gemm<true>(mma_sdp, v_frag, do_frag(_, _, _, pos.index), dp_acc);
@@ -544,7 +573,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       CUTE_UNROLL
       for (int i = 0; i < kN; ++i) p_frag(i) = static_cast<Elem>(s_acc(i));
 #else
-      bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag, step, &hp.bs.element);
+      bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag, step, &hp.bs.element, lookups);
 #endif
 #if FLARE_HOPPER_BWD_EXPERIMENT != 3
       wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);

@@ -26,6 +26,7 @@
 
 #include "src/attention/fwd_params.h"
 #include "src/attention/hopper/fwd_config.h"
+#include "src/attention/hopper/element_lookups.h"
 #include "src/attention/hopper/fwd_kv_walk.h"
 #include "src/attention/hopper/fwd_layouts.h"
 #include "src/attention/hopper/gemm_turns.h"
@@ -200,35 +201,22 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
   }
   if constexpr (Walk::kSparse) {
     if (element_masked) {
-      const block_sparse::ElementMaskParams* element = &el;
       // Rows past the sequence (never written out) read the last row's predicate.
-      int32_t doc[2] = {0, 0};
-      const uint32_t* bits[2] = {nullptr, nullptr};
+      int64_t rows[2];
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
-        int row = wg_row0 + quad_row + 8 * r;
-        row = row < t.seq.seqlen_q ? row : t.seq.seqlen_q - 1;
-        narrow_to_interval(element->row_interval(row), int64_t{col0} + quad_col, Cfg::kBlockN, lo[r], hi[r]);
-        if (element->doc_q != nullptr) doc[r] = element->doc_of_row(t.b, row);
-        if (element->bits != nullptr) bits[r] = element->bits_row_ptr(t.b, t.h, row);
+        const int row = wg_row0 + quad_row + 8 * r;
+        rows[r] = row < t.seq.seqlen_q ? row : t.seq.seqlen_q - 1;
+        narrow_to_interval(el.row_interval(rows[r]), int64_t{col0} + quad_col, Cfg::kBlockN, lo[r], hi[r]);
       }
-      if (element->has_lookups()) {
-        // The lookups first, into a bit per column (bit k: column 8 (k / 2) + k % 2), in a rolled
-        // loop: unrolled, their loads would hold a register each beside the live accumulators.
-        static_assert(Cfg::kBlockN / 4 <= 32, "a thread's columns fit one mask word");
-        uint32_t seen[2] = {0u, 0u};
-#pragma unroll 2
-        for (int k = 0; k < Cfg::kBlockN / 4; ++k) {
-          const int c = 8 * (k / 2) + (k % 2);
-          CUTE_UNROLL
-          for (int r = 0; r < 2; ++r)  // inside the sequence before any lookup
-            if (c >= lo[r] && c < hi[r] && element->lookups_visible(t.b, doc[r], bits[r], col0 + quad_col + c))
-              seen[r] |= 1u << k;
-        }
+      if (el.has_lookups()) {
+        uint32_t seen[2];
+        element_lookup_bits<Cfg::kBlockN / 8, true>(el, t.b, t.h, rows, int64_t{col0} + quad_col, t.seq.seqlen_k,
+                                                    seen);
         CUTE_UNROLL
         for (int i = 0; i < cute::size(s); ++i) {
-          const int r = (i / 2) % 2, k = 2 * (i / 4) + (i % 2);
-          s(i) = (seen[r] >> k) & 1u ? s(i) : -INFINITY;
+          const int r = (i / 2) % 2, c = 8 * (i / 4) + (i % 2), k = 2 * (i / 4) + (i % 2);
+          s(i) = ((seen[r] >> k) & 1u) && c >= lo[r] && c < hi[r] ? s(i) : -INFINITY;
         }
         return;
       }
