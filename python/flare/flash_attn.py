@@ -10,18 +10,20 @@ fp32 [batch, heads, seqlen_q] (varlen: [heads, total_q]), natural log. Different
 import torch
 
 from . import _C, _checks
-from .ops import eager
+from .ops import eager, fwd_eager_autograd
 
 _fwd_op = torch.ops.flare.fwd
 
 
 def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
          window_left, window_right, softcap, deterministic):
-    """The op, or its C++ implementation directly where neither autograd nor tracing needs to see it."""
+    """The op where torch.compile traces; eagerly its C++ implementation, directly where autograd need
+    not see it and through ops.eager_autograd where it must."""
     run = _fwd_op
-    if eager(q) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
-                                                      (sinks is not None and sinks.requires_grad))):
-        run = _C.fwd
+    if eager(q):
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                            (sinks is not None and sinks.requires_grad))
+        run = fwd_eager_autograd if grad else _C.fwd
     return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
                window_left, window_right, softcap, deterministic)
 

@@ -37,7 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, noop_mask
 
 from . import _C, _checks
 from .masks import ElementMask, element_mask_of
-from .ops import eager
+from .ops import eager, eager_autograd
 
 _flex_fwd_op = torch.ops.flare.flex_fwd
 
@@ -369,9 +369,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         mask_args = flex_mask.op_args(query.shape[0], dq_plan)
 
     run = _flex_fwd_op
-    if eager(query) and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
-                                                          value.requires_grad)):
-        run = _C.flex_fwd
+    if eager(query):
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        run = _flex_fwd_eager_autograd if grad else _C.flex_fwd
     out, lse = run(query, key, value, *mask_args, scale, bool(deterministic))
     if not want_lse:
         return out
@@ -413,9 +413,10 @@ def _flex_backward(ctx, dout, dlse):
     mask_args = [next(it) if is_tensor else value_ for is_tensor, value_ in zip(ctx.mask_layout, ctx.mask_values)]
     if dout is None:  # only the LSE was used, which is not differentiable
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flare.flex_bwd(dout, query, key, value, out, lse, *mask_args, ctx.scale,
-                                             ctx.deterministic)
+    run = _C.flex_bwd if eager(dout) else torch.ops.flare.flex_bwd
+    dq, dk, dv = run(dout, query, key, value, out, lse, *mask_args, ctx.scale, ctx.deterministic)
     return (dq, dk, dv) + (None,) * (len(mask_args) + 2)
 
 
 torch.library.register_autograd("flare::flex_fwd", _flex_backward, setup_context=_flex_setup_context)
+_flex_fwd_eager_autograd = eager_autograd("FlareFlexFwd", _C.flex_fwd, _flex_setup_context, _flex_backward)

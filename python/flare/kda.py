@@ -35,10 +35,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                     ("dt_bias", dt_bias)):
         _checks.optional_tensor(name, t)
     bound = 0.0 if lower_bound is None else _checks.number("lower_bound", lower_bound)
-    o, final_state = _kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                              0.0 if scale is None else _checks.number("scale", scale),
-                              bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
-                              bool(allow_neg_eigval), bool(use_gate_in_kernel), bound, bool(output_final_state))
+    run = _kda_fwd
+    if ops.eager(q):  # the C++ implementation, through ops.eager_autograd where autograd must see it
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
+        run = ops.kda_fwd_eager_autograd if grad else _C.kda_fwd
+    o, final_state = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                         0.0 if scale is None else _checks.number("scale", scale), bool(use_qk_l2norm_in_kernel),
+                         bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), bool(use_gate_in_kernel), bound,
+                         bool(output_final_state))
     return o, (final_state if output_final_state else None)
 
 

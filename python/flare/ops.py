@@ -27,6 +27,25 @@ def eager(x):
     return type(x) is _Tensor and not _is_compiling() and _get_current_dispatch_mode() is None
 
 
+def eager_autograd(name, impl, setup_context, backward):
+    """The op's autograd formula (its register_autograd setup_context and backward) around its C++
+    implementation `impl`, as a torch.autograd.Function's apply: what an eager call that autograd must
+    see runs instead of the op. The op's torch.library autograd wrapper costs host time per call
+    that grows with the schema (it fills every argument's default; flex_fwd's 25 arguments took about
+    0.4 ms a call on the H100's host, longer than the kernel on some masks)."""
+
+    def forward(ctx, *inputs):
+        output = impl(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def backward_(ctx, *grads):
+        return backward(ctx, *grads)
+
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    return fn.apply
+
+
 # ---- fake implementations: shapes and dtypes only, mirroring csrc/flare_ops.cpp -----------------
 
 
@@ -103,7 +122,8 @@ def _kda_fwd_backward(ctx, dout, d_final_state):
         dout = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     if not output_final_state or d_final_state is None or d_final_state.numel() == 0:
         d_final_state = None
-    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = torch.ops.flare.kda_bwd(
+    run = _C.kda_bwd if eager(dout) else torch.ops.flare.kda_bwd
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = run(
         dout, q, k, v, g, beta, A_log, dt_bias, initial_state, d_final_state, cu_seqlens, scale, qk_l2norm,
         beta_sigmoid, allow_neg_eigval, gate_in_kernel, lower_bound)
     return (dq, dk, dv, dg, dbeta,
@@ -113,6 +133,7 @@ def _kda_fwd_backward(ctx, dout, d_final_state):
 
 
 torch.library.register_autograd("flare::kda_fwd", _kda_fwd_backward, setup_context=_kda_fwd_setup_context)
+kda_fwd_eager_autograd = eager_autograd("FlareKdaFwd", _C.kda_fwd, _kda_fwd_setup_context, _kda_fwd_backward)
 
 
 @torch.library.register_fake("flare::kda_recurrent_inplace")
@@ -142,11 +163,12 @@ def _fwd_backward(ctx, dout, dlse):
      deterministic) = ctx.params
     if dout is None:  # only the LSE was used, which is not differentiable
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = torch.ops.flare.bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, sinks, softmax_scale, causal, window_left, window_right,
-                                             softcap, deterministic)
+    run = _C.bwd if eager(dout) else torch.ops.flare.bwd
+    dq, dk, dv, dsinks = run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+                             softmax_scale, causal, window_left, window_right, softcap, deterministic)
     return (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None, None, None, None, None, None,
             None)
 
 
 torch.library.register_autograd("flare::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+fwd_eager_autograd = eager_autograd("FlareFwd", _C.fwd, _fwd_setup_context, _fwd_backward)

@@ -1,6 +1,7 @@
 #include "src/block_sparse/dq_write_order.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -287,8 +288,11 @@ Status make_block_sparse_dq_plan(const BlockMask& host_mask, int batch, int head
   block_sparse::HostBlockMask mask;
   FLARE_RETURN_IF_ERROR(
       block_sparse::copy_block_mask(host_mask, detail::BlockMaskProblem{batch, heads, seqlen_q, seqlen_k}, &mask));
+  block_sparse::DqPlanOptions options;
+  // Tuning knob (measurement only): FLARE_DQ_PLAN_HEAD_GROUP=N interleaves the heads in groups of N.
+  if (const char* env = std::getenv("FLARE_DQ_PLAN_HEAD_GROUP"); env != nullptr) options.head_group = std::atoi(env);
   block_sparse::DqWritePlan p;
-  FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, {}, &p));
+  FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, options, &p));
   BlockSparseDqPlan out;
   out.batch = batch, out.heads = heads, out.heads_kv = heads_kv;
   out.mask_batch = p.mask_batch, out.mask_heads = p.mask_heads;

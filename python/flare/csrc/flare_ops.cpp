@@ -1168,10 +1168,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The same functions without the dispatcher: the eager fast path of the Python API (plain CUDA
   // tensors, no autograd, no tracing, no dispatch mode), which saves the dispatcher's per-call cost.
   m.def("fwd", &flare_torch::attention_fwd);
+  m.def("bwd", &flare_torch::attention_bwd);
   m.def("decode", &flare_torch::decode);
   m.def("merge_states", &flare_torch::merge_states);
+  m.def("kda_fwd", &flare_torch::kda_fwd);
+  m.def("kda_bwd", &flare_torch::kda_bwd);
   m.def("kda_recurrent_inplace", &flare_torch::kda_recurrent_inplace);
   m.def("flex_fwd", &flare_torch::flex_fwd);
+  m.def("flex_bwd", &flare_torch::flex_bwd);
   m.def("block_sparse_dq_plan", &flare_torch::block_sparse_dq_plan,
         "The deterministic block-sparse backward's plan of a mask (CPU lists) and shapes: (int32 data, meta)");
   m.def("decode_plan_info", &flare_torch::decode_plan_info, "The decode plan of a shape (a dict)");
