@@ -8,6 +8,8 @@
 #include <queue>
 #include <string>
 
+#include "src/common/device_facts.h"
+
 namespace flare::block_sparse {
 namespace {
 
@@ -274,6 +276,12 @@ DqPlanView dq_plan_view(const BlockSparseDqPlan& plan, const int32_t* device_dat
   return v;
 }
 
+int dq_plan_head_group(int64_t seqlen_q, int64_t l2_bytes) {
+  const int64_t l2 = l2_bytes > 0 ? l2_bytes : int64_t{50} << 20;
+  const int64_t per_head = std::max<int64_t>(seqlen_q, 1) * 128 * 8;
+  return static_cast<int>(std::clamp<int64_t>(2 * l2 / 3 / per_head, 1, std::numeric_limits<int>::max()));
+}
+
 }  // namespace flare::block_sparse
 
 namespace flare {
@@ -289,7 +297,8 @@ Status make_block_sparse_dq_plan(const BlockMask& host_mask, int batch, int head
   FLARE_RETURN_IF_ERROR(
       block_sparse::copy_block_mask(host_mask, detail::BlockMaskProblem{batch, heads, seqlen_q, seqlen_k}, &mask));
   block_sparse::DqPlanOptions options;
-  // Tuning knob (measurement only): FLARE_DQ_PLAN_HEAD_GROUP=N interleaves the heads in groups of N.
+  options.head_group = block_sparse::dq_plan_head_group(seqlen_q, detail::current_device_facts().l2_bytes);
+  // Tuning knob (measurements): FLARE_DQ_PLAN_HEAD_GROUP=N interleaves the heads in groups of N (0: all).
   if (const char* env = std::getenv("FLARE_DQ_PLAN_HEAD_GROUP"); env != nullptr) options.head_group = std::atoi(env);
   block_sparse::DqWritePlan p;
   FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, options, &p));

@@ -258,6 +258,15 @@ TEST(DqWriteOrder, KernelTileTurnsFollowTheGrid) {
 }
 
 // The kernel reads an uploaded copy of the buffer through the same view.
+TEST(DqWriteOrder, HeadGroupKeepsTheQSideInL2) {
+  const int64_t h100 = int64_t{50} << 20;
+  EXPECT_EQ(dq_plan_head_group(8192, h100), 4);  // 8 MiB a head: 4 fit in 2/3 of 50 MiB
+  EXPECT_EQ(dq_plan_head_group(8192, 0), 4);     // no device: the H100's L2
+  EXPECT_EQ(dq_plan_head_group(1024, h100), 33);
+  EXPECT_EQ(dq_plan_head_group(int64_t{1} << 20, h100), 1);
+  EXPECT_EQ(dq_plan_head_group(0, h100), 34133);  // as one query
+}
+
 TEST(DqWriteOrder, ViewOfACopyReadsTheSame) {
   std::mt19937 rng(12);
   Case c;
