@@ -276,10 +276,80 @@ DqPlanView dq_plan_view(const BlockSparseDqPlan& plan, const int32_t* device_dat
   return v;
 }
 
+sched::SimWorkload dq_plan_workload(const DqPlanView& v, const sched::BackwardCosts& costs) {
+  sched::SimWorkload w;
+  w.num_semaphores = v.num_semaphores();
+  w.tiles.resize(v.num_tiles());
+  for (int position = 0; position < v.num_tiles(); ++position) {
+    const DqTile t = v.tile_at(position);
+    std::vector<sched::SimStep>& steps = w.tiles[position];
+    for (int s = v.walk_begin(t); s < v.walk_end(t); ++s) {
+      sched::SimStep step;
+      step.compute = v.is_full(s) ? costs.full_block : costs.partial_block;
+      step.semaphore = v.dq_semaphore(t.batch, t.head, v.q_block(s));
+      step.turn = v.dq_turn(s);
+      step.add = costs.dq_add;
+      steps.push_back(step);
+    }
+    if (v.group > 1) {
+      sched::SimStep step;
+      step.compute = 0;
+      step.semaphore = v.dkv_semaphore(t.batch, t.head / v.group, t.kv_block);
+      step.turn = v.dkv_turn(t);
+      step.add = costs.dkv_add;
+      steps.push_back(step);
+    }
+  }
+  return w;
+}
+
+double dq_plan_list_overlap(const DqPlanView& v) {
+  // Per (b, h): the q blocks of its previous tile in schedule order, as a mark per q block.
+  std::vector<std::vector<char>> previous(static_cast<size_t>(v.batch) * v.heads);
+  int64_t shared = 0, visits = 0;
+  for (int position = 0; position < v.num_tiles(); ++position) {
+    const DqTile t = v.tile_at(position);
+    std::vector<char>& prev = previous[static_cast<size_t>(t.batch) * v.heads + t.head];
+    std::vector<char> now(static_cast<size_t>(v.num_q_blocks), 0);
+    for (int s = v.walk_begin(t); s < v.walk_end(t); ++s) {
+      const int m = v.q_block(s);
+      now[m] = 1;
+      shared += !prev.empty() && prev[m];
+    }
+    if (!prev.empty()) visits += v.walk_end(t) - v.walk_begin(t);
+    prev = std::move(now);
+  }
+  return visits > 0 ? static_cast<double>(shared) / static_cast<double>(visits) : 1.0;
+}
+
 int dq_plan_head_group(int64_t seqlen_q, int64_t l2_bytes) {
   const int64_t l2 = l2_bytes > 0 ? l2_bytes : int64_t{50} << 20;
   const int64_t per_head = std::max<int64_t>(seqlen_q, 1) * 128 * 8;
   return static_cast<int>(std::clamp<int64_t>(2 * l2 / 3 / per_head, 1, std::numeric_limits<int>::max()));
+}
+
+int choose_dq_plan_head_group(const HostBlockMask& mask, int batch, int heads, int heads_kv, int64_t seqlen_q,
+                              int64_t l2_bytes, DqWritePlan* chosen) {
+  DqPlanOptions grouped, interleaved;
+  grouped.head_group = dq_plan_head_group(seqlen_q, l2_bytes);
+  DqWritePlan a, b;
+  const bool planned = make_dq_write_plan(mask, batch, heads, heads_kv, interleaved, &b).ok();
+  int group = 0;
+  if (planned && grouped.head_group < batch * heads && make_dq_write_plan(mask, batch, heads, heads_kv, grouped, &a).ok()) {
+    if (dq_plan_list_overlap(a.view()) < 0.5) {
+      group = grouped.head_group;
+    } else {
+      sched::SimOptions sim;
+      sim.resident_ctas = grouped.resident_ctas;
+      sim.dispatch = sched::Dispatch::kDynamic;
+      const sched::BackwardCosts costs;
+      const double t_grouped = sched::simulate_grid(dq_plan_workload(a.view(), costs), sim).makespan;
+      const double t_interleaved = sched::simulate_grid(dq_plan_workload(b.view(), costs), sim).makespan;
+      if (t_grouped <= 1.05 * t_interleaved) group = grouped.head_group;
+    }
+  }
+  if (chosen != nullptr) *chosen = group > 0 ? std::move(a) : std::move(b);
+  return group;
 }
 
 }  // namespace flare::block_sparse
@@ -296,12 +366,18 @@ Status make_block_sparse_dq_plan(const BlockMask& host_mask, int batch, int head
   block_sparse::HostBlockMask mask;
   FLARE_RETURN_IF_ERROR(
       block_sparse::copy_block_mask(host_mask, detail::BlockMaskProblem{batch, heads, seqlen_q, seqlen_k}, &mask));
-  block_sparse::DqPlanOptions options;
-  options.head_group = block_sparse::dq_plan_head_group(seqlen_q, detail::current_device_facts().l2_bytes);
-  // Tuning knob (measurements): FLARE_DQ_PLAN_HEAD_GROUP=N interleaves the heads in groups of N (0: all).
-  if (const char* env = std::getenv("FLARE_DQ_PLAN_HEAD_GROUP"); env != nullptr) options.head_group = std::atoi(env);
   block_sparse::DqWritePlan p;
-  FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, options, &p));
+  if (const char* env = std::getenv("FLARE_DQ_PLAN_HEAD_GROUP"); env != nullptr) {
+    // Tuning knob (measurements): interleave the heads in groups of N (0: all of them).
+    block_sparse::DqPlanOptions options;
+    options.head_group = std::atoi(env);
+    FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, options, &p));
+  } else {
+    block_sparse::choose_dq_plan_head_group(mask, batch, heads, heads_kv, seqlen_q,
+                                            detail::current_device_facts().l2_bytes, &p);
+    if (p.data.empty())  // the planner's error
+      FLARE_RETURN_IF_ERROR(block_sparse::make_dq_write_plan(mask, batch, heads, heads_kv, {}, &p));
+  }
   BlockSparseDqPlan out;
   out.batch = batch, out.heads = heads, out.heads_kv = heads_kv;
   out.mask_batch = p.mask_batch, out.mask_heads = p.mask_heads;

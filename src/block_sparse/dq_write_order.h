@@ -68,6 +68,7 @@
 #include "flare/block_mask.h"
 #include "flare/status.h"
 #include "src/block_sparse/block_mask_build.h"
+#include "src/scheduling/grid_sim.h"
 #include "src/scheduling/mask_math.h"
 
 namespace flare::block_sparse {
@@ -96,15 +97,6 @@ struct DqPlanOptions {
   double full_block_cost = 1.0, partial_block_cost = 1.0;
   double dq_add_cost = 0.05, dkv_add_cost = 0.1;
 };
-
-// The head group of make_block_sparse_dq_plan: the most heads whose q-side working set (Q and dO
-// in 16 bits and the fp32 dQ accumulator: 8 bytes per query and head-dim column, at head dim 128)
-// fits in 2/3 of an L2 of `l2_bytes` (0: the H100's 50 MiB), at least 1. Fully interleaved heads
-// spread the grid's concurrent tiles over every head, so the Q/dO and dQ adds of a random mask
-// miss L2: on the H100 (batch 2, 16 heads, seqlen 8192, 25 % random blocks) the deterministic
-// Hopper backward ran at 0.59 of the ordinary one interleaving all 32 heads, 0.76 in groups of
-// 8, 0.85 of 4, 0.74 of 2 (more waits), 0.70 of 1.
-int dq_plan_head_group(int64_t seqlen_q, int64_t l2_bytes);
 
 struct DqTile {
   int batch = 0, head = 0, kv_block = 0;
@@ -204,6 +196,35 @@ struct DqWritePlan {
 // transposed lists, as every builder makes it). The mask's batch and heads are 1 or these.
 Status make_dq_write_plan(const HostBlockMask& mask, int batch, int heads, int heads_kv, const DqPlanOptions& options,
                           DqWritePlan* plan);
+
+// The grid's work under a plan, as the kernels follow it (for sched::simulate_grid): the tile at
+// position p of the schedule, its q blocks in walk order, each an ordered add on the semaphore of
+// (b, h, m) at its dq_write_order turn, then (GQA) the dK/dV add at its turn.
+sched::SimWorkload dq_plan_workload(const DqPlanView& v, const sched::BackwardCosts& costs);
+
+// The head group of the plan make_block_sparse_dq_plan makes (DqPlanOptions::head_group; 0: all
+// heads interleaved). Interleaving every head spreads the grid's concurrent tiles over all of them,
+// one to a few tiles a head: when a head's tiles read scattered q blocks (a random mask), their Q,
+// dO and dQ adds then miss L2. On the H100 (batch 2, 16 heads, seqlen 8192, the Hopper backward)
+// det/ordinary with all 32 heads interleaved, then in groups of 8/4/2/1: random 25 % of blocks
+// 0.59, 0.76/0.85/0.74/0.70; groups of 4 also took causal 0.91 -> 0.96 and window 1024 0.90 -> 0.96,
+// but 8 documents 0.93 -> 0.55 (a document's tiles all read the same q blocks: more of them at once
+// queue at every semaphore). So the group is dq_plan_head_group's when the planner's own grid model
+// (nominal costs) puts its waits within 5 % of all heads interleaved, or when consecutive tiles of a
+// head share under half their q blocks (L2 reuse needs the group); all heads otherwise.
+//
+// dq_plan_head_group: that group, the most heads whose q-side working set (Q and dO in 16 bits and
+// the fp32 dQ accumulator: 8 bytes per query and head-dim column, at head dim 128) fits in 2/3 of
+// an L2 of `l2_bytes` (0: the H100's 50 MiB), at least 1.
+int dq_plan_head_group(int64_t seqlen_q, int64_t l2_bytes);
+// `chosen` (optional) receives the plan with the chosen group (empty data if planning failed).
+int choose_dq_plan_head_group(const HostBlockMask& mask, int batch, int heads, int heads_kv, int64_t seqlen_q,
+                              int64_t l2_bytes, DqWritePlan* chosen = nullptr);
+// The fraction of a tile's q blocks that the previous tile of its head (schedule order) also
+// visits, over all tiles: 1 for identical lists, about the density for random ones.
+double dq_plan_list_overlap(const DqPlanView& v);
+
+
 
 // The view of a public plan (flare/block_mask.h) over `device_data`, its uploaded copy.
 DqPlanView dq_plan_view(const BlockSparseDqPlan& plan, const int32_t* device_data);

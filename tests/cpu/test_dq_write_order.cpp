@@ -26,35 +26,7 @@ using sched::SimWorkload;
 
 int pick(std::mt19937& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
 
-// The grid's work under a plan, as the kernel reads it: tile at position p of the schedule, its
-// q blocks in walk order, each an ordered add on semaphore (b, h, m) at its dq_write_order turn,
-// then (GQA) the dK/dV add at its turn.
-SimWorkload workload_of(const DqPlanView& v, const BackwardCosts& costs) {
-  SimWorkload w;
-  w.num_semaphores = v.num_semaphores();
-  w.tiles.resize(v.num_tiles());
-  for (int position = 0; position < v.num_tiles(); ++position) {
-    const DqTile t = v.tile_at(position);
-    std::vector<SimStep>& steps = w.tiles[position];
-    for (int s = v.walk_begin(t); s < v.walk_end(t); ++s) {
-      SimStep step;
-      step.compute = v.is_full(s) ? costs.full_block : costs.partial_block;
-      step.semaphore = v.dq_semaphore(t.batch, t.head, v.q_block(s));
-      step.turn = v.dq_turn(s);
-      step.add = costs.dq_add;
-      steps.push_back(step);
-    }
-    if (v.group > 1) {
-      SimStep step;
-      step.compute = 0;
-      step.semaphore = v.dkv_semaphore(t.batch, t.head / v.group, t.kv_block);
-      step.turn = v.dkv_turn(t);
-      step.add = costs.dkv_add;
-      steps.push_back(step);
-    }
-  }
-  return w;
-}
+SimWorkload workload_of(const DqPlanView& v, const BackwardCosts& costs) { return dq_plan_workload(v, costs); }
 
 // ---- random masks and attention shapes ----------------------------------------------------------
 
@@ -265,6 +237,48 @@ TEST(DqWriteOrder, HeadGroupKeepsTheQSideInL2) {
   EXPECT_EQ(dq_plan_head_group(1024, h100), 33);
   EXPECT_EQ(dq_plan_head_group(int64_t{1} << 20, h100), 1);
   EXPECT_EQ(dq_plan_head_group(0, h100), 34133);  // as one query
+}
+
+// The head-group rule on issue 6's masks (batch 2, 16 heads, seqlen 8192, 128 x 128 blocks, broadcast
+// masks): the choices measured best on the H100 (dq_write_order.h).
+TEST(DqWriteOrder, HeadGroupFollowsTheMask) {
+  const int seqlen = 8192, blocks = 64;
+  BlockMaskGeometry g;
+  g.seqlen_q = g.seqlen_k = seqlen, g.q_block_size = g.kv_block_size = 128;
+  std::vector<int32_t> docs;
+  for (int d = 0, lengths[] = {332, 1790, 1034, 290, 2764, 708, 375, 899}; d < 8; ++d)
+    docs.insert(docs.end(), lengths[d], d);
+  const int64_t h100 = int64_t{50} << 20;
+  for (int kind = 0; kind < 4; ++kind) {
+    HostBlockMask mask;
+    if (kind == 3) {
+      std::mt19937 rng(7);
+      std::uniform_real_distribution<double> u(0.0, 1.0);
+      BlockKindGrid kinds = BlockKindGrid::all_empty(1, 1, blocks, blocks);
+      for (TileKind& k : kinds.kinds) k = u(rng) < 0.25 ? TileKind::kFull : TileKind::kEmpty;
+      ASSERT_TRUE(build_from_kinds(kinds, g, ElementMask{}, &mask).ok());
+    } else {
+      ElementMask e;
+      e.causal = kind < 2;
+      if (kind == 1) e.window_left = 1024;
+      if (kind == 2) {
+        e.doc_ids_q = TensorView::contiguous(docs.data(), DType::kInt32, {1, seqlen}, Device{DeviceKind::kCPU, 0});
+        e.doc_ids_k = e.doc_ids_q;
+      }
+      ASSERT_TRUE(build_from_element_mask(e, g, &mask).ok());
+    }
+    DqWritePlan plan;
+    ASSERT_TRUE(make_dq_write_plan(mask, 2, 16, 16, DqPlanOptions{}, &plan).ok());
+    const double overlap = dq_plan_list_overlap(plan.view());
+    EXPECT_EQ(overlap < 0.5, kind == 3) << kind << ": overlap " << overlap;
+    EXPECT_EQ(choose_dq_plan_head_group(mask, 2, 16, 16, seqlen, h100), kind == 2 ? 0 : 4) << kind;
+  }
+  // Few enough heads for one group: interleaving them all is the same schedule.
+  HostBlockMask causal;
+  ElementMask e;
+  e.causal = true;
+  ASSERT_TRUE(build_from_element_mask(e, g, &causal).ok());
+  EXPECT_EQ(choose_dq_plan_head_group(causal, 1, 4, 4, seqlen, h100), 0);
 }
 
 TEST(DqWriteOrder, ViewOfACopyReadsTheSame) {
