@@ -35,6 +35,19 @@ __device__ __forceinline__ void doc_lookup_bits(const block_sparse::ElementMaskP
   const int32_t doc0 = row_ids[b * row_batch + rows[0] * row_stride];
   const int32_t doc1 = row_ids[b * row_batch + rows[1] * row_stride];
   bits[0] = bits[1] = 0u;
+  if (pairs && col_base + 8 * (kGroups - 1) + 1 < col_end) {
+    // Every column inside the sequence: the pair loads, all issued before any compare (one
+    // round trip of latency per tile rather than one per group of the loop below).
+    int2 d[kGroups];
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) d[j] = *reinterpret_cast<const int2*>(col_ids + col_base + 8 * j);
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      bits[0] |= ((d[j].x == doc0 ? 1u : 0u) | (d[j].y == doc0 ? 2u : 0u)) << (2 * j);
+      bits[1] |= ((d[j].x == doc1 ? 1u : 0u) | (d[j].y == doc1 ? 2u : 0u)) << (2 * j);
+    }
+    return;
+  }
 #pragma unroll kUnroll
   for (int j = 0; j < kGroups; ++j) {
     const int64_t col = col_base + 8 * j;
