@@ -22,7 +22,7 @@
 namespace flare::hopper {
 
 // Bit 2 j + c of each row's word: column col_base + 8 j + c has the same document as the row.
-template <int kGroups, bool kRowsAreQueries, int kUnroll>
+template <int kGroups, bool kRowsAreQueries>
 __device__ __forceinline__ void doc_lookup_bits(const block_sparse::ElementMaskParams& el, int b,
                                                 const int64_t (&rows)[2], int64_t col_base, int64_t col_end,
                                                 uint32_t (&bits)[2]) {
@@ -48,7 +48,7 @@ __device__ __forceinline__ void doc_lookup_bits(const block_sparse::ElementMaskP
     }
     return;
   }
-#pragma unroll kUnroll
+#pragma unroll 4
   for (int j = 0; j < kGroups; ++j) {
     const int64_t col = col_base + 8 * j;
     int2 d = make_int2(0, 0);
@@ -71,7 +71,7 @@ __device__ __forceinline__ void doc_lookup_bits(const block_sparse::ElementMaskP
 // col_base + 8 j + c. Forward (rows are queries): each row's words cover its columns, one load per
 // 32 of them (col_base - col_base % 8 must be a multiple of 32). Backward (rows are keys): one word
 // per query column serves both rows when they share it.
-template <int kGroups, bool kRowsAreQueries, int kUnroll>
+template <int kGroups, bool kRowsAreQueries>
 __device__ __forceinline__ void mask_lookup_bits(const block_sparse::ElementMaskParams& el, int b, int h,
                                                  const int64_t (&rows)[2], int64_t col_base, int64_t col_end,
                                                  uint32_t (&bits)[2]) {
@@ -100,7 +100,7 @@ __device__ __forceinline__ void mask_lookup_bits(const block_sparse::ElementMask
   } else {
     const int64_t w0 = rows[0] / 32, w1 = rows[1] / 32;
     const int s0 = static_cast<int>(rows[0] % 32), s1 = static_cast<int>(rows[1] % 32);
-#pragma unroll kUnroll
+#pragma unroll 4
     for (int j = 0; j < kGroups; ++j) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
@@ -117,17 +117,17 @@ __device__ __forceinline__ void mask_lookup_bits(const block_sparse::ElementMask
 }
 
 // Both lookups (each where the mask has it): every column that passes them all.
-template <int kGroups, bool kRowsAreQueries, int kUnroll = 4>
+template <int kGroups, bool kRowsAreQueries>
 __device__ __forceinline__ void element_lookup_bits(const block_sparse::ElementMaskParams& el, int b, int h,
                                                     const int64_t (&rows)[2], int64_t col_base, int64_t col_end,
                                                     uint32_t (&bits)[2]) {
   static_assert(2 * kGroups <= 32, "a row's columns fit one word");
   constexpr uint32_t kAll = 2 * kGroups == 32 ? ~0u : (1u << (2 * kGroups)) - 1u;
   bits[0] = bits[1] = kAll;
-  if (el.doc_q != nullptr) doc_lookup_bits<kGroups, kRowsAreQueries, kUnroll>(el, b, rows, col_base, col_end, bits);
+  if (el.doc_q != nullptr) doc_lookup_bits<kGroups, kRowsAreQueries>(el, b, rows, col_base, col_end, bits);
   if (el.bits != nullptr) {
     uint32_t m[2];
-    mask_lookup_bits<kGroups, kRowsAreQueries, kUnroll>(el, b, h, rows, col_base, col_end, m);
+    mask_lookup_bits<kGroups, kRowsAreQueries>(el, b, h, rows, col_base, col_end, m);
     bits[0] &= m[0];
     bits[1] &= m[1];
   }
