@@ -353,11 +353,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 // kPersistent: CTA c works on tiles c, c + gridDim.x, ... of the L2-grouped order, its producer
 // loading the next tile's Q and K/V while the consumers finish the current one. Otherwise one CTA
 // per tile, launched longest first when rows see different numbers of keys. kSparse: the key tiles
-// of hp.bs's lists, one CTA per tile, the last q blocks first (the longest lists of causal-like
-// masks).
+// of hp.bs's lists, the last q blocks first (the longest lists of causal-like masks; the order's
+// unbanded q blocks are descending too).
 template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
-  static_assert(!(kSparse && kPersistent), "the block-sparse forward runs one CTA per tile");
   using Walk = std::conditional_t<kSparse, SparseKvWalk<Cfg::kBlockN>, DenseKvWalk>;
   extern __shared__ unsigned char smem_raw[];
   auto& sm = smem_struct<FwdSmem<Cfg, T>>(smem_raw);

@@ -2,6 +2,8 @@
 // per-(head dim, dtype) translation units only.
 #pragma once
 
+#include <cstdlib>
+
 #include <cute/tensor.hpp>
 
 #include "src/attention/hopper/fwd_kernel.h"
@@ -72,10 +74,28 @@ Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream);
 }
 
+// The block-sparse forward's grid (an experiment, compile-time): 0 one CTA per tile (the default),
+// 1 persistent (one CTA per SM over the L2-grouped order, the producer loading the next tile under
+// the current one's GEMMs), 2 both compiled and the environment's FLARE_HOPPER_SPARSE_PERSISTENT=1
+// picking the persistent one (A/B runs of one binary).
+#ifndef FLARE_HOPPER_SPARSE_PERSISTENT
+#define FLARE_HOPPER_SPARSE_PERSISTENT 0
+#endif
+
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
                                 Stream stream) {
-  return launch_hopper_fwd_cfg<typename HopperFwdSparseConfigFor<kHeadDim>::type, T, false, true>(p, stream, &bs);
+  using Cfg = typename HopperFwdSparseConfigFor<kHeadDim>::type;
+#if FLARE_HOPPER_SPARSE_PERSISTENT == 2
+  static const bool persistent = [] {
+    const char* e = std::getenv("FLARE_HOPPER_SPARSE_PERSISTENT");
+    return e != nullptr && e[0] == '1';
+  }();
+  if (persistent) return launch_hopper_fwd_cfg<Cfg, T, true, true>(p, stream, &bs);
+  return launch_hopper_fwd_cfg<Cfg, T, false, true>(p, stream, &bs);
+#else
+  return launch_hopper_fwd_cfg<Cfg, T, FLARE_HOPPER_SPARSE_PERSISTENT == 1, true>(p, stream, &bs);
+#endif
 }
 
 }  // namespace flare::hopper
