@@ -36,6 +36,9 @@ struct ElementMaskParams {
   int64_t bits_batch = 0, bits_head = 0, bits_row = 0;  // 0 on broadcast dims
 
   FLARE_HD bool has_lookups() const { return doc_q != nullptr || bits != nullptr; }
+  FLARE_HD bool has_structural() const {
+    return causal || window_left >= 0 || window_right >= 0 || prefix_length >= 0;
+  }
 
   // The columns the structural predicates leave row q_idx (absolute positions).
   FLARE_HD ColumnInterval row_interval(int64_t q_idx) const {

@@ -447,15 +447,20 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
     return;
   }
   if (element != nullptr && step.element) {
-    // The structural predicates, a bit per element in a rolled loop, and the lookups' bits.
+    // The structural predicates, a bit per element in a rolled loop (skipped where the mask has none
+    // and the step lies inside both sequences: documents, bit masks), and the lookups' bits.
     static_assert(kN <= 32 && kN % 4 == 0, "a thread's S^T elements fit one mask word");
-    uint32_t seen = 0u;
+    uint32_t seen = ~0u;
+    if (element->has_structural() || !t.band.unmasked() || q0 + Cfg::kBlockM > t.seq.seqlen_q ||
+        t.col0 + Cfg::kBlockN > t.seq.seqlen_k) {
+      seen = 0u;
 #pragma unroll 2
-    for (int i = 0; i < kN; ++i) {
-      const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
-      if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
-          element->row_interval(q).contains(key))
-        seen |= 1u << i;
+      for (int i = 0; i < kN; ++i) {
+        const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
+        if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
+            element->row_interval(q).contains(key))
+          seen |= 1u << i;
+      }
     }
     seen &= lookups;
     CUTE_UNROLL
