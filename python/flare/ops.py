@@ -39,10 +39,7 @@ def eager_autograd(name, impl, setup_context, backward):
         setup_context(ctx, inputs, output)
         return output
 
-    def backward_(ctx, *grads):
-        return backward(ctx, *grads)
-
-    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
     return fn.apply
 
 
