@@ -43,6 +43,7 @@
 #include "flare/status.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/cuda_check.h"
+#include "src/common/grid_dependency.h"
 
 namespace flare::decode {
 
@@ -156,19 +157,10 @@ __device__ __forceinline__ void cp_async_16_l2_256(void* smem, const void* gmem,
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
 
-// Programmatic dependent launch (sm_90+): the combine kernel is launched while the attention
-// kernel still runs and waits here for its results, so its launch latency hides behind the
-// attention kernel's tail. No-ops below sm_90 (the launch attribute is not set there either).
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::);
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisite_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
+// Programmatic dependent launch: src/common/grid_dependency.h (the combine kernel is launched
+// while the attention kernel still runs and waits for its results).
+using flare::device::allow_dependent_launch;
+using flare::device::wait_for_prerequisite_grids;
 
 __device__ __forceinline__ int warp_min(int x) {
 #pragma unroll

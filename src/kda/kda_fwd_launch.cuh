@@ -42,18 +42,41 @@ inline int state_slice_width(const KdaFwdArgs& a, int num_sms, int max_bv) {
   return ctas(32) * 2 >= num_sms ? 32 : 16;
 }
 
-template <typename Kernel, typename Args>
-cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Args& a) {
+template <typename Kernel, typename... Args>
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Args&... args) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  kernel<<<grid, threads, smem, stream>>>(a);
+  kernel<<<grid, threads, smem, stream>>>(args...);
   return cudaGetLastError();
+}
+
+// launch, as the programmatic dependent of the kernel before it in the stream (sm_90+: it may
+// start once every CTA of that kernel has allowed it; src/common/grid_dependency.h), or plainly
+// below sm_90.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                             const Args&... args) {
+  if (detail::current_device_facts().cc_major < 9) return launch(kernel, grid, threads, smem, stream, args...);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  e = cudaLaunchKernelEx(&config, kernel, args...);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 template <typename T, int K, int V, int BV>
 cudaError_t launch_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
   return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs),
-                StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a);
+                StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a, 0);
 }
 
 // The chunk table (varlen) and every chunk's preparation: the first stages of the forward and of
@@ -92,28 +115,44 @@ cudaError_t with_state_slice_width(const KdaFwdArgs& a, Launch&& launch) {
                               std::forward<Launch>(launch));
 }
 
-// The segmented state pass (kda_state_segments.h): every segment's transition, the combine, then
-// the output pass over all segments. The output pass takes the widest slice (FLARE_KDA_STATE_BV
-// overrides it), the transition pass the same width where it divides K.
+// The segmented state pass (kda_state_segments.h), four kernels:
+//   transitions of segments 1 .. count-2 (one CTA of all V + K columns per sequence, head and
+//     segment), and beside them, as their programmatic dependent, segment 0's output pass (from
+//     the initial state; it writes segment 1's start); the rule sizes the two to fill the SMs
+//     together;
+//   the combine (the starts of segments 2 .. count-1);
+//   the output pass of segments 1 .. count-1.
+// The output passes take the widest slice (FLARE_KDA_STATE_BV overrides it).
 template <typename T, int K, int V>
 cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
   const int forced = forced_state_slice_width(a, 128);
   const int bv = forced != 0 ? forced : (V < 128 ? V : 128);
-  const int bv_transition = bv < K ? bv : K;
-  const int transitions = a.state_segments - 1;
-  cudaError_t e = with_width<V>(bv_transition, [&](auto w) {
+  const int transitions = a.state_segments - 2;
+  cudaError_t e = cudaSuccess;
+  if (transitions > 0) {
+    e = launch(kda_state_transition_kernel<T, K, V>, dim3(1, a.heads_v, a.num_seqs * transitions),
+               TransitionConfig<K, V>::kThreads, sizeof(TransitionSmem<T, K, V>), stream, a);
+    if (e != cudaSuccess) return e;
+  }
+  e = with_width<V>(bv, [&](auto w) {
     constexpr int BV = decltype(w)::value;
-    return launch(kda_state_transition_kernel<T, K, V, BV>, dim3((V + K) / BV, a.heads_v, a.num_seqs * transitions),
-                  StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV, StatePass::kTransition>), stream, a);
+    const dim3 grid(V / BV, a.heads_v, a.num_seqs);
+    constexpr int kThreads = StateConfig<K, BV>::kThreads;
+    constexpr size_t kSmem = sizeof(StateSmem<T, K, BV>);
+    // Without transitions the kernel ahead is the chunk prep, whose results it reads at once.
+    return transitions > 0 ? launch_dependent(kda_state_pass_kernel<T, K, V, BV>, grid, kThreads, kSmem, stream, a, 0)
+                           : launch(kda_state_pass_kernel<T, K, V, BV>, grid, kThreads, kSmem, stream, a, 0);
   });
   if (e != cudaSuccess) return e;
-  e = launch(kda_state_segment_combine_kernel<K, V>, dim3(V / kSegmentCombineCols, a.heads_v, a.num_seqs), K,
-             segment_combine_smem_bytes<K>(), stream, a);
-  if (e != cudaSuccess) return e;
+  if (transitions > 0) {
+    e = launch(kda_state_segment_combine_kernel<K, V>, dim3(V / kSegmentCombineCols, a.heads_v, a.num_seqs), K,
+               segment_combine_smem_bytes<K>(), stream, a);
+    if (e != cudaSuccess) return e;
+  }
   return with_width<V>(bv, [&](auto w) {
     constexpr int BV = decltype(w)::value;
-    return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs * a.state_segments),
-                  StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a);
+    return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs * (a.state_segments - 1)),
+                  StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a, 1);
   });
 }
 

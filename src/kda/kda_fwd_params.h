@@ -9,7 +9,7 @@
 //   kda_state_pass  (kda_state_pass.cuh), one CTA per (sequence, value head, value slice),
 //     walks the chunks in order with the state in registers and writes the output and the
 //     final state. For small batches the pass is cut into segments along the sequence
-//     (kda_state_segments.h: a transition kernel and a combine kernel first).
+//     (kda_state_segments.h: transitions beside segment 0's output, a combine, the other segments).
 #pragma once
 
 #include <cstddef>
@@ -67,16 +67,17 @@ struct KdaFwdArgs {
 
   // The segmented state pass (kda_state_segments.h); state_segments 1: not segmented.
   int state_segments = 1, segment_chunks = 0;
-  float* seg_transition = nullptr;  // [N][HV][state_segments - 1][K][V + K]: S0 | X of each segment
+  float* seg_transition = nullptr;  // [N][HV][state_segments - 2][K][V + K]: S0 | X of segments 1 .. count-2
   float* seg_start = nullptr;       // [N][HV][state_segments - 1][K][V]: the state where segments 1.. start
 };
 
 // Bytes of the segmented pass's two arrays (0 when not segmented), each 256-byte aligned.
 inline size_t kda_segment_bytes(int64_t num_seqs, int64_t heads_v, int64_t K, int64_t V, int segments,
                                 size_t* transition_bytes) {
-  const size_t blocks = static_cast<size_t>(num_seqs * heads_v * (segments - 1));
-  *transition_bytes = (blocks * K * (V + K) * sizeof(float) + 255) / 256 * 256;
-  return *transition_bytes + (blocks * K * V * sizeof(float) + 255) / 256 * 256;
+  const size_t heads = static_cast<size_t>(num_seqs * heads_v);
+  const size_t transitions = segments > 2 ? static_cast<size_t>(segments - 2) : 0;
+  *transition_bytes = (heads * transitions * K * (V + K) * sizeof(float) + 255) / 256 * 256;
+  return *transition_bytes + (heads * (segments - 1) * K * V * sizeof(float) + 255) / 256 * 256;
 }
 
 struct KdaWorkspaceLayout {

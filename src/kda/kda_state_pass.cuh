@@ -11,11 +11,13 @@
 //   S^T    = S^T Diag(decay) + vnew^T kg
 // The chunk's w, u, qg, kg, P come from kda_chunk_prep through a 3-stage cp.async pipeline.
 // The segmented pass's transition kernel runs the same step without the output (no qg, P) on
-// K x (V + K) columns: value columns from a zero state, identity columns with u = 0.
+// K x (V + K) columns, all in one CTA of (V + K) / 16 warps: value columns from a zero state,
+// identity columns with u = 0; its warps share each chunk's w and kg.
 #pragma once
 
 #include <type_traits>
 
+#include "src/common/grid_dependency.h"
 #include "src/kda/kda_chunk_prep.cuh"
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_tiles.cuh"
@@ -25,9 +27,12 @@ namespace flare::kda {
 // kOutput: the pass that writes the output; kTransition: a segment's S0 | X (no output).
 enum class StatePass { kOutput, kTransition };
 
-template <int K, int BV>
+// BV: the state columns of a CTA (a value slice; the transition's V + K); BU: the value columns
+// of u it reads (the slice; the transition's V).
+template <int K, int BV, int BU = BV>
 struct StateConfig {
-  static_assert(BV % 16 == 0 && BV <= 128, "BV: 16, 32, 64 or 128 value columns");
+  static_assert(BV % 16 == 0 && BV <= 256, "BV: 16 to 256 state columns");
+  static_assert(BU % 16 == 0 && BU <= BV, "BU: value columns among the state's");
   static constexpr int kWarps = BV / 16;
   static constexpr int kThreads = 32 * kWarps;
   // Two chunks in flight while one is computed; one at the widest slice, whose 8 warps hide the
@@ -35,55 +40,68 @@ struct StateConfig {
   static constexpr int kStages = BV > 64 ? 2 : 3;
   static constexpr int kLdK = K + 8;  // 16-byte padding: conflict-free ldmatrix
   static constexpr int kLdP = kKdaChunk + 8;
-  static constexpr int kLdU = BV + 8;
+  static constexpr int kLdU = BU + 8;
   static constexpr int kLdO = 16 + 8;
 };
 
 // One stage of the pipeline: a chunk's operands (the transition pass reads no qg, P).
-template <typename T, int K, int BV>
+template <typename T, int K, int BV, int BU>
 struct StateStageCore {
-  using C = StateConfig<K, BV>;
+  using C = StateConfig<K, BV, BU>;
   T w[kKdaChunk][C::kLdK];
   T kg[kKdaChunk][C::kLdK];
-  T u[kKdaChunk][C::kLdU];  // this CTA's value slice
+  T u[kKdaChunk][C::kLdU];  // this CTA's value columns
   float decay[K];
 };
 
 template <typename T, int K, int BV>
-struct StateStageFull : StateStageCore<T, K, BV> {
+struct StateStageFull : StateStageCore<T, K, BV, BV> {
   using C = StateConfig<K, BV>;
   T qg[kKdaChunk][C::kLdK];
   T P[kKdaChunk][C::kLdP];
 };
 
-template <typename T, int K, int BV, StatePass kPass>
+// The output pass's stage holds a BV-column slice's operands; the transition's (BV = V + K,
+// BU = V) no qg or P.
+template <typename T, int K, int BV, int BU, StatePass kPass>
 using StateStage =
-    std::conditional_t<kPass == StatePass::kOutput, StateStageFull<T, K, BV>, StateStageCore<T, K, BV>>;
+    std::conditional_t<kPass == StatePass::kOutput, StateStageFull<T, K, BV>, StateStageCore<T, K, BV, BU>>;
 
-template <typename T, int K, int BV, StatePass kPass = StatePass::kOutput>
+template <typename T, int K, int BV, int BU = BV, StatePass kPass = StatePass::kOutput>
 struct StateSmem {
-  using C = StateConfig<K, BV>;
-  StateStage<T, K, BV, kPass> stage[C::kStages];
+  using C = StateConfig<K, BV, BU>;
+  StateStage<T, K, BV, BU, kPass> stage[C::kStages];
 };
 
 template <typename T, int K, int BV>
-struct StateSmem<T, K, BV, StatePass::kOutput> {
+struct StateSmem<T, K, BV, BV, StatePass::kOutput> {
   using C = StateConfig<K, BV>;
-  StateStage<T, K, BV, StatePass::kOutput> stage[C::kStages];
+  StateStage<T, K, BV, BV, StatePass::kOutput> stage[C::kStages];
   T out[C::kWarps][kKdaChunk][C::kLdO];  // each warp's output tile, staged for 16-byte stores
 };
 
-// cp.async of chunk `chunk`'s operands (value columns [v0, v0 + BV) of u, when with_u) into one
-// stage.
-template <typename T, int K, int V, int BV, StatePass kPass>
-__device__ __forceinline__ void load_chunk(StateStage<T, K, BV, kPass>& st, const KdaFwdArgs& a, int chunk, int hv,
-                                           int v0, bool with_u) {
-  constexpr int kThreads = StateConfig<K, BV>::kThreads;
+// The transition pass's configuration and shared memory: one CTA of all K x (V + K) columns.
+template <int K, int V>
+using TransitionConfig = StateConfig<K, V + K, V>;
+template <typename T, int K, int V>
+using TransitionSmem = StateSmem<T, K, V + K, V, StatePass::kTransition>;
+
+// cp.async of chunk `chunk`'s operands (value columns [v0, v0 + BU) of u) into one stage.
+template <typename T, int K, int V, int BV, int BU, StatePass kPass>
+__device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass>& st, const KdaFwdArgs& a, int chunk,
+                                           int hv, int v0) {
+  using C = StateConfig<K, BV, BU>;
+  // The rows are spread over a power-of-two count of threads (a transition CTA of 12 warps loads
+  // with 8 of them).
+  constexpr int kThreads = C::kThreads & (C::kThreads - 1) ? 256 : C::kThreads;
+  static_assert(kThreads <= C::kThreads, "loaders within the CTA");
   const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
   const T* w = static_cast<const T*>(a.w) + slot * kKdaChunk * K;
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
   const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
-  using C = StateConfig<K, BV>;
+  const float* decay = a.decay + slot * K;
+  for (int idx = threadIdx.x; idx < K / 4; idx += C::kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
+  if (threadIdx.x >= kThreads) return;
   load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
   if constexpr (kPass == StatePass::kOutput) {
     const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
@@ -92,16 +110,14 @@ __device__ __forceinline__ void load_chunk(StateStage<T, K, BV, kPass>& st, cons
     load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
   }
   load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
-  if (with_u) load_rows<T, BV, C::kLdU, kThreads, true>(st.u, u, V);
-  const float* decay = a.decay + slot * K;
-  for (int idx = threadIdx.x; idx < K / 4; idx += kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
+  load_rows<T, BU, C::kLdU, kThreads, true>(st.u, u, V);
 }
 
 // The segmented pass's arrays for head = sequence * HV + value head: segment s's S0 | X
-// (K x (V + K), s < state_segments - 1) and the state where segment s >= 1 starts (K x V).
+// (K x (V + K), 1 <= s <= state_segments - 2) and the state where segment s >= 1 starts (K x V).
 template <int K, int V>
 __device__ __forceinline__ float* segment_transition(const KdaFwdArgs& a, int64_t head, int s) {
-  return a.seg_transition + (head * (a.state_segments - 1) + s) * K * (V + K);
+  return a.seg_transition + (head * (a.state_segments - 2) + s - 1) * K * (V + K);
 }
 template <int K, int V>
 __device__ __forceinline__ float* segment_start(const KdaFwdArgs& a, int64_t head, int s) {
@@ -125,7 +141,7 @@ __device__ __forceinline__ void identity_state_frag(float (&S)[K / 8][4], int j0
 // fragments land as O's rows), 32 bytes per token, into out's columns [vc, vc + 16).
 template <typename T, int K, int V, int BV>
 __device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdO],
-                                             const StateStage<T, K, BV, StatePass::kOutput>& st,
+                                             const StateStage<T, K, BV, BV, StatePass::kOutput>& st,
                                              float (&o)[kKdaChunk / 8][4], const uint32_t (&aV)[kKdaChunk / 16][4],
                                              const KdaFwdArgs& a, int chunk, int hv, int vc, int lane) {
   using C = StateConfig<K, BV>;
@@ -160,26 +176,36 @@ __device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdO],
   }
 }
 
-template <typename T, int K, int V, int BV, StatePass kPass>
-__device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
-  using C = StateConfig<K, BV>;
+// One CTA's pass over its chunks. The grids (kda_state_segments.h):
+//   unsegmented (state_segments 1): the output pass over every chunk, first_segment 0;
+//   segmented, output pass: segment 0 alone (first_segment 0: from the initial state, ending in
+//     segment 1's start), or segments 1 .. count-1 (first_segment 1: from the combine's starts,
+//     the last ending in the final state);
+//   segmented, transition pass: segments 1 .. count-2 (S0 | X each), all V + K columns in one CTA.
+template <typename T, int K, int V, int BV, int BU, StatePass kPass>
+__device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segment) {
+  using C = StateConfig<K, BV, BU>;
   constexpr bool kOut = kPass == StatePass::kOutput;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<StateSmem<T, K, BV, kPass>*>(smem_raw);
+  auto& sm = *reinterpret_cast<StateSmem<T, K, BV, BU, kPass>*>(smem_raw);
 
-  // Segments: the output pass runs all of them, the transition pass all but the last.
-  const int segments = kOut ? a.state_segments : a.state_segments - 1;
-  const int n = blockIdx.z / segments, seg = blockIdx.z % segments, hv = blockIdx.y, v0 = blockIdx.x * BV;
+  const int count = a.state_segments;
+  const int in_grid = !kOut ? count - 2 : (count == 1 || first_segment == 0) ? 1 : count - 1;
+  const int n = blockIdx.z / in_grid, seg = (kOut ? first_segment : 1) + blockIdx.z % in_grid;
+  const int hv = blockIdx.y, v0 = kOut ? blockIdx.x * BV : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int vw = warp * 16;  // this warp's columns within the slice
+  const int vw = warp * 16;  // this warp's columns within the CTA's
   auto [begin, end] = chunk_range(a, n);
-  if (a.state_segments > 1) {
+  if (count > 1) {
     begin += seg * a.segment_chunks;
     end = min(end, begin + a.segment_chunks);
   }
   const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
-  // Transition pass: slices past V are identity columns (no u).
-  const bool value_slice = kOut || v0 < V;
+  // Transition pass: the warps past V carry identity columns (no u).
+  const bool value_warp = kOut || vw < V;
+  // Segment 0's output runs beside the transitions as their programmatic dependent (the launch
+  // says why); they have nothing to wait for, so let it start at once.
+  if constexpr (!kOut) device::allow_dependent_launch();
 
   // S^T: rows v = v0 + vw + g (+8), columns c = 8 nt + 2 t (+1).
   float S[K / 8][4];
@@ -188,21 +214,21 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
       load_state_frag<K>(S, a.initial_state ? a.initial_state + head * K * V + v0 + vw + g : nullptr, V, t);
     else
       load_state_frag<K>(S, segment_start<K, V>(a, head, seg) + v0 + vw + g, V, t);
-  } else if (value_slice) {
+  } else if (value_warp) {
     load_state_frag<K>(S, nullptr, V, t);
   } else {
-    identity_state_frag<K>(S, v0 - V + vw, g, t);
+    identity_state_frag<K>(S, vw - V, g, t);
   }
 
 #pragma unroll
   for (int s = 0; s < C::kStages; ++s) {
-    if (begin + s < end) load_chunk<T, K, V, BV, kPass>(sm.stage[s], a, begin + s, hv, v0, value_slice);
+    if (begin + s < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[s], a, begin + s, hv, v0);
     cp_async_commit();
   }
 
   for (int chunk = begin; chunk < end; ++chunk) {
     const int stage = (chunk - begin) % C::kStages;
-    const StateStage<T, K, BV, kPass>& st = sm.stage[stage];
+    const StateStage<T, K, BV, BU, kPass>& st = sm.stage[stage];
     cp_async_wait<C::kStages - 1>();
     __syncthreads();
 
@@ -210,7 +236,7 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
     // start) becomes an A operand one k-step at a time, which keeps registers free for the
     // loads in flight.
     float vnew[kKdaChunk / 8][4], o[kKdaChunk / 8][4];
-    if (value_slice) load_frag_t<kKdaChunk>(vnew, st.u, vw, g, t);
+    if (value_warp) load_frag_t<kKdaChunk>(vnew, st.u, vw, g, t);
     else zero(vnew);
     zero(o);
 #pragma unroll
@@ -252,28 +278,35 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a) {
       }
 
     __syncthreads();  // every warp is done with this stage (and its out tile)
-    if (chunk + C::kStages < end)
-      load_chunk<T, K, V, BV, kPass>(sm.stage[stage], a, chunk + C::kStages, hv, v0, value_slice);
+    if (chunk + C::kStages < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[stage], a, chunk + C::kStages, hv, v0);
     cp_async_commit();
   }
 
   if constexpr (kOut) {
-    if (seg == a.state_segments - 1)
+    if (seg == count - 1)
       store_state_frag<K>(S, a.final_state ? a.final_state + head * K * V + v0 + vw + g : nullptr, V, t);
+    else if (seg == 0)
+      store_state_frag<K>(S, segment_start<K, V>(a, head, 1) + v0 + vw + g, V, t);
+    // Segment 0's grid ran beside the transition grid: it completes only after that grid has, so
+    // that the kernels after it (the combine) see the transitions whatever the stream's rule for a
+    // programmatic dependent's completion.
+    if (count > 1 && seg == 0) device::wait_for_prerequisite_grids();
   } else {
-    store_state_frag<K>(S, segment_transition<K, V>(a, head, seg) + v0 + vw + g, V + K, t);
+    store_state_frag<K>(S, segment_transition<K, V>(a, head, seg) + vw + g, V + K, t);
   }
 }
 
+// The output pass: grid (V / BV, HV, N x segments in the grid); first_segment as in state_pass.
 template <typename T, int K, int V, int BV>
-__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_pass_kernel(const KdaFwdArgs a) {
-  state_pass<T, K, V, BV, StatePass::kOutput>(a);
+__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads)
+    kda_state_pass_kernel(const KdaFwdArgs a, int first_segment) {
+  state_pass<T, K, V, BV, BV, StatePass::kOutput>(a, first_segment);
 }
 
-// The segmented pass's first kernel: grid ((V + K) / BV, HV, N x (segments - 1)).
-template <typename T, int K, int V, int BV>
-__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads) kda_state_transition_kernel(const KdaFwdArgs a) {
-  state_pass<T, K, V, BV, StatePass::kTransition>(a);
+// The segmented pass's transitions: grid (1, HV, N x (segments - 2)), (V + K) / 16 warps.
+template <typename T, int K, int V>
+__global__ void __launch_bounds__(TransitionConfig<K, V>::kThreads) kda_state_transition_kernel(const KdaFwdArgs a) {
+  state_pass<T, K, V, V + K, V, StatePass::kTransition>(a, 1);
 }
 
 inline constexpr int kSegmentCombineCols = 16;
@@ -285,8 +318,8 @@ constexpr size_t segment_combine_smem_bytes() {
   return sizeof(float) * K * (kSegmentCombineCols + kSegmentCombineChunk + 1);
 }
 
-// The segmented pass's second kernel: start_{s+1} = X_s start_s + S0_s over the segments, in
-// fp32, from start_0 = the initial state (or 0). One CTA per (sequence, value head, 16 value
+// The segmented pass's third kernel: start_{s+1} = X_s start_s + S0_s for s = 1 .. count-2, in
+// fp32, from start_1 (segment 0's output pass wrote it). One CTA per (sequence, value head, 16 value
 // columns), thread i the state's row i. X_s (K x K) goes through shared memory 32 columns at a
 // time, each chunk loaded by all threads in 128-byte rows (thread i reading its own row of X from
 // global memory, 1 KB apart from its neighbours', left every load instruction uncoalesced: 71 us
@@ -301,12 +334,14 @@ __global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaF
   auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);                          // K x kCols
   auto& x_chunk = *reinterpret_cast<float(*)[K][kLd]>(smem_raw + sizeof(float) * K * kCols);  // K x kChunk
   const int n = blockIdx.z, hv = blockIdx.y, c0 = blockIdx.x * kCols, i = threadIdx.x;
-  const int transitions = a.state_segments - 1;
   const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
+  const float* start_1 = segment_start<K, V>(a, head, 1) + int64_t{i} * V + c0;
 #pragma unroll
-  for (int c = 0; c < kCols; ++c)
-    start[i][c] = a.initial_state ? a.initial_state[head * K * V + int64_t{i} * V + c0 + c] : 0.f;
-  for (int s = 0; s < transitions; ++s) {
+  for (int c4 = 0; c4 < kCols / 4; ++c4) {
+    const float4 v = *reinterpret_cast<const float4*>(start_1 + 4 * c4);
+    start[i][4 * c4] = v.x, start[i][4 * c4 + 1] = v.y, start[i][4 * c4 + 2] = v.z, start[i][4 * c4 + 3] = v.w;
+  }
+  for (int s = 1; s <= a.state_segments - 2; ++s) {
     const float* rows = segment_transition<K, V>(a, head, s);  // row r: S0 in [0, V), X in [V, V + K)
     float acc[kCols];
 #pragma unroll

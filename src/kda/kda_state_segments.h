@@ -5,15 +5,16 @@
 //   S_{c+1} = T_c S_c + kg_c^T u_c,   T_c = Diag(decay_c) - kg_c^T w_c   (K x K),
 // so a segment of chunks maps its start state S to X S + S0, where S0 is the segment run from a
 // zero state and X = T_last ... T_first is the same recurrence run on the K columns of the
-// identity with u = 0. Hence three kernels instead of one:
-//   transition (segments 0 .. count-2, all in parallel): S0 and X of each segment, as one
-//     K x (V + K) "state" whose first V columns start at 0 and read u, the other K start at the
-//     identity and read no u (no output);
-//   combine (sequential over segments, tiny): start_{s+1} = X_s start_s + S0_s, in fp32, from
-//     start_0 = the initial state;
-//   output (every segment in parallel): the ordinary pass over the segment's chunks from start_s,
-//     writing the output (and, in the last segment, the final state).
-// About 2.5x the state pass's arithmetic, spread over count times as many CTAs.
+// identity with u = 0. Segment 0 starts from the known initial state, and no segment after the
+// last needs a start, so (kda_fwd_launch.cuh):
+//   phase A: segment 0's output pass (which ends in segment 1's start) beside the transitions of
+//     segments 1 .. count-2 (S0 | X each, K x (V + K) "state" columns in one CTA: value columns
+//     from 0 reading u, identity columns without u; no output);
+//   combine (sequential over segments, tiny): start_{s+1} = X_s start_s + S0_s, in fp32;
+//   phase B: the output pass of segments 1 .. count-1 from their starts (the last writes the
+//     final state).
+// Each phase is one wave of count - 1 CTAs per (sequence, value head), each walking one segment:
+// the critical path is two segments' walks instead of the whole sequence's.
 //
 // Pure host functions: the rule below is tested on the CPU (tests/cpu/test_kda_args.cpp).
 #pragma once
@@ -21,16 +22,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "flare/decode_plan.h"  // decode_wave_efficiency
-
 namespace flare::detail {
 
 // Segments are at least this many chunks (below, the transition and combine costs are not small
 // against the chunk steps they parallelise), at most this many per sequence.
 inline constexpr int kKdaMinSegmentChunks = 16;
 inline constexpr int kKdaMaxSegments = 16;
-// The count chosen: the fewest segments whose wave efficiency is within this fraction of the best.
-inline constexpr double kKdaSegmentWaveSlack = 0.05;
 
 struct KdaStateSegments {
   int count = 1;   // segments per sequence (1: the unsegmented pass)
@@ -46,25 +43,20 @@ inline KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
 
 // The segmentation of the forward state pass. wide_ctas: the output pass's CTAs without
 // segments at its widest value slice (sequences x value heads x V / min(V, 128)), which run one
-// per SM. Segments where those fill at most half the SMs; their count: the fewest (at least 16
-// chunks each, at most 16) whose CTAs fill the waves (decode_wave_efficiency) within 5 % of the
-// best count. Varlen batches are not segmented (their sequences differ in length).
+// per SM; each phase runs count - 1 times as many. The count: the most segments whose phases
+// still fit in one wave (wide_ctas x (count - 1) <= SMs), at least 16 chunks each, at most 16;
+// below 3 segments the phases would walk the whole sequence one after the other, so no segments.
+// Varlen batches are not segmented (their sequences differ in length).
 // forced_chunks > 0 (FLARE_KDA_STATE_SEGMENT, tests and tuning) sets the segment length instead.
 inline KdaStateSegments kda_state_segments(int64_t wide_ctas, int64_t chunks_per_row, bool varlen, int num_sms,
                                               int forced_chunks = 0) {
   if (varlen || chunks_per_row <= 1 || wide_ctas <= 0) return {};
   if (forced_chunks > 0)
     return kda_segments_of(chunks_per_row, static_cast<int>((chunks_per_row + forced_chunks - 1) / forced_chunks));
-  // No device facts, or half the SMs have a CTA already (the unsegmented pass then runs narrower
-  // slices on the rest; segments would buy little for their extra arithmetic).
-  if (num_sms <= 0 || wide_ctas * 2 > num_sms) return {};
-  const int most = static_cast<int>(std::min<int64_t>(chunks_per_row / kKdaMinSegmentChunks, kKdaMaxSegments));
-  double best = 0;
-  for (int count = 1; count <= most; ++count) best = std::max(best, decode_wave_efficiency(wide_ctas * count, num_sms));
-  for (int count = 1; count <= most; ++count)
-    if (decode_wave_efficiency(wide_ctas * count, num_sms) >= best * (1 - kKdaSegmentWaveSlack))
-      return kda_segments_of(chunks_per_row, count);
-  return {};
+  if (num_sms <= 0) return {};  // no device facts
+  const int64_t count = std::min<int64_t>({num_sms / wide_ctas + 1, chunks_per_row / kKdaMinSegmentChunks,
+                                           int64_t{kKdaMaxSegments}});
+  return count >= 3 ? kda_segments_of(chunks_per_row, static_cast<int>(count)) : KdaStateSegments{};
 }
 
 }  // namespace flare::detail

@@ -645,37 +645,47 @@ TEST(KdaArgs, BackwardGateGradients) {
 
 // The segmentation rule of the forward state pass (kda_state_segments.h), against brute force:
 // every segment non-empty and at most `chunks` long, together exactly chunks_per_row; segments only
-// where the unsegmented pass leaves SMs idle, never shorter than the minimum, and the first count
-// that fills the waves.
+// where each phase (count - 1 CTAs per unsegmented CTA) fits in one wave, at least 3 of them, never
+// shorter than the minimum, and the most that fit.
 TEST(KdaStateSegments, Rule) {
   using flare::detail::kda_state_segments;
   using flare::detail::KdaStateSegments;
-  // B1, 32 value heads, V 128, T 32768 on 132 SMs: 32 CTAs -> 4 segments of 128 chunks (128 CTAs).
+  // B1, 32 value heads, V 128, T 32768 on 132 SMs: 32 CTAs -> 5 segments of 103 chunks (phases of
+  // 128 CTAs).
   KdaStateSegments s = kda_state_segments(32, 512, false, 132);
-  EXPECT_EQ(s.count, 4);
-  EXPECT_EQ(s.chunks, 128);
-  EXPECT_EQ(kda_state_segments(64, 512, false, 132).count, 2);     // B2
+  EXPECT_EQ(s.count, 5);
+  EXPECT_EQ(s.chunks, 103);
+  EXPECT_EQ(kda_state_segments(64, 512, false, 132).count, 3);     // B2
+  EXPECT_EQ(kda_state_segments(66, 512, false, 132).count, 3);     // phases of exactly 132 CTAs
+  EXPECT_EQ(kda_state_segments(67, 512, false, 132).count, 1);     // 3 segments would need 134
   EXPECT_EQ(kda_state_segments(256, 64, false, 132).count, 1);     // B8: a CTA per SM already
   EXPECT_EQ(kda_state_segments(32, 512, true, 132).count, 1);      // varlen: not segmented
-  EXPECT_EQ(kda_state_segments(32, 40, false, 132).count, 2);      // at most chunks / 16 segments
+  EXPECT_EQ(kda_state_segments(32, 40, false, 132).count, 1);      // 2 segments at most: no gain
+  EXPECT_EQ(kda_state_segments(32, 48, false, 132).count, 3);      // at most chunks / 16 segments
   EXPECT_EQ(kda_state_segments(32, 31, false, 132).count, 1);      // too short to cut
   EXPECT_EQ(kda_state_segments(32, 512, false, 0).count, 1);       // no device facts
   EXPECT_EQ(kda_state_segments(8, 4096, false, 132).count, 16);    // capped at 16 segments
-  EXPECT_EQ(kda_state_segments(2, 40, false, 132).count, 2);       // few CTAs: as many as allowed
   EXPECT_EQ(kda_state_segments(100, 4096, false, 132).count, 1);   // over half the SMs busy already
   for (int64_t cpr = 1; cpr <= 300; ++cpr)
     for (int forced : {0, 1, 2, 3, 7, 64})
-      for (int64_t ctas : {1, 8, 33, 100, 200}) {
+      for (int64_t ctas : {1, 8, 33, 66, 100, 200}) {
         s = kda_state_segments(ctas, cpr, false, 132, forced);
         ASSERT_GE(s.count, 1);
-        if (s.count == 1) continue;
+        if (s.count == 1) {
+          if (forced == 0)  // no count of 3 or more would have fitted
+            ASSERT_TRUE(ctas * 2 > 132 || cpr / flare::detail::kKdaMinSegmentChunks < 3) << ctas << " " << cpr;
+          continue;
+        }
         ASSERT_GE(s.chunks, 1);
         ASSERT_LT(int64_t{s.count - 1} * s.chunks, cpr) << "empty last segment, cpr " << cpr;
         ASSERT_GE(int64_t{s.count} * s.chunks, cpr) << "chunks left over, cpr " << cpr;
         if (forced > 0) {
           ASSERT_EQ(s.chunks, (cpr + ((cpr + forced - 1) / forced) - 1) / ((cpr + forced - 1) / forced));
         } else {
-          ASSERT_LE(ctas * 2, 132);
+          ASSERT_GE(s.count, 3);
+          ASSERT_LE(ctas * (s.count - 1), 132);                                      // one wave a phase
+          ASSERT_TRUE(ctas * s.count > 132 || s.count == flare::detail::kKdaMaxSegments ||
+                      s.count >= cpr / flare::detail::kKdaMinSegmentChunks);         // the most that fit
           ASSERT_GE(s.chunks, cpr / s.count);
           ASSERT_LE(s.count, cpr / flare::detail::kKdaMinSegmentChunks);
         }

@@ -326,17 +326,21 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
   a.decay = reinterpret_cast<float*>(ws + l.decay);
   cuda_emu::launch(dim3(chunks, a.heads_v), kda::PrepConfig<64, 128>::kThreads, kda::smem_raw,
                    [&] { kda::kda_chunk_prep_kernel<__nv_bfloat16, 64, 128>(a); });
-  if (segments > 1) {
-    a.state_segments = segments, a.segment_chunks = segment_chunks;
-    a.seg_transition = reinterpret_cast<float*>(ws + l.total);
-    a.seg_start = reinterpret_cast<float*>(ws + l.total + transition_bytes);
-    cuda_emu::launch(dim3((128 + 64) / 32, a.heads_v, segments - 1), kda::StateConfig<64, 32>::kThreads,
-                     kda::smem_raw, [&] { kda::kda_state_transition_kernel<__nv_bfloat16, 64, 128, 32>(a); });
+  // The launch order of kda_fwd_launch.cuh (unsegmented: the output pass alone).
+  a.state_segments = segments, a.segment_chunks = segments > 1 ? segment_chunks : 0;
+  a.seg_transition = reinterpret_cast<float*>(ws + l.total);
+  a.seg_start = reinterpret_cast<float*>(ws + l.total + transition_bytes);
+  if (segments > 2)
+    cuda_emu::launch(dim3(1, a.heads_v, segments - 2), kda::TransitionConfig<64, 128>::kThreads, kda::smem_raw,
+                     [&] { kda::kda_state_transition_kernel<__nv_bfloat16, 64, 128>(a); });
+  cuda_emu::launch(dim3(128 / 32, a.heads_v, 1), kda::StateConfig<64, 32>::kThreads, kda::smem_raw,
+                   [&] { kda::kda_state_pass_kernel<__nv_bfloat16, 64, 128, 32>(a, 0); });
+  if (segments > 2)
     cuda_emu::launch(dim3(128 / kda::kSegmentCombineCols, a.heads_v, 1), 64, kda::smem_raw,
                      [&] { kda::kda_state_segment_combine_kernel<64, 128>(a); });
-  }
-  cuda_emu::launch(dim3(128 / 32, a.heads_v, segments), kda::StateConfig<64, 32>::kThreads, kda::smem_raw,
-                   [&] { kda::kda_state_pass_kernel<__nv_bfloat16, 64, 128, 32>(a); });
+  if (segments > 1)
+    cuda_emu::launch(dim3(128 / 32, a.heads_v, segments - 1), kda::StateConfig<64, 32>::kThreads, kda::smem_raw,
+                     [&] { kda::kda_state_pass_kernel<__nv_bfloat16, 64, 128, 32>(a, 1); });
   double err = 0, lowp_err = 0, final_err = 0, final_max = 0;
   for (int64_t e = 0; e < want.numel(); ++e) {
     err = std::max(err, std::isnan(got.get(e)) ? INFINITY : std::abs(got.get(e) - want.get(e)));
@@ -356,9 +360,11 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
 
 TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) { run_forward_case(100, 1, 0, 11); }
 
-// The segmented state pass (kda_state_segments.h): 4 segments of 1 chunk, 2 of 3 (the last short).
+// The segmented state pass (kda_state_segments.h): 4 segments of 1 chunk (two transitions),
+// 3 of 2 (one transition, the last segment short), 2 of 3 (none: segment 0, then segment 1).
 TEST(KdaBackwardEmulated, SegmentedForwardStatePass) {
   run_forward_case(200, 4, 1, 13);
+  run_forward_case(300, 3, 2, 15);
   run_forward_case(200, 2, 3, 14);
 }
 

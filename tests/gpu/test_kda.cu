@@ -214,10 +214,10 @@ TEST(KdaForward, StateSliceWidths) {
   });
 }
 
-// The segmented state pass (kda_state_segments.h: transition, combine, output over segments),
-// which the heuristic takes only for batches that leave SMs idle: forced through
-// FLARE_KDA_STATE_SEGMENT (chunks per segment) at 1, 2 and 3 chunks (the last segment short), at
-// each value-slice width, with and without an initial state, KDA, GDN and K 64 / V 128.
+// The segmented state pass (kda_state_segments.h: segment 0 beside the transitions, the combine,
+// the other segments), which the heuristic takes only for batches that leave SMs idle: forced
+// through FLARE_KDA_STATE_SEGMENT (chunks per segment) at 1, 2 and 3 chunks (the last segment
+// short), at each value-slice width, with and without an initial state, KDA, GDN and K 64 / V 128.
 TEST(KdaForward, SegmentedStatePass) {
   FLARE_REQUIRE_GPU();
   for (int chunks : {1, 2, 3}) {
@@ -235,18 +235,18 @@ TEST(KdaForward, SegmentedStatePass) {
     run_case(gdn, 90 + chunks);
   }
   unsetenv("FLARE_KDA_STATE_SEGMENT");
-  // The rule's own choice (one sequence of 40 chunks, 2 value heads: 2 segments of 20), plain and
+  // The rule's own choice (one sequence of 48 chunks, 2 value heads: 3 segments of 16), plain and
   // in the training path's forward (its arrays then live in the backward's dh array); forced to
-  // 3 segments of 16 there too.
+  // 4 segments of 12 there too.
   Case rule;
-  rule.B = 1, rule.T = 2560 - 17, rule.HV = 2, rule.initial_state = true;
+  rule.B = 1, rule.T = 3072 - 17, rule.HV = 2, rule.initial_state = true;
   for (bool keep : {false, true}) {
     rule.keep_for_backward = keep;
     rule.name = std::string("long sequence") + (keep ? ", kept" : "");
     run_case(rule, 97);
   }
-  ASSERT_EQ(setenv("FLARE_KDA_STATE_SEGMENT", "16", 1), 0);
-  rule.name = "long sequence, kept, 3 segments";
+  ASSERT_EQ(setenv("FLARE_KDA_STATE_SEGMENT", "12", 1), 0);
+  rule.name = "long sequence, kept, 4 segments";
   run_case(rule, 98);
   unsetenv("FLARE_KDA_STATE_SEGMENT");
 }
