@@ -138,6 +138,7 @@ detail::KdaFwdArgs input_args(const Params& p, const detail::KdaShape& s, int64_
   a.decay = reinterpret_cast<float*>(ws + l.decay);
   a.chunks = reinterpret_cast<detail::KdaChunk*>(ws + l.chunks);
   a.seq_chunk_begin = reinterpret_cast<int*>(ws + l.seq_chunk_begin);
+  a.seq_order = reinterpret_cast<int*>(ws + l.seq_order);
   return a;
 }
 

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(RecordConfig<K, BV>::kThreads) kda_state_recor
   auto* stages = reinterpret_cast<RecordStage<T, K, BV>*>(smem_raw);
   const KdaFwdArgs& a = b.fwd;
 
-  const int n = blockIdx.z, hv = blockIdx.y, v0 = blockIdx.x * BV;
+  const int n = sequence_of_row(a, blockIdx.z), hv = blockIdx.y, v0 = blockIdx.x * BV;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;
   const auto [begin, end] = chunk_range(a, n);

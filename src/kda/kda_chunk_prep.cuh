@@ -38,6 +38,13 @@ __device__ __forceinline__ KdaChunkRange chunk_range(const detail::KdaFwdArgs& a
   return {n * a.chunks_per_row, n * a.chunks_per_row + a.chunks_per_row};
 }
 
+// The sequence of a state pass's CTA row z (blockIdx.z): varlen batches go longest first
+// (kda_chunk_table.cu), so that the longest walks start in the first wave and the short ones fill
+// in behind them (the bench's varlen batch: 130 chunk steps per SM instead of 153 in batch order).
+__device__ __forceinline__ int sequence_of_row(const detail::KdaFwdArgs& a, int z) {
+  return a.varlen ? a.seq_order[z] : z;
+}
+
 using detail::KdaChunk;
 using detail::KdaFwdArgs;
 using detail::kKdaChunk;

@@ -64,6 +64,7 @@ struct KdaFwdArgs {
   void* A_inv = nullptr;      // [s][64][64]: (I + L)^-1, written only when set (the backward reads it)
   KdaChunk* chunks;           // [max_chunks] (varlen)
   int* seq_chunk_begin;       // [N + 1] (varlen): chunks of sequence n are [begin[n], begin[n+1])
+  int* seq_order;             // [N] (varlen): the sequences longest first, the state passes' CTA order
 
   // The segmented state pass (kda_state_segments.h); state_segments 1: not segmented.
   int state_segments = 1, segment_chunks = 0;
@@ -81,7 +82,7 @@ inline size_t kda_segment_bytes(int64_t num_seqs, int64_t heads_v, int64_t K, in
 }
 
 struct KdaWorkspaceLayout {
-  size_t w = 0, u = 0, kg = 0, qg = 0, P = 0, decay = 0, chunks = 0, seq_chunk_begin = 0;
+  size_t w = 0, u = 0, kg = 0, qg = 0, P = 0, decay = 0, chunks = 0, seq_chunk_begin = 0, seq_order = 0;
   size_t total = 0;
 };
 
@@ -104,6 +105,7 @@ inline KdaWorkspaceLayout kda_workspace_layout(int64_t max_chunks, int64_t heads
   l.decay = take(slots * K * sizeof(float));
   l.chunks = take(static_cast<size_t>(max_chunks) * sizeof(KdaChunk));
   l.seq_chunk_begin = take(static_cast<size_t>(num_seqs + 1) * sizeof(int));
+  l.seq_order = take(static_cast<size_t>(num_seqs) * sizeof(int));
   l.total = at;
   return l;
 }

@@ -191,7 +191,8 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
 
   const int count = a.state_segments;
   const int in_grid = !kOut ? count - 2 : (count == 1 || first_segment == 0) ? 1 : count - 1;
-  const int n = blockIdx.z / in_grid, seg = (kOut ? first_segment : 1) + blockIdx.z % in_grid;
+  // (Segmented passes are never varlen: a row is a sequence, segments of it in turn.)
+  const int n = sequence_of_row(a, blockIdx.z / in_grid), seg = (kOut ? first_segment : 1) + blockIdx.z % in_grid;
   const int hv = blockIdx.y, v0 = kOut ? blockIdx.x * BV : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;  // this warp's columns within the CTA's

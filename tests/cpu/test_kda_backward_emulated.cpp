@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -58,6 +59,12 @@ void build_chunk_table(const KdaFwdArgs& a) {
   }
   a.seq_chunk_begin[a.num_seqs] = c;
   for (; c < a.max_chunks; ++c) a.chunks[c] = KdaChunk{0, 0, 0, 0};
+  // The state passes' row order: longest first, as the GPU's table kernel writes it.
+  std::vector<int> order(a.num_seqs);
+  for (int n = 0; n < a.num_seqs; ++n) order[n] = n;
+  auto chunks_of = [&a](int n) { return a.seq_chunk_begin[n + 1] - a.seq_chunk_begin[n]; };
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return chunks_of(x) > chunks_of(y); });
+  std::copy(order.begin(), order.end(), a.seq_order);
 }
 
 // launch_backward (kda_bwd_launch.cuh), kernel by kernel, with value slices of BV columns.
