@@ -225,11 +225,11 @@ void flush_l2(cudaStream_t stream) {
 
 Timing time_kernel(const std::function<void(cudaStream_t)>& launch, const TimingOptions& options,
                    cudaStream_t stream) {
-  if (options.repeats < 1 || options.warmup < 0 || options.graph_batch < 1) {
+  if (options.repeats < 1 || options.warmup < 0 || options.graph_batch < 1 || options.calls < 1) {
     std::fprintf(stderr,
-                 "time_kernel: need repeats >= 1, warmup >= 0, graph_batch >= 1 "
-                 "(got %d, %d, %d)\n",
-                 options.repeats, options.warmup, options.graph_batch);
+                 "time_kernel: need repeats >= 1, warmup >= 0, graph_batch >= 1, calls >= 1 "
+                 "(got %d, %d, %d, %d)\n",
+                 options.repeats, options.warmup, options.graph_batch, options.calls);
     std::exit(1);
   }
 
@@ -238,13 +238,15 @@ Timing time_kernel(const std::function<void(cudaStream_t)>& launch, const Timing
     graph = capture_launches(launch, options.graph_batch);
     FLARE_BENCH_CHECK(cudaGraphUpload(graph, stream));  // so even warmup = 0 times no upload
   }
-  const double launches_per_sample = options.cuda_graph ? options.graph_batch : 1;
+  const double launches_per_sample = (options.cuda_graph ? options.graph_batch : 1) * options.calls;
   auto run_once = [&](const char* phase) {
-    if (graph != nullptr) {
-      FLARE_BENCH_CHECK(cudaGraphLaunch(graph, stream));
-    } else {
-      launch(stream);
-      check_launch(phase);
+    for (int c = 0; c < options.calls; ++c) {
+      if (graph != nullptr) {
+        FLARE_BENCH_CHECK(cudaGraphLaunch(graph, stream));
+      } else {
+        launch(stream);
+        check_launch(phase);
+      }
     }
   };
 

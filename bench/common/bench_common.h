@@ -51,10 +51,10 @@ std::map<std::string, std::string> device_tags();
 void flush_l2(cudaStream_t stream);
 
 // Times `launch` on `stream`: `warmup` untimed runs, then `repeats` samples, each an event pair
-// around one launch (or one graph replay of `graph_batch` launches, divided by graph_batch),
-// preceded by an L2 flush when flush_l2 is set. The flush sits outside the event pair, so it is
-// not timed; with graph_batch > 1 it precedes the whole replay, so only the first launch of each
-// replay starts cold. Samples are queued while a one-thread kernel holds the stream, then run
+// around one launch (or one graph replay of `graph_batch` launches, divided by graph_batch; or
+// `calls` launches or replays back to back, divided by calls), preceded by an L2 flush when
+// flush_l2 is set. The flush sits outside the event pair, so it is not timed; with graph_batch
+// or calls > 1 it precedes the whole sample, so only its first launch starts cold. Samples are queued while a one-thread kernel holds the stream, then run
 // back to back, so the host's launch overhead never shows up inside a sample.
 //
 // With cuda_graph, `launch` is captured once (on a private stream in global capture mode, since

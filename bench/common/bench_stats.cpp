@@ -256,6 +256,7 @@ TimingOptions Args::timing(TimingOptions defaults) const {
   if (warmup) t.warmup = *warmup;
   if (graph) t.cuda_graph = true;
   if (no_flush) t.flush_l2 = false;
+  if (calls) t.calls = *calls;
   return t;
 }
 
@@ -290,7 +291,8 @@ bool parse_args(int argc, const char* const* argv, Args* args, std::string* erro
 
     const bool is_flag = name == "--graph" || name == "--no-flush" || name == "--quick";
     const bool takes_value =
-        name == "--json" || name == "--repeats" || name == "--warmup" || name == "--filter" || name == "--seqlen";
+        name == "--json" || name == "--repeats" || name == "--warmup" || name == "--filter" || name == "--seqlen" ||
+        name == "--calls";
     if (is_flag) {
       if (inline_value) return fail(name + " takes no value");
       if (name == "--graph") args->graph = true;
@@ -322,7 +324,10 @@ bool parse_args(int argc, const char* const* argv, Args* args, std::string* erro
       if (!parse_int(value, least, &n)) {
         return fail(name + ": expected an integer >= " + std::to_string(least) + ", got '" + value + "'");
       }
-      (name == "--repeats" ? args->repeats : name == "--warmup" ? args->warmup : args->seqlen) = n;
+      (name == "--repeats"  ? args->repeats
+       : name == "--warmup" ? args->warmup
+       : name == "--calls"  ? args->calls
+                            : args->seqlen) = n;
     }
   }
   return true;
@@ -336,6 +341,8 @@ std::string usage(std::string_view program) {
          "  --warmup N       untimed launches before the samples (N >= 0)\n"
          "  --graph          time CUDA-graph replays instead of direct launches\n"
          "  --no-flush       keep L2 warm between samples\n"
+         "  --calls N        time N back-to-back launches per sample (a sample is their time / N), as\n"
+         "                   the Python peers' --calls does; the L2 flush precedes the first only\n"
          "  --filter SUBSTR  run only the cases whose name contains SUBSTR\n"
          "  --seqlen N       the sequence length, for the sweeps that take one\n"
          "  --quick          a smaller sweep with fewer samples\n"

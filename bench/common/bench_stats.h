@@ -23,6 +23,7 @@ struct TimingOptions {
   bool flush_l2 = true;     // overwrite L2 before every sample, so inputs start in HBM
   bool cuda_graph = false;  // time replays of a captured graph instead of direct launches
   int graph_batch = 1;      // launches captured per graph; a sample is replay time / graph_batch
+  int calls = 1;            // direct launches back to back per sample; a sample is their time / calls
 };
 
 struct Timing {
@@ -123,6 +124,7 @@ struct Args {
   std::optional<int> repeats;  // --repeats N (N >= 1)
   std::optional<int> warmup;   // --warmup N (N >= 0)
   std::optional<int> seqlen;   // --seqlen N (N >= 1): the sequence length, for sweeps that take one
+  std::optional<int> calls;    // --calls N (N >= 1): N back-to-back launches per sample (no flush between)
   bool graph = false;          // --graph: time CUDA-graph replays
   bool no_flush = false;       // --no-flush: keep L2 warm between samples
   std::string filter;          // --filter SUBSTR: run only cases whose name contains it

@@ -262,16 +262,18 @@ TEST(Args, Defaults) {
   EXPECT_EQ(t.warmup, TimingOptions{}.warmup);
   EXPECT_TRUE(t.flush_l2);
   EXPECT_FALSE(t.cuda_graph);
+  EXPECT_EQ(t.calls, 1);
 }
 
 TEST(Args, AllOptionsSeparateValues) {
   Args a;
   std::string error;
   ASSERT_TRUE(parse({"--json", "out/r.json", "--repeats", "20", "--warmup", "0", "--graph",
-                     "--no-flush", "--filter", "d128", "--quick", "--seqlen", "1024"},
+                     "--no-flush", "--filter", "d128", "--quick", "--seqlen", "1024", "--calls", "20"},
                     &a, &error))
       << error;
   EXPECT_EQ(a.seqlen, 1024);
+  EXPECT_EQ(a.calls, 20);
   EXPECT_EQ(a.json_path, "out/r.json");
   EXPECT_EQ(a.repeats, 20);
   EXPECT_EQ(a.warmup, 0);
@@ -290,6 +292,7 @@ TEST(Args, AllOptionsSeparateValues) {
   EXPECT_TRUE(t.cuda_graph);
   EXPECT_FALSE(t.flush_l2);
   EXPECT_EQ(t.graph_batch, 8);  // not a command-line setting: kept
+  EXPECT_EQ(t.calls, 20);
 }
 
 TEST(Args, EqualsForm) {
@@ -328,7 +331,7 @@ TEST(Args, Help) {
   const std::string u = usage("bench_attention_fwd");
   EXPECT_EQ(u.rfind("usage: bench_attention_fwd [options]\n", 0), 0u);
   for (const char* option : {"--json", "--repeats", "--warmup", "--graph", "--no-flush",
-                             "--filter", "--quick", "--seqlen", "--help"}) {
+                             "--filter", "--quick", "--seqlen", "--calls", "--help"}) {
     EXPECT_NE(u.find(option), std::string::npos) << option;
   }
 }
@@ -353,6 +356,7 @@ TEST(Args, Errors) {
       {{"--repeats="}, "--repeats: expected an integer >= 1, got ''"},
       {{"--repeats", "99999999999"}, "--repeats: expected an integer >= 1, got '99999999999'"},
       {{"--warmup", "-1"}, "--warmup: expected an integer >= 0, got '-1'"},
+      {{"--calls", "0"}, "--calls: expected an integer >= 1, got '0'"},
       {{"--graph=1"}, "--graph takes no value"},
       {{"--quick=yes"}, "--quick takes no value"},
   };
