@@ -25,6 +25,7 @@
 #include "flare/decode_plan.h"
 #include "flare_instantiated.h"
 #include "src/common/cuda_check.h"
+#include "src/common/programmatic_launch.h"
 #include "src/common/tensor_checks.h"
 #include "src/decode/decode_args.h"
 #include "src/decode/decode_launch.h"
@@ -185,18 +186,13 @@ bool device_has_programmatic_launch() {
 // `programmatic`: launched as a programmatic dependent of the kernel before it on the stream.
 template <typename OutT>
 Status launch_merge_typed(const MergeKernelParams& p, bool vec4, bool programmatic, cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(p.rows));  // one row per CTA
-  config.blockDim = dim3(kMergeThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = programmatic ? 1 : 0;
-  const cudaError_t e = vec4 ? cudaLaunchKernelEx(&config, merge_states_kernel<OutT, 4>, p)
-                             : cudaLaunchKernelEx(&config, merge_states_kernel<OutT, 1>, p);
-  return detail::cuda_status(e != cudaSuccess ? e : cudaGetLastError(), "merge states launch");
+  const dim3 grid(static_cast<unsigned>(p.rows));  // one row per CTA
+  const cudaError_t e =
+      vec4 ? detail::launch_maybe_programmatic(programmatic, merge_states_kernel<OutT, 4>, grid, dim3(kMergeThreads), 0,
+                                               stream, p)
+           : detail::launch_maybe_programmatic(programmatic, merge_states_kernel<OutT, 1>, grid, dim3(kMergeThreads), 0,
+                                               stream, p);
+  return detail::cuda_status(e, "merge states launch");
 }
 
 Status launch_merge(const MergeKernelParams& p, DType out_dtype, bool programmatic, cudaStream_t stream) {

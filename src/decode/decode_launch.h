@@ -21,6 +21,7 @@
 #include "flare/decode_plan.h"
 #include "src/common/cuda_check.h"
 #include "src/common/device_facts.h"
+#include "src/common/programmatic_launch.h"
 #include "src/decode/decode_bulk_kernel.h"
 #include "src/decode/decode_key_groups_kernel.h"
 #include "src/decode/decode_kernel.h"
@@ -106,18 +107,9 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   // launches at once and waits for the zeroes only before its first arrival.
   zero_arrival_counters_kernel<T><<<1, 256, 0, stream>>>(kp.counters, int64_t{p.batch} * p.heads_kv);
   FLARE_RETURN_IF_ERROR(detail::cuda_status(cudaGetLastError(), "decode counter reset launch"));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = static_cast<size_t>(lay.smem_bytes);
-  config.stream = stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&config, split_kv, kp, lay);
-  FLARE_RETURN_IF_ERROR(detail::cuda_status(e != cudaSuccess ? e : cudaGetLastError(), "decode attention launch"));
+  const cudaError_t e = detail::launch_maybe_programmatic(true, split_kv, grid, block,
+                                                         static_cast<size_t>(lay.smem_bytes), stream, kp, lay);
+  FLARE_RETURN_IF_ERROR(detail::cuda_status(e, "decode attention launch"));
   *combined = true;
   return Status::Ok();
 }

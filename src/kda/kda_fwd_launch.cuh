@@ -10,6 +10,7 @@
 
 #include "src/common/cuda_check.h"
 #include "src/common/device_facts.h"
+#include "src/common/programmatic_launch.h"
 #include "src/kda/kda_chunk_prep.cuh"
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_state_pass.cuh"
@@ -56,21 +57,10 @@ cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStrea
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
                              const Args&... args) {
-  if (detail::current_device_facts().cc_major < 9) return launch(kernel, grid, threads, smem, stream, args...);
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  e = cudaLaunchKernelEx(&config, kernel, args...);
-  return e != cudaSuccess ? e : cudaGetLastError();
+  return detail::launch_maybe_programmatic(detail::current_device_facts().cc_major >= 9, kernel, grid, dim3(threads),
+                                           smem, stream, args...);
 }
 
 template <typename T, int K, int V, int BV>
