@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bench/common/bench_common.h"
+#include "src/attention/hopper/fwd_timeline.h"  // FLARE_HOPPER_FWD_TIMELINE builds
 #include "flare/attention.h"
 
 namespace flare::bench {
@@ -124,6 +125,13 @@ int run(int argc, char** argv) {
                          {{"backend", bname}, {"dtype", "bf16"}, {"head_dim", std::to_string(c.head_dim)},
                           {"seqlen", std::to_string(c.seqlen)}, {"causal", c.causal ? "1" : "0"}}});
       if (backend == Backend::kPortable) p = fp;
+#if FLARE_HOPPER_FWD_TIMELINE
+      if (backend == Backend::kHopper) {  // one more launch, stamped (src/attention/hopper/fwd_timeline.h)
+        flare::hopper::fwd_timeline_reset(stream);
+        if (!attention_forward(fp).ok()) std::abort();
+        std::printf("%s hopper %s", c.name().c_str(), flare::hopper::fwd_timeline_summary().c_str());
+      }
+#endif
     }
     if (p.q.data == nullptr) continue;
     // The backward reads the portable forward's out and lse: run it again last.

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench/common/bench_common.h"
+#include "src/attention/hopper/fwd_timeline.h"  // FLARE_HOPPER_FWD_TIMELINE builds
 #include "flare/attention.h"
 #include "flare/block_mask.h"
 
@@ -313,6 +314,14 @@ int run(int argc, char** argv) {
                      {"check", check}});
       records.push_back({name + " fwd", {{"median_ms", t.median_ms}, {"tflops", tflops(flops, t.median_ms)}},
                          {{"mask", mname}, {"variant", var.name}, {"seqlen", std::to_string(seqlen)}}});
+#if FLARE_HOPPER_FWD_TIMELINE
+      if (var.backend == Backend::kHopper) {  // one more launch, stamped (src/attention/hopper/fwd_timeline.h)
+        flare::hopper::fwd_timeline_reset(stream);
+        f.stream = stream;
+        if (!attention_forward(f).ok()) std::abort();
+        std::printf("%s fwd %s", name.c_str(), flare::hopper::fwd_timeline_summary().c_str());
+      }
+#endif
     }
     if (!have_portable_fwd) continue;
     // The backward from the portable sparse forward's out and LSE (run it again: the LSE).

@@ -29,6 +29,7 @@
 #include "src/attention/hopper/element_lookups.h"
 #include "src/attention/hopper/fwd_kv_walk.h"
 #include "src/attention/hopper/fwd_layouts.h"
+#include "src/attention/hopper/fwd_timeline.h"
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/smem_struct.h"
@@ -46,7 +47,21 @@ struct HopperFwdParams {
   typename L::TmaKV tma_k, tma_v;
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
+#if FLARE_HOPPER_FWD_TIMELINE
+  unsigned long long* timeline = nullptr;  // fwd_timeline.h
+#endif
 };
+
+// The timeline buffer (fwd_timeline.h), null (every mark compiled away) in default builds.
+template <typename Cfg, typename T>
+__device__ __forceinline__ unsigned long long* timeline_of(const HopperFwdParams<Cfg, T>& hp) {
+#if FLARE_HOPPER_FWD_TIMELINE
+  return hp.timeline;
+#else
+  (void)hp;
+  return nullptr;
+#endif
+}
 
 template <typename Cfg, typename T>
 struct FwdSmem {
@@ -75,6 +90,7 @@ struct FwdTile {
   detail::SeqInfo seq;
   sched::Band band;
   int m_block = 0, h = 0, b = 0, row0 = 0, rows = 0;
+  int id = 0;  // the CTA's (or, persistent, the tile's) index: its row of the timeline
   Walk kv;
 };
 
@@ -131,10 +147,12 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor v_src = v_part.partition_S(gV);
   Tensor v_dst = v_part.partition_D(sV);
 
+  unsigned long long* tl = timeline_of(hp);
   cutlass::arch::ClusterBarrier::wait(&sm.q_empty, pos.q_phase ^ 1u);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_full, L::kQBytes);
   copy(hp.tma_q.with(sm.q_full), q_src, q_dst);
   pos.q_phase ^= 1u;
+  timeline_mark(tl, t.id, kMarkQIssued);
 
   RingPos& kpos = pos.k;
   RingPos& vpos = pos.v;
@@ -152,6 +170,7 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
   if (!t.kv.more(c)) return;  // a block mask's empty row: Q alone (the consumers wait for it)
   int prev = t.kv.tile(c);
   load_k(prev);
+  timeline_mark(tl, t.id, kMarkKIssued);
   for (t.kv.advance(c); t.kv.more(c); t.kv.advance(c)) {
     const int n = t.kv.tile(c);
     load_k(n);
@@ -272,11 +291,15 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.q_empty);
     }
   }
+  unsigned long long* tl = timeline_of(hp);
+  const bool marks = consumer_thread == 0;  // warpgroup 0's stamps (fwd_timeline.h)
   if (!t.kv.empty()) {
     RingPos& kpos = pos.k;
     RingPos& vpos = pos.v;
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
     pos.q_phase ^= 1u;
+    if (marks) timeline_mark(tl, t.id, kMarkQLanded);
+    int tiles = 1;
     // The walk runs one tile ahead: the next tile is looked up (a block mask's list entry) while
     // this one computes, not after it.
     typename Walk::Cursor c = t.kv.begin();
@@ -284,6 +307,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     bool masked = t.kv.element_masked(c);
     t.kv.advance(c);
     sm.k_ring.wait_full(kpos);
+    if (marks) timeline_mark(tl, t.id, kMarkKLanded);
     Turns::wait(wg);
     wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
     Turns::pass(wg);
@@ -294,6 +318,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
     to_p();
     while (t.kv.more(c)) {
+      ++tiles;
       n = t.kv.tile(c);
       masked = t.kv.element_masked(c);
       t.kv.advance(c);
@@ -327,6 +352,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     wg_wait<0>(o_acc);
     if (lane == 0) sm.v_ring.release(vpos);
     vpos.template advance<Cfg::kStages>();
+    if (marks) {
+      timeline_mark(tl, t.id, kMarkLoopDone);
+      timeline_set(tl, t.id, kMarkTiles, static_cast<unsigned long long>(tiles));
+    }
   }
 
   // Epilogue: O / sum and the LSE, straight from the accumulator layout (element i = 4 j + 2 r + c
@@ -348,6 +377,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     }
     if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
   }
+  if (consumer_thread % 128 == 0) timeline_mark_latest(tl, t.id, kMarkEnd);
 }
 
 // kPersistent: CTA c works on tiles c, c + gridDim.x, ... of the L2-grouped order, its producer
@@ -362,6 +392,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   auto& sm = smem_struct<FwdSmem<Cfg, T>>(smem_raw);
   const detail::FwdKernelParams& p = hp.p;
   const int warp = threadIdx.x / 32, wg = warp / 4;
+  unsigned long long* tl = timeline_of(hp);
+  const int cta = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+  if (!kPersistent && threadIdx.x == 0) {
+    timeline_mark(tl, cta, kMarkStart);
+    timeline_set(tl, cta, kMarkSm, sm_id());
+  }
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&sm.q_empty, 4 * Cfg::kConsumerWGs);
@@ -376,10 +412,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     if constexpr (kPersistent) {
       for (int i = blockIdx.x; i < p.order.num_tiles; i += gridDim.x) {
         const sched::TileCoord c = sched::tile_at(p.order, i);
-        work(fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch));
+        FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch);
+        tile.id = i;
+        work(tile);
       }
     } else {
-      work(fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z));
+      FwdTile<Walk> tile =
+          fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+      tile.id = cta;
+      work(tile);
     }
   };
   PipePos pos;
@@ -387,6 +428,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync())
       for_each_tile([&](const FwdTile<Walk>& tile) {
+        if (kPersistent) {
+          timeline_mark(tl, tile.id, kMarkStart);
+          timeline_set(tl, tile.id, kMarkSm, sm_id());
+        }
         if (tile.rows > 0 && (Walk::kSparse || !tile.kv.empty())) produce<Cfg, T>(hp, sm, tile, pos);
       });
   } else {

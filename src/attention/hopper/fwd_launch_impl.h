@@ -45,6 +45,9 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   HopperFwdParams<Cfg, T> hp;
   hp.p = p;
   if constexpr (kSparse) hp.bs = *bs;
+#if FLARE_HOPPER_FWD_TIMELINE
+  hp.timeline = fwd_timeline_buffer();
+#endif
   GStride q_stride, k_stride, v_stride;
   GShape k_shape_unused;
   global_view(p.q_str, varlen ? p.total_q : p.seqlen_q, p.head_dim, p.heads, p.batch, varlen, &hp.shape_q, &q_stride);

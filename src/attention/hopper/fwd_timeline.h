@@ -1,0 +1,63 @@
+// A per-CTA timeline of the Hopper forward, for measurements only: in builds with
+// -DFLARE_HOPPER_FWD_TIMELINE=1 (CMAKE_CUDA_FLAGS, so that the library and the benchmarks agree)
+// the kernel stamps clock64 at each CTA's milestones, with its SM, into a device buffer; a
+// benchmark then prints where a CTA's time goes (its start until Q and the first K land, the main
+// loop per key tile, the epilogue) and what lies between consecutive CTAs on one SM (the launch
+// and teardown the one-CTA-per-tile grid pays per tile). Default builds compile none of it.
+#pragma once
+
+#ifndef FLARE_HOPPER_FWD_TIMELINE
+#define FLARE_HOPPER_FWD_TIMELINE 0
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+namespace flare::hopper {
+
+// The stamps of one CTA (a tile, in the persistent grid), in its SM's clock.
+enum FwdMark : int {
+  kMarkStart,      // the kernel (or, persistent, the producer's tile) begins
+  kMarkQIssued,    // the producer has issued Q's load
+  kMarkKIssued,    // the producer has issued the first K load (after reading the tile's list)
+  kMarkQLanded,    // consumer warpgroup 0 sees Q
+  kMarkKLanded,    // consumer warpgroup 0 sees the first K
+  kMarkLoopDone,   // consumer warpgroup 0's last PV GEMM has completed
+  kMarkEnd,        // the later consumer warpgroup's epilogue stores are issued (atomicMax)
+  kMarkSm,         // the SM's id
+  kMarkTiles,      // key tiles the CTA walked
+  kMarks
+};
+inline constexpr int kTimelineCtas = 1 << 16;  // stamps kept for CTAs (tiles) below this index
+
+#if FLARE_HOPPER_FWD_TIMELINE
+// The device buffer [kTimelineCtas][kMarks] (allocated on first use).
+unsigned long long* fwd_timeline_buffer();
+// Zeroes the buffer on `stream` (before the launch to be looked at).
+void fwd_timeline_reset(cudaStream_t stream);
+// Reads the buffer back (synchronizing the device) and summarizes the stamped CTAs: medians and
+// means of each phase in cycles and microseconds (at the device's clock rate), and the gaps
+// between consecutive CTAs on each SM.
+std::string fwd_timeline_summary();
+#endif
+
+#if defined(__CUDACC__)
+__device__ __forceinline__ void timeline_mark(unsigned long long* tl, int cta, FwdMark m) {
+  if (tl != nullptr && cta < kTimelineCtas) tl[static_cast<int64_t>(cta) * kMarks + m] = clock64();
+}
+__device__ __forceinline__ void timeline_mark_latest(unsigned long long* tl, int cta, FwdMark m) {
+  if (tl != nullptr && cta < kTimelineCtas) atomicMax(&tl[static_cast<int64_t>(cta) * kMarks + m], clock64());
+}
+__device__ __forceinline__ void timeline_set(unsigned long long* tl, int cta, FwdMark m, unsigned long long v) {
+  if (tl != nullptr && cta < kTimelineCtas) tl[static_cast<int64_t>(cta) * kMarks + m] = v;
+}
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+#endif
+
+}  // namespace flare::hopper

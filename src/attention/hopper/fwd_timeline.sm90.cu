@@ -1,0 +1,111 @@
+// The Hopper forward's timeline buffer and its summary (fwd_timeline.h); empty in default builds.
+#include "src/attention/hopper/fwd_timeline.h"
+
+#if FLARE_HOPPER_FWD_TIMELINE
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <vector>
+
+namespace flare::hopper {
+namespace {
+
+constexpr size_t kBufferBytes = sizeof(unsigned long long) * kTimelineCtas * kMarks;
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+double mean_of(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / static_cast<double>(v.size());
+}
+
+}  // namespace
+
+unsigned long long* fwd_timeline_buffer() {
+  static unsigned long long* buffer = [] {
+    void* p = nullptr;
+    if (cudaMalloc(&p, kBufferBytes) != cudaSuccess || cudaMemset(p, 0, kBufferBytes) != cudaSuccess) {
+      std::fprintf(stderr, "fwd timeline: no buffer\n");
+      return static_cast<unsigned long long*>(nullptr);
+    }
+    return static_cast<unsigned long long*>(p);
+  }();
+  return buffer;
+}
+
+void fwd_timeline_reset(cudaStream_t stream) {
+  if (unsigned long long* b = fwd_timeline_buffer()) (void)cudaMemsetAsync(b, 0, kBufferBytes, stream);
+}
+
+std::string fwd_timeline_summary() {
+  unsigned long long* b = fwd_timeline_buffer();
+  if (b == nullptr || cudaDeviceSynchronize() != cudaSuccess) return "fwd timeline: unavailable\n";
+  std::vector<unsigned long long> h(static_cast<size_t>(kTimelineCtas) * kMarks);
+  if (cudaMemcpy(h.data(), b, kBufferBytes, cudaMemcpyDeviceToHost) != cudaSuccess) return "fwd timeline: copy failed\n";
+  int device = 0, khz = 0;
+  (void)cudaGetDevice(&device);
+  (void)cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
+  const double cycles_per_us = khz > 0 ? khz / 1000.0 : 1.0;
+
+  // Phases per CTA (cycles from its start), and each SM's CTAs by start for the gaps.
+  const char* names[] = {"Q issued", "first K issued", "Q landed", "first K landed", "main loop", "epilogue",
+                         "CTA total", "main loop per key tile"};
+  std::vector<double> phase[8];
+  std::map<unsigned long long, std::vector<std::pair<unsigned long long, unsigned long long>>> per_sm;
+  int ctas = 0;
+  for (int c = 0; c < kTimelineCtas; ++c) {
+    const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
+    if (m[kMarkStart] == 0 || m[kMarkEnd] == 0) continue;
+    ++ctas;
+    const double s = static_cast<double>(m[kMarkStart]);
+    auto since = [&](int mark) { return m[mark] ? static_cast<double>(m[mark]) - s : -1.0; };
+    const double values[] = {since(kMarkQIssued), since(kMarkKIssued), since(kMarkQLanded), since(kMarkKLanded)};
+    for (int i = 0; i < 4; ++i)
+      if (values[i] >= 0) phase[i].push_back(values[i]);
+    if (m[kMarkLoopDone] && m[kMarkKLanded]) {
+      const double loop = static_cast<double>(m[kMarkLoopDone]) - static_cast<double>(m[kMarkKLanded]);
+      phase[4].push_back(loop);
+      if (m[kMarkTiles] > 0) phase[7].push_back(loop / static_cast<double>(m[kMarkTiles]));
+      phase[5].push_back(static_cast<double>(m[kMarkEnd]) - static_cast<double>(m[kMarkLoopDone]));
+    }
+    phase[6].push_back(static_cast<double>(m[kMarkEnd]) - s);
+    per_sm[m[kMarkSm]].push_back({m[kMarkStart], m[kMarkEnd]});
+  }
+  std::vector<double> gaps, busy;
+  for (auto& [sm, list] : per_sm) {
+    std::sort(list.begin(), list.end());
+    double inside = 0;
+    for (size_t i = 0; i < list.size(); ++i) {
+      inside += static_cast<double>(list[i].second - list[i].first);
+      if (i > 0) gaps.push_back(static_cast<double>(list[i].first) - static_cast<double>(list[i - 1].second));
+    }
+    const double span = static_cast<double>(list.back().second - list.front().first);
+    if (span > 0) busy.push_back(inside / span);
+  }
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line, "fwd timeline: %d CTAs on %zu SMs (clock %.0f MHz; cycles, then us)\n", ctas,
+                per_sm.size(), cycles_per_us);
+  out += line;
+  for (int i = 0; i < 8; ++i) {
+    std::snprintf(line, sizeof line, "  %-24s median %9.0f  mean %9.0f   (%7.2f / %7.2f us)\n", names[i],
+                  median_of(phase[i]), mean_of(phase[i]), median_of(phase[i]) / cycles_per_us,
+                  mean_of(phase[i]) / cycles_per_us);
+    out += line;
+  }
+  std::snprintf(line, sizeof line,
+                "  %-24s median %9.0f  mean %9.0f   (%7.2f / %7.2f us); CTAs in flight %.1f%% of each SM's span\n",
+                "gap between CTAs on an SM", median_of(gaps), mean_of(gaps), median_of(gaps) / cycles_per_us,
+                mean_of(gaps) / cycles_per_us, 100 * mean_of(busy));
+  out += line;
+  return out;
+}
+
+}  // namespace flare::hopper
+
+#endif  // FLARE_HOPPER_FWD_TIMELINE
