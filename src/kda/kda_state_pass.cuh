@@ -311,38 +311,61 @@ __global__ void __launch_bounds__(TransitionConfig<K, V>::kThreads) kda_state_tr
 }
 
 inline constexpr int kSegmentCombineCols = 16;
-inline constexpr int kSegmentCombineChunk = 32;  // columns of X staged in shared memory at a time
+inline constexpr int kSegmentCombineChunk = 32;  // columns of X in one staged chunk
+inline constexpr int kSegmentCombineLd = kSegmentCombineChunk + 4;  // rows padded to 144 bytes
+// Chunks in flight: one X (K / kChunk chunks), so X_{s+1} loads while X_s is used.
+template <int K>
+inline constexpr int kSegmentCombineRing = K / kSegmentCombineChunk;
 
-// The combine's dynamic shared memory: start (K x 16) and a chunk of X (K x 32, rows padded).
+// The combine's dynamic shared memory: start (K x 16) and the ring of X chunks (K x 32 each).
 template <int K>
 constexpr size_t segment_combine_smem_bytes() {
-  return sizeof(float) * K * (kSegmentCombineCols + kSegmentCombineChunk + 1);
+  return sizeof(float) * K * (kSegmentCombineCols + kSegmentCombineRing<K> * kSegmentCombineLd);
 }
 
 // The segmented pass's third kernel: start_{s+1} = X_s start_s + S0_s for s = 1 .. count-2, in
 // fp32, from start_1 (segment 0's output pass wrote it). One CTA per (sequence, value head, 16 value
-// columns), thread i the state's row i. X_s (K x K) goes through shared memory 32 columns at a
-// time, each chunk loaded by all threads in 128-byte rows (thread i reading its own row of X from
-// global memory, 1 KB apart from its neighbours', left every load instruction uncoalesced: 71 us
-// at base clocks at B1 T32768 with 3 transitions, two lanes per row 80 us); rows padded by one
-// float so that thread i's reads of row i are conflict-free. Same sums in the same order as
+// columns), thread i the state's row i. Only the products depend on the chain: every X_s is
+// streamed through a ring of 32-column chunks with cp.async (each chunk loaded by all threads in
+// 128-byte rows), one whole X ahead, so X_{s+1} lands while X_s is used (before: each chunk loaded
+// and waited for in turn, 63 us at boost for B1 T32768's three transitions). Rows padded to 144
+// bytes: thread i's 16-byte reads of its row are conflict-free. Same sums in the same order as
 // before.
 template <int K, int V>
 __global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaFwdArgs a) {
-  constexpr int kCols = kSegmentCombineCols, kChunk = kSegmentCombineChunk, kLd = kChunk + 1;
+  constexpr int kCols = kSegmentCombineCols, kChunk = kSegmentCombineChunk, kLd = kSegmentCombineLd;
+  constexpr int kRing = kSegmentCombineRing<K>, kPerX = K / kChunk;
   static_assert(K % kChunk == 0 && V % kCols == 0 && kCols % 4 == 0, "whole chunks and float4 columns");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);                          // K x kCols
-  auto& x_chunk = *reinterpret_cast<float(*)[K][kLd]>(smem_raw + sizeof(float) * K * kCols);  // K x kChunk
+  auto& start = *reinterpret_cast<float(*)[K][kCols]>(smem_raw);                                   // K x kCols
+  auto& ring = *reinterpret_cast<float(*)[kRing][K][kLd]>(smem_raw + sizeof(float) * K * kCols);  // chunks
   const int n = blockIdx.z, hv = blockIdx.y, c0 = blockIdx.x * kCols, i = threadIdx.x;
   const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
+  const int steps = a.state_segments - 2, chunks = steps * kPerX;
+
+  // Chunk q: columns [kChunk (q % kPerX), + kChunk) of X_{1 + q / kPerX}, into slot q % kRing; one
+  // cp.async group per chunk (an empty one past the last, so that every wait counts alike).
+  auto issue = [&](int q) {
+    if (q < chunks) {
+      const float* x = segment_transition<K, V>(a, head, 1 + q / kPerX) + V + (q % kPerX) * kChunk;
+#pragma unroll
+      for (int j = 0; j < kChunk / 4; ++j) {  // K x kChunk / 4 float4 over K threads
+        const int idx = i + j * K, r = idx / (kChunk / 4), c4 = idx % (kChunk / 4);
+        cp_async_16(&ring[q % kRing][r][4 * c4], x + int64_t{r} * (V + K) + 4 * c4, true);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int q = 0; q < kRing; ++q) issue(q);
+
   const float* start_1 = segment_start<K, V>(a, head, 1) + int64_t{i} * V + c0;
 #pragma unroll
   for (int c4 = 0; c4 < kCols / 4; ++c4) {
     const float4 v = *reinterpret_cast<const float4*>(start_1 + 4 * c4);
     start[i][4 * c4] = v.x, start[i][4 * c4 + 1] = v.y, start[i][4 * c4 + 2] = v.z, start[i][4 * c4 + 3] = v.w;
   }
-  for (int s = 1; s <= a.state_segments - 2; ++s) {
+  for (int s = 1, q = 0; s <= steps; ++s) {
     const float* rows = segment_transition<K, V>(a, head, s);  // row r: S0 in [0, V), X in [V, V + K)
     float acc[kCols];
 #pragma unroll
@@ -350,24 +373,22 @@ __global__ void __launch_bounds__(K) kda_state_segment_combine_kernel(const KdaF
       const float4 v = *reinterpret_cast<const float4*>(rows + int64_t{i} * (V + K) + c0 + 4 * c4);
       acc[4 * c4] = v.x, acc[4 * c4 + 1] = v.y, acc[4 * c4 + 2] = v.z, acc[4 * c4 + 3] = v.w;
     }
-    for (int k0 = 0; k0 < K; k0 += kChunk) {
-      __syncthreads();  // start written (first chunk), the previous chunk read
+    for (int k0 = 0; k0 < K; k0 += kChunk, ++q) {
+      cp_async_wait<kRing - 1>();  // this thread's part of chunk q has landed
+      __syncthreads();             // everyone's (and start_s, at a step's first chunk)
+      const float(&x)[K][kLd] = ring[q % kRing];
+#pragma unroll 2
+      for (int k = 0; k < kChunk; k += 4) {
+        const float4 x4 = *reinterpret_cast<const float4*>(&x[i][k]);
+        const float xs[4] = {x4.x, x4.y, x4.z, x4.w};
 #pragma unroll
-      for (int j = 0; j < kChunk / 4; ++j) {  // K x kChunk / 4 float4 over K threads
-        const int idx = i + j * K, r = idx / (kChunk / 4), c4 = idx % (kChunk / 4);
-        const float4 v = *reinterpret_cast<const float4*>(rows + int64_t{r} * (V + K) + V + k0 + 4 * c4);
-        x_chunk[r][4 * c4] = v.x, x_chunk[r][4 * c4 + 1] = v.y, x_chunk[r][4 * c4 + 2] = v.z;
-        x_chunk[r][4 * c4 + 3] = v.w;
-      }
-      __syncthreads();
-#pragma unroll 8
-      for (int k = 0; k < kChunk; ++k) {
-        const float x = x_chunk[i][k];
+        for (int e = 0; e < 4; ++e)
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[c] = fmaf(x, start[k0 + k][c], acc[c]);
+          for (int c = 0; c < kCols; ++c) acc[c] = fmaf(xs[e], start[k0 + k + e][c], acc[c]);
       }
+      __syncthreads();  // every row has read the slot (and, at a step's last chunk, start_s)
+      issue(q + kRing);
     }
-    __syncthreads();  // every row has read start_s
     float* out = segment_start<K, V>(a, head, s + 1) + int64_t{i} * V + c0;
 #pragma unroll
     for (int c4 = 0; c4 < kCols / 4; ++c4)
