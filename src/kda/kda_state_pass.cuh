@@ -191,8 +191,9 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
 
   const int count = a.state_segments;
   const int in_grid = !kOut ? count - 2 : (count == 1 || first_segment == 0) ? 1 : count - 1;
-  // (Segmented passes are never varlen: a row is a sequence, segments of it in turn.)
-  const int n = sequence_of_row(a, blockIdx.z / in_grid), seg = (kOut ? first_segment : 1) + blockIdx.z % in_grid;
+  // Varlen rows go longest first; segmented passes (the transitions always) are never varlen.
+  const int row = blockIdx.z / in_grid, seg = (kOut ? first_segment : 1) + blockIdx.z % in_grid;
+  const int n = kOut ? sequence_of_row(a, row) : row;
   const int hv = blockIdx.y, v0 = kOut ? blockIdx.x * BV : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int vw = warp * 16;  // this warp's columns within the CTA's
