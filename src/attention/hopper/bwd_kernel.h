@@ -629,6 +629,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   extern __shared__ unsigned char smem_raw[];
   auto& sm = smem_struct<BwdSmem<Cfg, T>>(smem_raw);
   const int warp = threadIdx.x / 32, wg = warp / 4;
+  if (threadIdx.x == 32) {  // the tensor maps fetched while the barriers are set up
+    cute::prefetch_tma_descriptor(hp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(hp.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(hp.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(hp.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(hp.tma_stats.get_tma_descriptor());
+  }
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
     sm.qdo_ring.init(4 * Cfg::kConsumerWGs);

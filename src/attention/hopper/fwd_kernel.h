@@ -398,6 +398,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     timeline_mark(tl, cta, kMarkStart);
     timeline_set(tl, cta, kMarkSm, sm_id());
   }
+  if (threadIdx.x == 32) {  // the tensor maps fetched while the barriers are set up (the producer's first loads need them)
+    cute::prefetch_tma_descriptor(hp.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(hp.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(hp.tma_v.get_tma_descriptor());
+  }
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&sm.q_empty, 4 * Cfg::kConsumerWGs);
