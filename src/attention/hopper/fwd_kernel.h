@@ -63,26 +63,40 @@ __device__ __forceinline__ unsigned long long* timeline_of(const HopperFwdParams
 #endif
 }
 
-template <typename Cfg, typename T>
+// kQStages: Q's stages. One CTA per tile loads Q once; a persistent CTA takes two where they fit,
+// so that the next tile's Q lands while the current tile still uses its own.
+template <typename Cfg, typename T, int kQStages = 1>
 struct FwdSmem {
   using L = FwdLayouts<Cfg, T>;
-  cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
+  static constexpr int kQElems = cute::cosize_v<typename L::SmemQ>;
+  cute::array_aligned<typename L::Elem, kQElems * kQStages, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> k;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> v;
-  uint64_t q_full, q_empty;  // Q is reloaded per tile once every consumer warp is done with it
+  StageBarriers<kQStages> q_ring;  // a Q stage is free again once every consumer warp's S GEMMs are done
   StageBarriers<Cfg::kStages> k_ring, v_ring;
+  int tile_of_q[kQStages];  // persistent: the tile whose Q a stage holds (-1: no tiles left)
 };
 
-template <typename Cfg, typename T>
+template <typename Cfg, typename T, int kQStages = 1>
 constexpr int hopper_fwd_smem_bytes() {
-  return static_cast<int>(sizeof(FwdSmem<Cfg, T>)) + 1024;  // + the alignment slack of the base
+  return static_cast<int>(sizeof(FwdSmem<Cfg, T, kQStages>)) + 1024;  // + the alignment slack of the base
+}
+
+// Q stages of the one-CTA-per-tile (1) and persistent (2 where they fit) grids.
+template <typename Cfg, typename T, bool kPersistent>
+constexpr int hopper_fwd_q_stages() {
+  return kPersistent && hopper_fwd_smem_bytes<Cfg, T, 2>() <= 227 * 1024 ? 2 : 1;
 }
 
 // Where a role stands in the pipelines; carried from tile to tile by persistent CTAs.
 struct PipePos {
-  RingPos k, v;
-  uint32_t q_phase = 0;
+  RingPos q, k, v;
 };
+
+// The persistent grid's next tile (fwd_launch_impl.h zeroes it before each launch): one per
+// translation unit, so launches of one head dim and dtype must not run concurrently on two
+// streams (the persistent grid is an experiment, not the library's default).
+static __device__ int hopper_fwd_next_tile;
 
 // The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, the key tiles of `kv`.
 template <typename Walk>
@@ -118,9 +132,10 @@ __device__ __forceinline__ FwdTile<Walk> fwd_tile_of(const HopperFwdParams<Cfg, 
 
 // The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them. A
 // block mask's Q is issued before its list is read (the list's loads would otherwise delay it).
-template <typename Cfg, typename T, typename Walk>
-__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm,
-                                        const FwdTile<Walk>& t, PipePos& pos) {
+// q_stage_free: the caller has already waited for Q's stage to be empty (the persistent grid).
+template <typename Cfg, typename T, typename Walk, int kQStages>
+__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T, kQStages>& sm,
+                                        const FwdTile<Walk>& t, PipePos& pos, bool q_stage_free = false) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -133,7 +148,7 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(t.m_block, _0{}));
   Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(_, _0{}));  // (BN, HD, n)
   Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(_, _0{}));
-  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
   Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemKV{});
 
@@ -148,10 +163,10 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor v_dst = v_part.partition_D(sV);
 
   unsigned long long* tl = timeline_of(hp);
-  cutlass::arch::ClusterBarrier::wait(&sm.q_empty, pos.q_phase ^ 1u);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_full, L::kQBytes);
-  copy(hp.tma_q.with(sm.q_full), q_src, q_dst);
-  pos.q_phase ^= 1u;
+  if (!q_stage_free) cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_ring.full[pos.q.index], L::kQBytes);
+  copy(hp.tma_q.with(sm.q_ring.full[pos.q.index]), q_src, q_dst);
+  pos.q.template advance<kQStages>();
   timeline_mark(tl, t.id, kMarkQIssued);
 
   RingPos& kpos = pos.k;
@@ -248,10 +263,12 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
   }
 }
 
-// One consumer warpgroup's 64 rows of the tile.
-template <typename Cfg, typename T, typename Walk>
-__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T>& sm,
-                                        const FwdTile<Walk>& t, int consumer_thread, PipePos& pos) {
+// One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
+// tile's Q stage to fill (the persistent grid, where every tile has one).
+template <typename Cfg, typename T, typename Walk, int kQStages>
+__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T, kQStages>& sm,
+                                        const FwdTile<Walk>& t, int consumer_thread, PipePos& pos,
+                                        bool q_waited = false) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -263,7 +280,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   typename L::MmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(consumer_thread);
   auto thr_pv = mma_pv.get_thread_slice(consumer_thread);
-  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
   Tensor sVt = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemVt{});
   Tensor q_frag = thr_qk.partition_fragment_A(sQ);   // descriptors
@@ -284,20 +301,19 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     for (int i = 0; i < size(s_acc); ++i) p_frag(i) = static_cast<typename L::Elem>(s_acc(i));
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
-  if constexpr (Walk::kSparse) {
-    if (t.kv.empty()) {  // Q was loaded anyway (produce): wait for it before the CTA's shared memory goes
-      cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
-      pos.q_phase ^= 1u;
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.q_empty);
-    }
-  }
+  // The tile has a Q stage when the producer loaded one: always in the persistent grid, else
+  // where it has keys to visit, or a block mask (its Q is issued before the list is read).
+  const bool has_q = q_waited || Walk::kSparse || !t.kv.empty();
+  if (has_q && !q_waited) sm.q_ring.wait_full(pos.q);
   unsigned long long* tl = timeline_of(hp);
   const bool marks = consumer_thread == 0;  // warpgroup 0's stamps (fwd_timeline.h)
+  if (t.kv.empty() && has_q) {  // nothing to compute: hand the stage back at once
+    if (lane == 0) sm.q_ring.release(pos.q);
+    pos.q.template advance<kQStages>();
+  }
   if (!t.kv.empty()) {
     RingPos& kpos = pos.k;
     RingPos& vpos = pos.v;
-    cutlass::arch::ClusterTransactionBarrier::wait(&sm.q_full, pos.q_phase);
-    pos.q_phase ^= 1u;
     if (marks) timeline_mark(tl, t.id, kMarkQLanded);
     int tiles = 1;
     // The walk runs one tile ahead: the next tile is looked up (a block mask's list entry) while
@@ -343,7 +359,8 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       vpos.template advance<Cfg::kStages>();
       to_p();
     }
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.q_empty);  // every S GEMM has completed
+    if (lane == 0) sm.q_ring.release(pos.q);  // every S GEMM has completed
+    pos.q.template advance<kQStages>();
     softmax.rescale(o_acc, alpha);
     sm.v_ring.wait_full(vpos);
     Turns::wait(wg);
@@ -380,16 +397,20 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   if (consumer_thread % 128 == 0) timeline_mark_latest(tl, t.id, kMarkEnd);
 }
 
-// kPersistent: CTA c works on tiles c, c + gridDim.x, ... of the L2-grouped order, its producer
-// loading the next tile's Q and K/V while the consumers finish the current one. Otherwise one CTA
-// per tile, launched longest first when rows see different numbers of keys. kSparse: the key tiles
-// of hp.bs's lists, the last q blocks first (the longest lists of causal-like masks; the order's
-// unbanded q blocks are descending too).
+// kPersistent: one CTA per SM; its producer thread takes the next tile of the L2-grouped order
+// from a counter (hopper_fwd_next_tile: dynamic, so uneven tiles balance), writes it beside the
+// tile's Q stage and loads Q and K/V while the consumers finish the current tile (two Q stages
+// where they fit); the consumers learn the tile from the stage once its Q has landed (the
+// barrier's arrival publishes the producer's write), and stop at the -1 of an empty one.
+// Otherwise one CTA per tile, launched longest first when rows see different numbers of keys.
+// kSparse: the key tiles of hp.bs's lists, the last q blocks first (the longest lists of
+// causal-like masks; the order's unbanded q blocks are descending too).
 template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
   using Walk = std::conditional_t<kSparse, SparseKvWalk<Cfg::kBlockN>, DenseKvWalk>;
+  constexpr int kQStages = hopper_fwd_q_stages<Cfg, T, kPersistent>();
   extern __shared__ unsigned char smem_raw[];
-  auto& sm = smem_struct<FwdSmem<Cfg, T>>(smem_raw);
+  auto& sm = smem_struct<FwdSmem<Cfg, T, kQStages>>(smem_raw);
   const detail::FwdKernelParams& p = hp.p;
   const int warp = threadIdx.x / 32, wg = warp / 4;
   unsigned long long* tl = timeline_of(hp);
@@ -404,47 +425,66 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     cute::prefetch_tma_descriptor(hp.tma_v.get_tma_descriptor());
   }
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&sm.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&sm.q_empty, 4 * Cfg::kConsumerWGs);
+    sm.q_ring.init(4 * Cfg::kConsumerWGs);
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
-  const bool longest_first = kSparse || p.causal || p.window_left >= 0;
-  auto for_each_tile = [&](auto&& work) {
-    if constexpr (kPersistent) {
-      for (int i = blockIdx.x; i < p.order.num_tiles; i += gridDim.x) {
-        const sched::TileCoord c = sched::tile_at(p.order, i);
-        FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch);
-        tile.id = i;
-        work(tile);
-      }
-    } else {
-      FwdTile<Walk> tile =
-          fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
-      tile.id = cta;
-      work(tile);
-    }
+  auto tile_at_order = [&](int i) {
+    const sched::TileCoord c = sched::tile_at(p.order, i);
+    FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch);
+    tile.id = i;
+    return tile;
   };
   PipePos pos;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync())
-      for_each_tile([&](const FwdTile<Walk>& tile) {
-        if (kPersistent) {
-          timeline_mark(tl, tile.id, kMarkStart);
-          timeline_set(tl, tile.id, kMarkSm, sm_id());
+    if (warp != 0 || !cute::elect_one_sync()) return;
+    if constexpr (kPersistent) {
+      for (;;) {
+        cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
+        int i = atomicAdd(&hopper_fwd_next_tile, 1);
+        FwdTile<Walk> tile;
+        for (; i < p.order.num_tiles; i = atomicAdd(&hopper_fwd_next_tile, 1)) {  // tiles of no rows skipped
+          tile = tile_at_order(i);
+          if (tile.rows > 0) break;
         }
-        if (tile.rows > 0 && (Walk::kSparse || !tile.kv.empty())) produce<Cfg, T>(hp, sm, tile, pos);
-      });
+        if (i >= p.order.num_tiles) {  // the consumers' signal to stop: an empty stage
+          sm.tile_of_q[pos.q.index] = -1;
+          cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.full[pos.q.index]);
+          return;
+        }
+        sm.tile_of_q[pos.q.index] = i;
+        timeline_mark(tl, tile.id, kMarkStart);
+        timeline_set(tl, tile.id, kMarkSm, sm_id());
+        produce<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);  // Q even where no key is visible
+      }
+    } else {
+      const bool longest_first = kSparse || p.causal || p.window_left >= 0;
+      FwdTile<Walk> tile =
+          fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+      tile.id = cta;
+      if (tile.rows > 0 && (Walk::kSparse || !tile.kv.empty())) produce<Cfg, T>(hp, sm, tile, pos);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
-    for_each_tile([&](const FwdTile<Walk>& tile) {
+    if constexpr (kPersistent) {
+      for (;;) {
+        sm.q_ring.wait_full(pos.q);
+        const int i = sm.tile_of_q[pos.q.index];
+        if (i < 0) return;
+        consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
+      }
+    } else {
+      const bool longest_first = kSparse || p.causal || p.window_left >= 0;
+      FwdTile<Walk> tile =
+          fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+      tile.id = cta;
       if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
-    });
+    }
   }
 }
 

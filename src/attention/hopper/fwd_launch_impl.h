@@ -21,17 +21,19 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
   *stride = GStride(st.row, cute::_1{}, st.head, varlen ? st.row * rows : st.batch);
 }
 
-// kPersistent: a grid of one CTA per SM walking the L2-grouped tile order, else one CTA per tile
-// (longest first when masked). Measured on the H100 at seqlen 4096 (bench/RESULTS.md): the
-// persistent static round-robin lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal
-// work, so the library instantiates only the one-CTA-per-tile kernel; the tuning sweep keeps the
-// other selectable. kSparse: the key tiles of the block mask `bs` (one CTA per tile).
+// kPersistent: a grid of one CTA per SM taking tiles of the L2-grouped order from a counter (two Q
+// stages where they fit), else one CTA per tile (longest first when masked). Measured on the H100
+// at seqlen 4096 (bench/RESULTS.md), the persistent grid's first version (static round-robin, one
+// Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal work, so the library
+// instantiates only the one-CTA-per-tile kernel; the tuning sweep and the block-sparse experiment
+// below keep the other selectable (the dynamic version is not measured yet). kSparse: the key
+// tiles of the block mask `bs`.
 template <typename Cfg, typename T, bool kPersistent = false, bool kSparse = false>
 Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
                              const block_sparse::BlockSparseParams* bs = nullptr) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
-  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T>();
+  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, hopper_fwd_q_stages<Cfg, T, kPersistent>()>();
   auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent, kSparse>;
   static const cudaError_t attr = [&] {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -67,6 +69,10 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
     hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
                                            dev.l2_bytes / 2);
     const dim3 grid(std::min(hp.p.order.num_tiles, dev.num_sms));  // one CTA fits an SM
+    void* next_tile = nullptr;  // the tile counter, from 0 (hopper_fwd_next_tile)
+    cudaError_t e = cudaGetSymbolAddress(&next_tile, hopper_fwd_next_tile);
+    if (e == cudaSuccess) e = cudaMemsetAsync(next_tile, 0, sizeof(int), stream);
+    if (e != cudaSuccess) return detail::cuda_status(e, "hopper forward: the persistent grid's tile counter");
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
@@ -81,8 +87,10 @@ Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
 // 1 persistent (one CTA per SM over the L2-grouped order, the producer loading the next tile under
 // the current one's GEMMs), 2 both compiled and the environment's FLARE_HOPPER_SPARSE_PERSISTENT=1
 // picking the persistent one (A/B runs of one binary). Measured on the H100 (session 12, issue 6's
-// masks, bench_block_sparse, two A/B rounds): persistent causal 1.07 ms against 0.94, documents 0.58
-// against 0.55, random 0.54 against 0.50, window 0.315 either way; so 0 stays the default.
+// masks, bench_block_sparse, two A/B rounds), the static round-robin version with one Q stage:
+// persistent causal 1.07 ms against 0.94, documents 0.58 against 0.55, random 0.54 against 0.50,
+// window 0.315 either way; so 0 stays the default. Session 13 made it dynamic (a tile counter) with
+// two Q stages: not measured yet.
 #ifndef FLARE_HOPPER_SPARSE_PERSISTENT
 #define FLARE_HOPPER_SPARSE_PERSISTENT 0
 #endif
