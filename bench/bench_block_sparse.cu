@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -323,7 +324,9 @@ int run(int argc, char** argv) {
       }
 #endif
     }
-    if (!have_portable_fwd) continue;
+    // FLARE_BENCH_FWD_ONLY=1: the forwards alone (tools/block-sparse-check's A/B rounds).
+    static const bool forward_only = std::getenv("FLARE_BENCH_FWD_ONLY") != nullptr;
+    if (!have_portable_fwd || forward_only) continue;
     // The backward from the portable sparse forward's out and LSE (run it again: the LSE).
     AttentionForwardParams f = forward_params(b, seqlen, &mask.device, none, Backend::kPortable, b.out, stream);
     check_ok(attention_forward(f), "portable sparse forward");
