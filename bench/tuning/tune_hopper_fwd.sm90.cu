@@ -43,9 +43,12 @@ void measure(Env& e, const char* label, bool causal) {
                    {"check", rel < 2e-2 ? "ok" : "FAIL"}});
 }
 
-// HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong>
+// HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong, exp2 poly, lazy
+// rescale, idle warpgroups skipped>
 void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128", causal);
+  measure<HopperFwdConfig<64, 128, 3, 2, true, 0, false, false>>(e, "3wg n128 idle warpgroups compute", causal);
+  measure<HopperFwdConfig<64, 128, 2>>(e, "2wg n128", causal);
   measure<HopperFwdConfig<64, 128, 3>, true>(e, "3wg n128 persistent", causal);
   measure<HopperFwdConfig<64, 128, 3, 3>>(e, "3wg n128 3 stages", causal);
   measure<HopperFwdConfig<64, 128, 3, 2, false>>(e, "3wg n128 no ping-pong", causal);

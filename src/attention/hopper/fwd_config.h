@@ -16,7 +16,7 @@
 namespace flare::hopper {
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0,
-          int kExp2PolyEvery_ = 0, bool kLazyRescale_ = (kHeadDim_ > 64)>
+          int kExp2PolyEvery_ = 0, bool kLazyRescale_ = (kHeadDim_ > 64), bool kSkipIdleWGs_ = true>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per block: a multiple of 16 (the PV GEMM's k step)
@@ -28,6 +28,11 @@ struct HopperFwdConfig {
   static constexpr int kExp2PolyEvery = kExp2PolyEvery_;
   // Keep a stale running max until a row outgrows it by 2^8 (the rescale of O is skipped meanwhile).
   static constexpr bool kLazyRescale = kLazyRescale_;
+  // A consumer warpgroup whose rows all lie past the sequence only keeps the pipelines' protocol
+  // (fwd_kernel.h, pass_tile_without_rows): 1024 rows in tiles of 192 leave two of the last tile's
+  // three warpgroups idle. Costs the d64 kernel one more in-loop spill reload (tune_hopper_fwd
+  // measures both).
+  static constexpr bool kSkipIdleWGs = kSkipIdleWGs_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;

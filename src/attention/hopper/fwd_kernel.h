@@ -263,6 +263,45 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
   }
 }
 
+// A consumer warpgroup whose 64 rows all lie past the sequence (the last tile of a sequence that
+// is not a multiple of kBlockM, e.g. 1024 rows in tiles of 192): it computes nothing, but keeps
+// the pipelines' protocol (each stage waited for, then released, once per use; the GEMM turns
+// taken and passed), so the warpgroups that have rows run without it on the tensor cores.
+template <typename Cfg, typename T, typename Walk, int kQStages>
+__device__ __forceinline__ void pass_tile_without_rows(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
+                                                       PipePos& pos, int wg, int lane) {
+  using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
+  RingPos& kpos = pos.k;
+  RingPos& vpos = pos.v;
+  typename Walk::Cursor c = t.kv.begin();
+  t.kv.advance(c);
+  sm.k_ring.wait_full(kpos);  // S_first
+  Turns::wait(wg);
+  Turns::pass(wg);
+  if (lane == 0) sm.k_ring.release(kpos);
+  kpos.template advance<Cfg::kStages>();
+  while (t.kv.more(c)) {  // S_n with P_{n+1} V_{n+1}
+    t.kv.advance(c);
+    sm.k_ring.wait_full(kpos);
+    Turns::wait(wg);
+    sm.v_ring.wait_full(vpos);
+    Turns::pass(wg);
+    if (lane == 0) {
+      sm.k_ring.release(kpos);
+      sm.v_ring.release(vpos);
+    }
+    kpos.template advance<Cfg::kStages>();
+    vpos.template advance<Cfg::kStages>();
+  }
+  if (lane == 0) sm.q_ring.release(pos.q);
+  pos.q.template advance<kQStages>();
+  sm.v_ring.wait_full(vpos);  // P_last V_last
+  Turns::wait(wg);
+  Turns::pass(wg);
+  if (lane == 0) sm.v_ring.release(vpos);
+  vpos.template advance<Cfg::kStages>();
+}
+
 // One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
 // tile's Q stage to fill (the persistent grid, where every tile has one).
 template <typename Cfg, typename T, typename Walk, int kQStages>
@@ -310,6 +349,14 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   if (t.kv.empty() && has_q) {  // nothing to compute: hand the stage back at once
     if (lane == 0) sm.q_ring.release(pos.q);
     pos.q.template advance<kQStages>();
+  }
+  // No rows here: nothing to compute or write. (Dense tiles only: in the block-sparse kernel,
+  // whose q blocks are whole CTAs, the extra path spilled inside the main loop.)
+  if constexpr (Cfg::kSkipIdleWGs && !Walk::kSparse) {
+    if (wg_row0 >= t.seq.seqlen_q) {
+      if (!t.kv.empty()) pass_tile_without_rows(sm, t, pos, wg, lane);
+      return;
+    }
   }
   if (!t.kv.empty()) {
     RingPos& kpos = pos.k;
