@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -119,5 +120,22 @@ template <int N>
 inline void cp_async_wait() {}
 
 inline float fast_exp2(float x) { return std::exp2(x); }
+
+// tanh.approx, exact here (the hardware's is within about 2^-11 relative).
+inline float fast_tanh(float x) { return std::tanh(x); }
+
+// red.global.add (atomicAdd before sm_90): the blocks run one after another, but a block's
+// threads run at once.
+inline void red_add_f32x2(float* dst, float a, float b) {
+  std::atomic_ref<float>(dst[0]).fetch_add(a, std::memory_order_relaxed);
+  std::atomic_ref<float>(dst[1]).fetch_add(b, std::memory_order_relaxed);
+}
+
+// The 4-byte cp.async of bwd_kernel.h (whose PTX definition the emulable copy of that header
+// drops: tests/cpu/cuda_emu/emulable_kernel.cmake).
+inline void cp_async_4(void* smem, const void* gmem, bool valid) {
+  if (valid) std::memcpy(smem, gmem, 4);
+  else std::memset(smem, 0, 4);
+}
 
 }  // namespace flare::portable
