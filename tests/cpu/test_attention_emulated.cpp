@@ -72,33 +72,11 @@ struct EmuCase {
   bool deterministic = false;  // backward: dQ (and GQA's dK/dV) in turn order, through semaphores
 };
 
-// The inputs of AttnProblem (tests/gpu/attention_case.h), drawn the same way, on the host.
-struct Problem {
-  explicit Problem(const EmuCase& e) : c(e.c) {
+// The inputs of AttnProblem (tests/gpu/attention_case.h), drawn the same way, on the host; the
+// shapes and varlen lengths are its AttnLayout.
+struct Problem : flare::test::AttnLayout {
+  explicit Problem(const EmuCase& e) : AttnLayout(e.c), c(e.c) {
     std::mt19937_64 rng(c.seed);
-    int64_t tq = c.batch * int64_t{c.seqlen_q}, tk = c.batch * int64_t{c.seqlen_k};
-    if (c.varlen()) {
-      tq = tk = 0;
-      cu_q.reset(DType::kInt32, {int64_t(c.varlen_q.size()) + 1});
-      cu_k.reset(DType::kInt32, {int64_t(c.varlen_k.size()) + 1});
-      cu_q.set(0, 0);
-      cu_k.set(0, 0);
-      for (size_t b = 0; b < c.varlen_q.size(); ++b) {
-        cu_q.set(b + 1, tq += c.varlen_q[b]);
-        cu_k.set(b + 1, tk += c.varlen_k[b]);
-        max_q = std::max(max_q, c.varlen_q[b]);
-        max_k = std::max(max_k, c.varlen_k[b]);
-      }
-      max_q = std::max(max_q, 1);
-      max_k = std::max(max_k, 1);
-      q_shape = {tq, c.heads, c.head_dim};
-      k_shape = {tk, c.heads_kv, c.head_dim};
-      lse_shape = {c.heads, tq};
-    } else {
-      q_shape = {c.batch, c.seqlen_q, c.heads, c.head_dim};
-      k_shape = {c.batch, c.seqlen_k, c.heads_kv, c.head_dim};
-      lse_shape = {c.batch, c.heads, c.seqlen_q};
-    }
     const int pad = e.padded_rows ? 8 : 0;
     for (auto [t, shape] : {std::pair{&q, &q_shape}, {&k, &k_shape}, {&v, &k_shape}}) {
       std::vector<int64_t> stored = *shape;
@@ -144,10 +122,8 @@ struct Problem {
   }
 
   AttnCase c;
-  HostTensor q, k, v, sinks, cu_q, cu_k;
+  HostTensor q, k, v, sinks;
   TensorView q_view, k_view, v_view;
-  std::vector<int64_t> q_shape, k_shape, lse_shape;
-  int max_q = 0, max_k = 0;
 };
 
 // The same views labelled as device memory (the emulated kernels read host memory).

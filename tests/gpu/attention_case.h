@@ -34,22 +34,23 @@ struct AttnCase {
   }
 };
 
-class AttnProblem {
- public:
-  explicit AttnProblem(const AttnCase& c) : c_(c) {
-    std::mt19937_64 rng(c.seed);
-    int64_t tq = c.batch * int64_t{c.seqlen_q}, tk = c.batch * int64_t{c.seqlen_k};
+// A case's host layout: the operands' shapes and, varlen, the packed lengths (cu_seqlens, the
+// longest sequences, at least 1). Shared with the emulated CPU test (test_attention_emulated).
+struct AttnLayout {
+  ref::HostTensor cu_q, cu_k;  // int32 [N + 1], varlen only
+  std::vector<int64_t> q_shape, k_shape, lse_shape;
+  int max_q = 0, max_k = 0;
+
+  explicit AttnLayout(const AttnCase& c) {
     if (c.varlen()) {
-      tq = tk = 0;
+      int64_t tq = 0, tk = 0;
       cu_q.reset(DType::kInt32, {int64_t(c.varlen_q.size()) + 1});
       cu_k.reset(DType::kInt32, {int64_t(c.varlen_k.size()) + 1});
       cu_q.set(0, 0);
       cu_k.set(0, 0);
       for (size_t b = 0; b < c.varlen_q.size(); ++b) {
-        tq += c.varlen_q[b];
-        tk += c.varlen_k[b];
-        cu_q.set(b + 1, tq);
-        cu_k.set(b + 1, tk);
+        cu_q.set(b + 1, tq += c.varlen_q[b]);
+        cu_k.set(b + 1, tk += c.varlen_k[b]);
         max_q = std::max(max_q, c.varlen_q[b]);
         max_k = std::max(max_k, c.varlen_k[b]);
       }
@@ -63,6 +64,18 @@ class AttnProblem {
       k_shape = {c.batch, c.seqlen_k, c.heads_kv, c.head_dim};
       lse_shape = {c.batch, c.heads, c.seqlen_q};
     }
+  }
+};
+
+class AttnProblem {
+ public:
+  explicit AttnProblem(const AttnCase& c) : c_(c) {
+    std::mt19937_64 rng(c.seed);
+    AttnLayout layout(c);
+    cu_q = std::move(layout.cu_q);
+    cu_k = std::move(layout.cu_k);
+    q_shape = layout.q_shape, k_shape = layout.k_shape, lse_shape = layout.lse_shape;
+    max_q = layout.max_q, max_k = layout.max_k;
     q.reset(c.dtype, q_shape);
     k.reset(c.dtype, k_shape);
     v.reset(c.dtype, k_shape);
