@@ -9,6 +9,7 @@
 
 #include "bench/common/bench_common.h"
 #include "src/attention/attention_args.h"
+#include "src/attention/portable/bwd2_kernel.h"
 #include "src/attention/portable/bwd_kernel.h"
 
 namespace flare::bench {
@@ -56,7 +57,8 @@ void prepare(Env& e, int d, bool causal) {
   FLARE_BENCH_CHECK(cudaMemcpyAsync(e.ref_dq, e.dq, kElems * 2, cudaMemcpyDeviceToDevice, e.stream));
 }
 
-template <typename Cfg>
+// k2d: Cfg is a Bwd2TileConfig, run by the 2-D warp tiling (bwd2_kernel.h).
+template <typename Cfg, bool k2d = false>
 void measure(Env& e, const char* label, bool causal) {
   constexpr int d = Cfg::kHeadDim;
   const std::string name = "d" + std::to_string(d) + (causal ? " causal " : " ") + label;
@@ -73,7 +75,9 @@ void measure(Env& e, const char* label, bool causal) {
         Cfg::kBlockM, Cfg::kBlockN);
     auto run = [&](cudaStream_t st) {
       FLARE_BENCH_CHECK(cudaMemsetAsync(static_cast<char*>(e.ws) + layout.dq_accum, 0, layout.total - layout.dq_accum, st));
-      Status s = portable::launch_portable_bwd_cfg<Cfg, __nv_bfloat16>(kp, st);
+      Status s;
+      if constexpr (k2d) s = portable::launch_portable_bwd2_cfg<Cfg, __nv_bfloat16>(kp, st);
+      else s = portable::launch_portable_bwd_cfg<Cfg, __nv_bfloat16>(kp, st);
       if (!s.ok()) {
         std::fprintf(stderr, "%s: %s\n", name.c_str(), s.message().c_str());
         std::exit(1);
@@ -86,7 +90,8 @@ void measure(Env& e, const char* label, bool causal) {
     ms[det] = time_kernel(run, e.args.timing({.warmup = 2, .repeats = 10}), e.stream).median_ms;
   }
   cudaFuncAttributes attr;
-  FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_bwd_kernel<Cfg, __nv_bfloat16>));
+  if constexpr (k2d) FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_bwd2_kernel<Cfg, __nv_bfloat16>));
+  else FLARE_BENCH_CHECK(cudaFuncGetAttributes(&attr, portable::portable_bwd_kernel<Cfg, __nv_bfloat16>));
   const double flops = 2.5 * attention_fwd_flops(16384 / kSeqlen, 2048 / d, kSeqlen, kSeqlen, d, causal);
   std::fprintf(stderr, "%-26s %7.3f ms %6.1f TF/s det %7.3f ms %6.1f TF/s regs %d spill %d err %.4f\n", name.c_str(),
                ms[0], tflops(flops, ms[0]), ms[1], tflops(flops, ms[1]), attr.numRegs, (int)attr.localSizeBytes, err);
@@ -107,6 +112,7 @@ void sweep(Env& e, bool causal) {
   measure<BwdTileConfig<d, 8, 1, 32>>(e, "r8 c1 m32", causal);
   if constexpr (d <= 64) measure<BwdTileConfig<d, 4, 1, 64>>(e, "r4 c1 m64", causal);
   if constexpr (d >= 128) measure<BwdTileConfig<d, 2, 2, 32>>(e, "r2 c2 m32", causal);
+  measure<typename portable::Bwd2ConfigFor<d>::type, true>(e, "2-D tiling", causal);  // docs/portable_bwd_v2.md
 }
 
 int run(int argc, char** argv) {

@@ -37,7 +37,8 @@
 #include "src/attention/attention_args.h"
 #include "src/attention/bwd_params.h"
 #include "src/attention/fwd_params.h"
-#include "src/attention/portable/bwd_kernel.h"  // the emulable copies (see above)
+#include "src/attention/portable/bwd2_kernel.h"  // the emulable copies (see above)
+#include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/fwd_kernel.h"
 #include "src/scheduling/tile_order.h"
 #include "tests/gpu/attention_case.h"  // AttnCase, compare, within_tolerance
@@ -70,6 +71,7 @@ struct EmuCase {
   bool padded_rows = false;    // q, k, v rows 8 elements apart more than dense (strided operands)
   bool backward = false;
   bool deterministic = false;  // backward: dQ (and GQA's dK/dV) in turn order, through semaphores
+  bool bwd_2d = false;         // backward: the 2-D warp tiling (bwd2_kernel.h) instead of bwd_kernel.h
 };
 
 // The inputs of AttnProblem (tests/gpu/attention_case.h), drawn the same way, on the host; the
@@ -172,18 +174,26 @@ void run_forward_kernels(FwdKernelParams p, const EmuCase& e) {
 
 // launch_portable_bwd_cfg: the dpsum pre-pass, the main kernel, the conversions.
 template <int kHeadDim, typename T>
-void run_backward_kernels(const BwdKernelParams& P) {
+void run_backward_kernels(const BwdKernelParams& P, bool bwd_2d) {
   using Cfg = typename portable::BwdConfigFor<kHeadDim>::type;
+  using Cfg2 = typename portable::Bwd2ConfigFor<kHeadDim>::type;
   static_assert(portable::bwd_smem_bytes<Cfg, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
+  static_assert(portable::bwd2_smem_bytes<Cfg2, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
+  static_assert(Cfg2::kBlockN == Cfg::kBlockN, "the 2-D tiling runs on the API's key blocks");
   const FwdKernelParams& p = P.fwd;
   if (p.batch == 0 || p.heads == 0) return;
   unsigned char* smem = portable::smem_raw;
   if (p.seqlen_q > 0)
     cuda_emu::launch(dim3((p.seqlen_q + 7) / 8, p.heads, p.batch), 256, smem,
                      [&] { portable::bwd_dpsum_kernel<T>(P); });
-  if (p.seqlen_k > 0 && P.num_n_blocks > 0)
-    cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg::kThreads, smem,
-                     [&] { portable::portable_bwd_kernel<Cfg, T>(P); });
+  if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
+    if (bwd_2d)
+      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg2::kThreads, smem,
+                       [&] { portable::portable_bwd2_kernel<Cfg2, T>(P); });
+    else
+      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg::kThreads, smem,
+                       [&] { portable::portable_bwd_kernel<Cfg, T>(P); });
+  }
   ASSERT_EQ(P.dsinks, nullptr) << "the sinks gradient kernel is not emulated";
   const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
   cuda_emu::launch(dim3(rows_q, p.heads, p.batch), 128, smem, [&] {
@@ -214,8 +224,9 @@ void expect_close(const HostTensor& got, const HostTensor& want, const HostTenso
 void run_case(const EmuCase& e) {
   const AttnCase& c = e.c;
   SCOPED_TRACE(c.name());
-  std::printf("  %s%s%s\n", c.name().c_str(), e.persistent_ctas ? " persistent" : "",
-              e.backward ? (e.deterministic ? " + backward, deterministic" : " + backward") : "");
+  std::printf("  %s%s%s%s\n", c.name().c_str(), e.persistent_ctas ? " persistent" : "",
+              e.backward ? (e.deterministic ? " + backward, deterministic" : " + backward") : "",
+              e.backward && e.bwd_2d ? " (2-D tiling)" : "");
   Problem pr(e);
 
   // Forward: the oracle (fp64 and in the input dtype), then the kernel.
@@ -289,7 +300,7 @@ void run_case(const EmuCase& e) {
     const BwdKernelParams P = flare::detail::make_bwd_kernel_params(
         b, flare::detail::make_fwd_kernel_params(flare::detail::forward_view(b), shape), shape, l, ws, Cfg::kBlockM,
         Cfg::kBlockN);
-    run_backward_kernels<decltype(hd)::value, decltype(elem)>(P);
+    run_backward_kernels<decltype(hd)::value, decltype(elem)>(P, e.bwd_2d);
   });
   // tests/gpu/attention_case.h's check_backward: k = 2, atol 1e-3.
   expect_close(dq, dq_ref, dq_lowp, "dq", 2.0, 1e-3);
@@ -354,6 +365,20 @@ TEST(AttentionEmulated, Backward) {
   run_case({.c = varlen, .backward = true, .deterministic = true});
   run_case({.c = attn(2, 40, 47, 2, 2, 64, kFp16, kNoMask, 12), .persistent_ctas = 4, .backward = true});
   run_case({.c = attn(1, 70, 33, 2, 1, 96, kFp16, kCausal, 14), .backward = true});
+}
+
+// The same cases on the 2-D warp tiling (bwd2_kernel.h, docs/portable_bwd_v2.md).
+TEST(AttentionEmulated, Backward2dTiling) {
+  run_case({.c = attn(1, 33, 150, 2, 1, 128, kBf16, kCausal, 11), .backward = true, .deterministic = true,
+            .bwd_2d = true});
+  AttnCase varlen = attn(3, 0, 0, 2, 1, 64, kBf16, {false, 10, 10}, 13);
+  varlen.varlen_q = {17, 0, 40};
+  varlen.varlen_k = {30, 5, 47};
+  varlen.softcap = 4.f;
+  run_case({.c = varlen, .backward = true, .deterministic = true, .bwd_2d = true});
+  run_case({.c = attn(2, 40, 47, 2, 2, 64, kFp16, kNoMask, 12), .persistent_ctas = 4, .backward = true, .bwd_2d = true});
+  run_case({.c = attn(1, 70, 33, 2, 1, 96, kFp16, kCausal, 14), .backward = true, .bwd_2d = true});
+  run_case({.c = attn(1, 150, 170, 1, 1, 128, kBf16, {true, 60, -1}, 15), .backward = true, .bwd_2d = true});
 }
 
 }  // namespace

@@ -81,8 +81,8 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
 
 // Query rows [row0, row_end) of Q, dO, the LSE and dpsum into pipeline stage `stage`; the rest
 // of the kBlockM rows zero-filled (Q = dO = 0 and lse = dpsum = 0 give dS = 0 and P dO = 0).
-template <typename Cfg, typename T>
-__device__ __forceinline__ void bwd_load_q_block(BwdSmem<Cfg, T>& sm, int stage, const BwdKernelParams& P,
+template <typename Cfg, typename T, typename Smem>
+__device__ __forceinline__ void bwd_load_q_block(Smem& sm, int stage, const BwdKernelParams& P,
                                                  const T* q_g, const T* do_g, const float* lse_g,
                                                  const float* dpsum_g, int row0, int row_end) {
   constexpr int kBlockM = Cfg::kBlockM, kHeadDim = Cfg::kHeadDim, kStride = Cfg::kRowStride;
@@ -215,6 +215,7 @@ struct DqPart {
   int row, col;
   __device__ __forceinline__ explicit DqPart(int warp)
       : row(16 * (warp % Cfg::kDqMTiles)), col((warp / Cfg::kDqMTiles) * Cfg::kDqCols) {}
+  __device__ __forceinline__ DqPart(int row_, int col_) : row(row_), col(col_) {}
 };
 
 // dQ (this warp's part) = dS K, with dS^T staged in ds_s (after a barrier).

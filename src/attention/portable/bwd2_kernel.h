@@ -1,0 +1,293 @@
+// Portable attention backward, second design (docs/portable_bwd_v2.md): FlashAttention-2's 2-D
+// warp tiling. Not the default yet: `launch_portable_bwd2_cfg` runs it for tuning and the emulated
+// test until it is measured against the first design (bwd_kernel.h).
+//
+// A CTA of 8 warps owns kBlockN keys of one (sequence, head) and walks query blocks of kBlockM
+// rows. Per query block, each GEMM is split over the warps in 2-D, so that no warp reads all of
+// Q and dO twice (the first design's shared-memory bound):
+//   S = Q K^T, dP = dO V^T      warps 2 (query rows) x 4 (keys)
+//   P = exp2(S - lse), dS = P o (dP - dpsum)   in registers; P and dS to shared memory
+//   dV += P^T dO, dK += dS^T Q  warps 4 (keys) x 2 (head-dim columns); dK and dV stay in registers
+//   dQ = dS K                   warps 2 (query rows) x 4 (head-dim columns), added into fp32
+// The pre-pass, the conversions, the masks, the deterministic turn order and the dK/dV epilogue
+// are the first design's (bwd_kernel.h).
+#pragma once
+
+#include "src/attention/portable/bwd_kernel.h"
+
+namespace flare::portable {
+
+// kBlockN keys per CTA, kBlockM query rows per step, 8 warps.
+template <int kHeadDim_, int kBlockN_, int kBlockM_ = 64>
+struct Bwd2TileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  // S and dP: a warp's tile of kSRows query rows x kSKeys keys.
+  static constexpr int kSRows = kBlockM / 2, kSKeys = kBlockN / 4;
+  // dK and dV: kDkvKeys keys x kDkvCols columns a warp (bwd_store_dkv's Cfg::kDkvCols).
+  static constexpr int kDkvKeys = kBlockN / 4, kDkvCols = kHeadDim / 2;
+  // dQ: kDqRows query rows x kDqCols columns a warp (bwd_add_dq's Cfg::kDqCols).
+  static constexpr int kDqRows = kBlockM / 2, kDqCols = kHeadDim / 4;
+  static constexpr int kRowStride = kHeadDim + 8;  // padded rows: conflict-free ldmatrix
+  static constexpr int kPStride = kBlockN + 8;     // P and dS rows (query) of kBlockN keys
+
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: 64, 128, 192 or 256");
+  static_assert(kSRows % 16 == 0 && kSKeys % 16 == 0 && kDkvKeys % 16 == 0, "whole 16-row MMA tiles");
+  static_assert(kDkvCols % 16 == 0 && kDqCols % 16 == 0 && kBlockM % 16 == 0, "whole 16-wide MMA steps");
+};
+
+template <int kHeadDim>
+struct Bwd2ConfigFor {
+  using type = Bwd2TileConfig<kHeadDim, kHeadDim <= 128 ? 128 : 64>;
+};
+
+template <typename Cfg, typename T>
+struct Bwd2Smem {
+  T k[Cfg::kBlockN * Cfg::kRowStride];
+  T v[Cfg::kBlockN * Cfg::kRowStride];
+  T q[2][Cfg::kBlockM * Cfg::kRowStride];
+  T dout[2][Cfg::kBlockM * Cfg::kRowStride];
+  T p[Cfg::kBlockM * Cfg::kPStride];   // P of the current query block, [query][key]
+  T ds[Cfg::kBlockM * Cfg::kPStride];  // dS, [query][key]
+  float lse[2][Cfg::kBlockM];
+  float dpsum[2][Cfg::kBlockM];
+};
+
+template <typename Cfg, typename T>
+constexpr int bwd2_smem_bytes() {
+  return static_cast<int>(sizeof(Bwd2Smem<Cfg, T>));
+}
+
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdKernelParams P) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kRowStride;
+  constexpr int kPStride = Cfg::kPStride;
+  constexpr int kSM = Cfg::kSRows / 16, kSN = Cfg::kSKeys / 8;           // S tiles a warp: m16 x n8
+  constexpr int kKvM = Cfg::kDkvKeys / 16, kKvN = Cfg::kDkvCols / 8;     // dK/dV tiles a warp
+  constexpr int kDqM = Cfg::kDqRows / 16, kDqN = Cfg::kDqCols / 8;       // dQ tiles a warp
+  constexpr float kLog2e = static_cast<float>(M_LOG2E);
+  const detail::FwdKernelParams& p = P.fwd;
+
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int n = kv_block_of(P, blockIdx.x);
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int col0 = n * kBlockN;  // first key of this block
+  if (col0 >= seq.seqlen_k) return;
+  const int hk = h / p.group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int keys = min(kBlockN, seq.seqlen_k - col0);
+  // The warp's places in the three tilings.
+  const int s_row = (warp / 4) * Cfg::kSRows, s_key = (warp % 4) * Cfg::kSKeys;
+  const int kv_key = (warp / 2) * Cfg::kDkvKeys, kv_col = (warp % 2) * Cfg::kDkvCols;
+  const int dq_row = (warp / 4) * Cfg::kDqRows, dq_col = (warp % 4) * Cfg::kDqCols;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<Bwd2Smem<Cfg, T>*>(smem_raw);
+
+  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h);
+  const T* do_g = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h);
+  const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+  const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+
+  const sched::Band band = detail::band_of(p, seq);
+  const sched::BlockRange mrange = sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
+
+  float dk[kKvM][kKvN][4], dv[kKvM][kKvN][4];
+#pragma unroll
+  for (int mi = 0; mi < kKvM; ++mi)
+#pragma unroll
+    for (int c = 0; c < kKvN; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[mi][c][e] = dv[mi][c][e] = 0.f;
+
+  if (mrange.first < mrange.last) {
+    const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
+    const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
+    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, kStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
+    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, kStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    bwd_load_q_block<Cfg, T>(sm, 0, P, q_g, do_g, lse_g, dpsum_g, mrange.first * kBlockM, seq.seqlen_q);
+    cp_async_commit();
+  }
+
+  for (int m = mrange.first, it = 0; m < mrange.last; ++m, ++it) {
+    const int stage = it & 1;
+    const int row0 = m * kBlockM;
+    cp_async_wait<0>();
+    __syncthreads();  // block m landed; the previous block's readers of P, dS and the other stage are done
+    if (m + 1 < mrange.last)
+      bwd_load_q_block<Cfg, T>(sm, stage ^ 1, P, q_g, do_g, lse_g, dpsum_g, (m + 1) * kBlockM, seq.seqlen_q);
+    cp_async_commit();
+    const T* sq = sm.q[stage];
+    const T* sdo = sm.dout[stage];
+
+    // ---- S = Q K^T and dP = dO V^T on the warp's kSRows x kSKeys tile --------------------------
+    float s[kSM][kSN][4], dp[kSM][kSN][4];
+#pragma unroll
+    for (int mi = 0; mi < kSM; ++mi)
+#pragma unroll
+      for (int j = 0; j < kSN; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][j][e] = dp[mi][j][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kHeadDim / 16; ++ks) {
+      uint32_t aq[kSM][4], ado[kSM][4];
+#pragma unroll
+      for (int mi = 0; mi < kSM; ++mi) {
+        const int off = (s_row + 16 * mi + lane % 16) * kStride + 16 * ks + (lane / 16) * 8;
+        ldmatrix_x4(aq[mi], sq + off);
+        ldmatrix_x4(ado[mi], sdo + off);
+      }
+#pragma unroll
+      for (int jp = 0; jp < kSN / 2; ++jp) {
+        const int off = (s_key + 16 * jp + lane % 8 + (lane / 16) * 8) * kStride + 16 * ks + ((lane / 8) % 2) * 8;
+        uint32_t bk[4], bv[4];
+        ldmatrix_x4(bk, sm.k + off);
+        ldmatrix_x4(bv, sm.v + off);
+#pragma unroll
+        for (int mi = 0; mi < kSM; ++mi) {
+          mma_16x8x16<T>(s[mi][2 * jp], aq[mi], bk[0], bk[1]);
+          mma_16x8x16<T>(s[mi][2 * jp + 1], aq[mi], bk[2], bk[3]);
+          mma_16x8x16<T>(dp[mi][2 * jp], ado[mi], bv[0], bv[1]);
+          mma_16x8x16<T>(dp[mi][2 * jp + 1], ado[mi], bv[2], bv[3]);
+        }
+      }
+    }
+
+    // ---- P and dS (element (mi, j, e): query row s_row + 16 mi + g + 8 (e / 2), key s_key + 8 j +
+    // 2 t + e % 2), masked on partial blocks, to shared memory ------------------------------------
+    const bool partial = row0 + kBlockM > seq.seqlen_q ||
+                         sched::classify_tile(band, row0, min(seq.seqlen_q, row0 + kBlockM), col0, col0 + kBlockN,
+                                              seq.seqlen_k) != sched::TileKind::kFull;
+    const float* lse_s = sm.lse[stage];
+    const float* dpsum_s = sm.dpsum[stage];
+    const bool softcap = p.softcap > 0.f;
+    const float pre = softcap ? p.scale / p.softcap : 0.f, post = softcap ? p.softcap * kLog2e : 0.f;
+#pragma unroll
+    for (int mi = 0; mi < kSM; ++mi)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int qr = s_row + 16 * mi + g + 8 * r;  // row within the block
+        const float lse2 = lse_s[qr] * kLog2e, dpsum = dpsum_s[qr];
+#pragma unroll
+        for (int j = 0; j < kSN; ++j) {
+          float pv[2], dsv[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int e = 2 * r + c;
+            float x = s[mi][j][e], cap_grad = 1.f;
+            if (softcap) {
+              const float th = fast_tanh(x * pre);
+              x = post * th;
+              cap_grad = 1.f - th * th;
+            } else {
+              x *= p.scale_log2;
+            }
+            float prob = fast_exp2(x - lse2);
+            if (partial) {
+              const int qi = row0 + qr, key = col0 + s_key + 8 * j + 2 * t + c;
+              const bool visible = qi < seq.seqlen_q && key < seq.seqlen_k && band.visible(qi, key);
+              prob = visible ? prob : 0.f;
+            }
+            pv[c] = prob;
+            dsv[c] = prob * (dp[mi][j][e] - dpsum) * cap_grad;
+          }
+          const int at = qr * kPStride + s_key + 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(sm.p + at) = ElemTraits<T>::pack(pv[0], pv[1]);
+          *reinterpret_cast<uint32_t*>(sm.ds + at) = ElemTraits<T>::pack(dsv[0], dsv[1]);
+        }
+      }
+    __syncthreads();  // P and dS complete
+
+    // ---- dV += P^T dO and dK += dS^T Q on the warp's kDkvKeys keys x kDkvCols columns ----------
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks) {
+      uint32_t ap[kKvM][4], ads[kKvM][4];
+#pragma unroll
+      for (int mi = 0; mi < kKvM; ++mi) {  // P^T, dS^T: the [query][key] tiles read transposed
+        const int off = (16 * ks + lane % 8 + (lane / 16) * 8) * kPStride + kv_key + 16 * mi + ((lane / 8) % 2) * 8;
+        ldmatrix_x4_trans(ap[mi], sm.p + off);
+        ldmatrix_x4_trans(ads[mi], sm.ds + off);
+      }
+#pragma unroll
+      for (int cp = 0; cp < kKvN / 2; ++cp) {
+        const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + kv_col + 16 * cp + (lane / 16) * 8;
+        uint32_t bo[4], bq[4];
+        ldmatrix_x4_trans(bo, sdo + off);
+        ldmatrix_x4_trans(bq, sq + off);
+#pragma unroll
+        for (int mi = 0; mi < kKvM; ++mi) {
+          mma_16x8x16<T>(dv[mi][2 * cp], ap[mi], bo[0], bo[1]);
+          mma_16x8x16<T>(dv[mi][2 * cp + 1], ap[mi], bo[2], bo[3]);
+          mma_16x8x16<T>(dk[mi][2 * cp], ads[mi], bq[0], bq[1]);
+          mma_16x8x16<T>(dk[mi][2 * cp + 1], ads[mi], bq[2], bq[3]);
+        }
+      }
+    }
+
+    // ---- dQ = dS K on the warp's kDqRows rows x kDqCols columns, added into fp32 ----------------
+    float dq[kDqM][kDqN][4];
+#pragma unroll
+    for (int mi = 0; mi < kDqM; ++mi)
+#pragma unroll
+      for (int c = 0; c < kDqN; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[mi][c][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      uint32_t a[kDqM][4];
+#pragma unroll
+      for (int mi = 0; mi < kDqM; ++mi)
+        ldmatrix_x4(a[mi], sm.ds + (dq_row + 16 * mi + lane % 16) * kPStride + 16 * ks + (lane / 16) * 8);
+#pragma unroll
+      for (int cp = 0; cp < kDqN / 2; ++cp) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, sm.k + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dq_col + 16 * cp +
+                                  (lane / 16) * 8);
+#pragma unroll
+        for (int mi = 0; mi < kDqM; ++mi) {
+          mma_16x8x16<T>(dq[mi][2 * cp], a[mi], bk[0], bk[1]);
+          mma_16x8x16<T>(dq[mi][2 * cp + 1], a[mi], bk[2], bk[3]);
+        }
+      }
+    }
+    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
+    if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
+#pragma unroll
+    for (int mi = 0; mi < kDqM; ++mi) {
+      bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, DqPart<Cfg>(dq_row + 16 * mi, dq_col), lane, dq[mi]);
+    }
+    if (sem) pass_turn(sem);
+  }
+
+  const bool gqa = p.group > 1;
+  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
+  if (sem) wait_turn(sem, h % p.group);
+#pragma unroll
+  for (int mi = 0; mi < kKvM; ++mi)
+    bwd_store_dkv<Cfg, T>(P, seq, b, hk, col0, keys, kv_key + 16 * mi, kv_col, lane, dk[mi], dv[mi]);
+  if (sem) pass_turn(sem);
+}
+
+// The second design's launch (pre-pass, kernel, conversions), for tuning and tests. The grid's
+// key blocks are the API's (P.num_n_blocks for BwdConfigFor's kBlockN): Cfg::kBlockN must match.
+template <typename Cfg, typename T>
+Status launch_portable_bwd2_cfg(const BwdKernelParams& P, Stream stream) {
+  const detail::FwdKernelParams& p = P.fwd;
+  if (p.batch == 0 || p.heads == 0) return Status::Ok();
+  constexpr int kSmem = bwd2_smem_bytes<Cfg, T>();
+  auto kernel = portable_bwd2_kernel<Cfg, T>;
+  static const cudaError_t attr = prepare_smem(kernel, kSmem);
+  if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward (2-D tiling): shared memory attribute");
+  launch_bwd_dpsum<T>(P, stream);
+  if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
+    dim3 grid(P.num_n_blocks, p.heads, p.batch);
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
+  }
+  FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
+  return detail::cuda_status(cudaGetLastError(), "portable backward (2-D tiling) launch");
+}
+
+}  // namespace flare::portable
