@@ -13,6 +13,8 @@
 // are the first design's (bwd_kernel.h).
 #pragma once
 
+#include <type_traits>
+
 #include "src/attention/portable/bwd_kernel.h"
 
 namespace flare::portable {
@@ -163,42 +165,59 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
                                               seq.seqlen_k) != sched::TileKind::kFull;
     const float* lse_s = sm.lse[stage];
     const float* dpsum_s = sm.dpsum[stage];
-    const bool softcap = p.softcap > 0.f;
-    const float pre = softcap ? p.scale / p.softcap : 0.f, post = softcap ? p.softcap * kLog2e : 0.f;
+    // One branch-free element loop per (soft-capping, partial block) pair: a per-element test of
+    // either made every element a branch (SASS).
+    auto probs_and_grads = [&](auto softcap_tag, auto partial_tag) {
+      constexpr bool kSoftcap = decltype(softcap_tag)::value, kPartial = decltype(partial_tag)::value;
+      const float pre = kSoftcap ? p.scale / p.softcap : 0.f, post = kSoftcap ? p.softcap * kLog2e : 0.f;
 #pragma unroll
-    for (int mi = 0; mi < kSM; ++mi)
+      for (int mi = 0; mi < kSM; ++mi)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int qr = s_row + 16 * mi + g + 8 * r;  // row within the block
-        const float lse2 = lse_s[qr] * kLog2e, dpsum = dpsum_s[qr];
-#pragma unroll
-        for (int j = 0; j < kSN; ++j) {
-          float pv[2], dsv[2];
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int e = 2 * r + c;
-            float x = s[mi][j][e], cap_grad = 1.f;
-            if (softcap) {
-              const float th = fast_tanh(x * pre);
-              x = post * th;
-              cap_grad = 1.f - th * th;
-            } else {
-              x *= p.scale_log2;
-            }
-            float prob = fast_exp2(x - lse2);
-            if (partial) {
-              const int qi = row0 + qr, key = col0 + s_key + 8 * j + 2 * t + c;
-              const bool visible = qi < seq.seqlen_q && key < seq.seqlen_k && band.visible(qi, key);
-              prob = visible ? prob : 0.f;
-            }
-            pv[c] = prob;
-            dsv[c] = prob * (dp[mi][j][e] - dpsum) * cap_grad;
+        for (int r = 0; r < 2; ++r) {
+          const int qr = s_row + 16 * mi + g + 8 * r;  // row within the block
+          const float lse2 = lse_s[qr] * kLog2e, dpsum = dpsum_s[qr];
+          // The row's visible keys [lo, hi), relative to this thread's first column.
+          int lo = 0, hi = 0;
+          if constexpr (kPartial) {
+            const int qi = row0 + qr, base = col0 + s_key + 2 * t;
+            lo = qi < seq.seqlen_q ? band.row_lo(qi) - base : 0;
+            hi = qi < seq.seqlen_q ? band.row_hi(qi, seq.seqlen_k) - base : 0;
           }
-          const int at = qr * kPStride + s_key + 8 * j + 2 * t;
-          *reinterpret_cast<uint32_t*>(sm.p + at) = ElemTraits<T>::pack(pv[0], pv[1]);
-          *reinterpret_cast<uint32_t*>(sm.ds + at) = ElemTraits<T>::pack(dsv[0], dsv[1]);
+#pragma unroll
+          for (int j = 0; j < kSN; ++j) {
+            float pv[2], dsv[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int e = 2 * r + c;
+              float x = s[mi][j][e], cap_grad = 1.f;
+              if constexpr (kSoftcap) {
+                const float th = fast_tanh(x * pre);
+                x = post * th;
+                cap_grad = 1.f - th * th;
+              } else {
+                x *= p.scale_log2;
+              }
+              float prob = fast_exp2(x - lse2);
+              if constexpr (kPartial) prob = (8 * j + c >= lo && 8 * j + c < hi) ? prob : 0.f;
+              pv[c] = prob;
+              dsv[c] = prob * (dp[mi][j][e] - dpsum);
+              if constexpr (kSoftcap) dsv[c] *= cap_grad;
+            }
+            const int at = qr * kPStride + s_key + 8 * j + 2 * t;
+            *reinterpret_cast<uint32_t*>(sm.p + at) = ElemTraits<T>::pack(pv[0], pv[1]);
+            *reinterpret_cast<uint32_t*>(sm.ds + at) = ElemTraits<T>::pack(dsv[0], dsv[1]);
+          }
         }
-      }
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (p.softcap > 0.f) {
+      if (partial) probs_and_grads(Yes{}, Yes{});
+      else probs_and_grads(Yes{}, No{});
+    } else {
+      if (partial) probs_and_grads(No{}, Yes{});
+      else probs_and_grads(No{}, No{});
+    }
     __syncthreads();  // P and dS complete
 
     // ---- dV += P^T dO and dK += dS^T Q on the warp's kDkvKeys keys x kDkvCols columns ----------
