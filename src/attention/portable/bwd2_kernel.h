@@ -13,6 +13,7 @@
 // are the first design's (bwd_kernel.h).
 #pragma once
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "src/attention/portable/bwd_kernel.h"
@@ -307,6 +308,24 @@ Status launch_portable_bwd2_cfg(const BwdKernelParams& P, Stream stream) {
   }
   FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
   return detail::cuda_status(cudaGetLastError(), "portable backward (2-D tiling) launch");
+}
+
+// The library's portable backward (bwd_launch.h): the first design, or the 2-D tiling where the
+// environment sets FLARE_PORTABLE_BWD_2D=1 and the head dim has it (a multiple of 64), until the
+// two are timed against each other (tune_portable_bwd, bench_attention).
+template <int kHeadDim, typename T>
+Status launch_portable_bwd(const BwdKernelParams& p, Stream stream) {
+  if constexpr (kHeadDim % 64 == 0) {
+    using Cfg2 = typename Bwd2ConfigFor<kHeadDim>::type;
+    static_assert(Cfg2::kBlockN == BwdConfigFor<kHeadDim>::type::kBlockN,
+                  "the API sizes the grid and the semaphores from BwdConfigFor's key blocks");
+    static const bool use_2d = [] {
+      const char* e = std::getenv("FLARE_PORTABLE_BWD_2D");
+      return e != nullptr && e[0] == '1';
+    }();
+    if (use_2d) return launch_portable_bwd2_cfg<Cfg2, T>(p, stream);
+  }
+  return launch_portable_bwd_cfg<typename BwdConfigFor<kHeadDim>::type, T>(p, stream);
 }
 
 }  // namespace flare::portable

@@ -505,9 +505,7 @@ Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   return detail::cuda_status(cudaGetLastError(), "portable backward launch");
 }
 
-template <int kHeadDim, typename T>
-Status launch_portable_bwd(const BwdKernelParams& p, Stream stream) {
-  return launch_portable_bwd_cfg<typename BwdConfigFor<kHeadDim>::type, T>(p, stream);
-}
+// launch_portable_bwd (bwd_launch.h) is defined in bwd2_kernel.h, which picks between this design
+// and the 2-D tiling.
 
 }  // namespace flare::portable
