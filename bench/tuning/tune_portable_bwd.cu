@@ -113,6 +113,7 @@ void sweep(Env& e, bool causal) {
   if constexpr (d <= 64) measure<BwdTileConfig<d, 4, 1, 64>>(e, "r4 c1 m64", causal);
   if constexpr (d >= 128) measure<BwdTileConfig<d, 2, 2, 32>>(e, "r2 c2 m32", causal);
   measure<typename portable::Bwd2ConfigFor<d>::type, true>(e, "2-D tiling", causal);  // docs/portable_bwd_v2.md
+  if constexpr (d == 64) measure<portable::Bwd2TileConfig<64, 128, 128>, true>(e, "2-D tiling m128", causal);
 }
 
 int run(int argc, char** argv) {
