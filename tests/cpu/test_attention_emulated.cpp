@@ -18,7 +18,8 @@
 // Small shapes only (the emulation is slow); the GPU tests cover the rest. Not emulated: the
 // attention-sinks gradient (bwd_common.cu's kernel: not in a header, and its function-scope
 // __shared__ array would be one per thread under the emulation), so the backward cases have no
-// sinks; the block-sparse kernels (fwd_sparse_kernel.h, bwd_sparse_kernel.h).
+// sinks. The block-sparse kernels (fwd_sparse_kernel.h, bwd_sparse_kernel.h) are emulated by
+// test_block_sparse_emulated.cpp.
 #include "tests/cpu/cuda_emu/cuda_emu.h"  // first: the emulated runtime for the kernel headers
 
 #include <gtest/gtest.h>
