@@ -55,11 +55,16 @@
 #include "src/block_sparse/block_mask_build.h"
 #include "src/block_sparse/block_sparse_params.h"
 #include "src/block_sparse/dq_write_order.h"
+#include "tests/cpu/emulated_attention.h"  // on_device, visit_kernel, run_bwd_finish, expect_close
 #include "tests/gpu/attention_case.h"  // AttnCase, AttnLayout, compare, within_tolerance
 
 CUDA_EMU_SHARED_MEMORY(flare::portable, smem_raw)
 
 namespace {
+
+using flare::test::emu::expect_close;
+using flare::test::emu::on_device;
+using flare::test::emu::visit_kernel;
 
 using flare::AttentionBackwardParams;
 using flare::AttentionForwardParams;
@@ -212,30 +217,7 @@ struct Problem : flare::test::AttnLayout {
   HostTensor q, k, v;
 };
 
-// The same views labelled as device memory (the emulated kernels read host memory).
-template <typename P>
-P on_device(P p) {
-  auto label = [](TensorView& t) {
-    if (t.defined()) t.device = flare::Device{flare::DeviceKind::kCUDA, 0};
-  };
-  for (TensorView* t : {&p.q, &p.k, &p.v, &p.out, &p.lse}) label(*t);
-  if constexpr (std::is_same_v<P, AttentionBackwardParams>)
-    for (TensorView* t : {&p.dout, &p.dq, &p.dk, &p.dv}) label(*t);
-  return p;
-}
 
-// The kernels this test instantiates itself (not the build's FLARE_HEAD_DIMS list): head dims
-// 64 and 128, bf16 and fp16; a head dim runs on the smallest one at least as large.
-template <typename F>
-void visit_kernel(int head_dim, DType dtype, F&& f) {
-  auto with_dim = [&](auto elem) {
-    if (head_dim <= 64) f(std::integral_constant<int, 64>{}, elem);
-    else f(std::integral_constant<int, 128>{}, elem);
-  };
-  ASSERT_LE(head_dim, 128);
-  if (dtype == DType::kBFloat16) with_dim(__nv_bfloat16{});
-  else with_dim(__half{});
-}
 
 // launch_portable_fwd_sparse_cfg: one CTA per (kernel q tile, head, batch).
 template <int kHeadDim, typename T>
@@ -272,32 +254,9 @@ void run_backward_kernels(const BwdKernelParams& P, const BlockSparseParams& bs,
         portable::portable_bwd_sparse_kernel<Cfg, T, false>(P, bs, flare::block_sparse::DqPlanView{});
       });
   }
-  ASSERT_EQ(P.dsinks, nullptr) << "the sinks gradient kernel is not emulated";
-  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
-  cuda_emu::launch(dim3(rows_q, p.heads, p.batch), 128, smem, [&] {
-    portable::bwd_convert_kernel<T>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
-  });
-  if (p.group > 1) {
-    const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
-    const dim3 grid(rows_k, p.heads_kv, p.batch);
-    cuda_emu::launch(grid, 128, smem, [&] {
-      portable::bwd_convert_kernel<T>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
-    });
-    cuda_emu::launch(grid, 128, smem, [&] {
-      portable::bwd_convert_kernel<T>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
-    });
-  }
+  flare::test::emu::run_bwd_finish<T>(P, smem);
 }
 
-// The judgement, with the error also required to be > 0.
-void expect_close(const HostTensor& got, const HostTensor& want, const HostTensor& lowp, const char* name,
-                  double k, double atol, double min_lowp = 0) {
-  ErrorReport r = flare::test::compare(got, want, &lowp);
-  r.lowp_err = std::max(r.lowp_err, min_lowp);
-  std::printf("    %s\n", r.describe(name).c_str());
-  EXPECT_TRUE(flare::test::within_tolerance(r, name, k, atol));
-  EXPECT_GT(r.max_err, 0.0) << name << ": exactly the fp64 oracle's values from 16-bit operands";
-}
 
 // The backward in one mode from the emulated forward's out and lse, as attention_backward runs it
 // (plan_backward's checks and workspace, then launch_portable_bwd_sparse_cfg), against the

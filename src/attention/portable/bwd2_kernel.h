@@ -295,19 +295,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
 // key blocks are the API's (P.num_n_blocks for BwdConfigFor's kBlockN): Cfg::kBlockN must match.
 template <typename Cfg, typename T>
 Status launch_portable_bwd2_cfg(const BwdKernelParams& P, Stream stream) {
-  const detail::FwdKernelParams& p = P.fwd;
-  if (p.batch == 0 || p.heads == 0) return Status::Ok();
+  if (P.fwd.batch == 0 || P.fwd.heads == 0) return Status::Ok();
   constexpr int kSmem = bwd2_smem_bytes<Cfg, T>();
   auto kernel = portable_bwd2_kernel<Cfg, T>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward (2-D tiling): shared memory attribute");
-  launch_bwd_dpsum<T>(P, stream);
-  if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
-    dim3 grid(P.num_n_blocks, p.heads, p.batch);
-    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
-  }
-  FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
-  return detail::cuda_status(cudaGetLastError(), "portable backward (2-D tiling) launch");
+  return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, P, stream, "portable backward (2-D tiling) launch");
 }
 
 // The library's portable backward (bwd_launch.h): the first design, or the 2-D tiling where the

@@ -488,21 +488,29 @@ Status launch_bwd_finish(const BwdKernelParams& P, Stream stream) {
   return Status::Ok();
 }
 
+// A dense backward's launches: dpsum, `kernel` on a CTA per (key block, head, sequence), the
+// finishing kernels. (Its shared-memory attribute is the caller's, set once per kernel.)
+template <typename T>
+Status launch_bwd_passes(void (*kernel)(BwdKernelParams), int threads, int smem, const BwdKernelParams& P,
+                         Stream stream, const char* what) {
+  const detail::FwdKernelParams& p = P.fwd;
+  launch_bwd_dpsum<T>(P, stream);
+  if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
+    dim3 grid(P.num_n_blocks, p.heads, p.batch);
+    kernel<<<grid, threads, smem, stream>>>(P);
+  }
+  FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
+  return detail::cuda_status(cudaGetLastError(), what);
+}
+
 template <typename Cfg, typename T>
 Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
-  const detail::FwdKernelParams& p = P.fwd;
-  if (p.batch == 0 || p.heads == 0) return Status::Ok();
+  if (P.fwd.batch == 0 || P.fwd.heads == 0) return Status::Ok();
   constexpr int kSmem = bwd_smem_bytes<Cfg, T>();
   auto kernel = portable_bwd_kernel<Cfg, T>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward: shared memory attribute");
-  launch_bwd_dpsum<T>(P, stream);
-  if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
-    dim3 grid(P.num_n_blocks, p.heads, p.batch);
-    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(P);
-  }
-  FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
-  return detail::cuda_status(cudaGetLastError(), "portable backward launch");
+  return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, P, stream, "portable backward launch");
 }
 
 // launch_portable_bwd (bwd_launch.h) is defined in bwd2_kernel.h, which picks between this design
