@@ -90,10 +90,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<Bwd2Smem<Cfg, T>*>(smem_raw);
 
-  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h);
-  const T* do_g = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h);
-  const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
-  const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+  const BwdQuerySide<T> qs = BwdQuerySide<T>::of(P, seq, b, h);
 
   const sched::Band band = detail::band_of(p, seq);
   const sched::BlockRange mrange = sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
@@ -107,11 +104,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
       for (int e = 0; e < 4; ++e) dk[mi][c][e] = dv[mi][c][e] = 0.f;
 
   if (mrange.first < mrange.last) {
-    const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
-    const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
-    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, kStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
-    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, kStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
-    bwd_load_q_block<Cfg, T>(sm, 0, P, q_g, do_g, lse_g, dpsum_g, mrange.first * kBlockM, seq.seqlen_q);
+    bwd_load_kv_block<Cfg, T>(sm, P, seq, b, hk, col0, keys);
+    bwd_load_q_block<Cfg, T>(sm, 0, P, qs, mrange.first * kBlockM, seq.seqlen_q);
     cp_async_commit();
   }
 
@@ -121,7 +115,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
     cp_async_wait<0>();
     __syncthreads();  // block m landed; the previous block's readers of P, dS and the other stage are done
     if (m + 1 < mrange.last)
-      bwd_load_q_block<Cfg, T>(sm, stage ^ 1, P, q_g, do_g, lse_g, dpsum_g, (m + 1) * kBlockM, seq.seqlen_q);
+      bwd_load_q_block<Cfg, T>(sm, stage ^ 1, P, qs, (m + 1) * kBlockM, seq.seqlen_q);
     cp_async_commit();
     const T* sq = sm.q[stage];
     const T* sdo = sm.dout[stage];

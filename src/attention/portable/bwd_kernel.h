@@ -79,23 +79,51 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
 // probabilities and score gradients, the dK/dV accumulation, the dQ product and its reduction,
 // and the dK/dV epilogue.
 
+// Where a (sequence, head)'s query side starts: Q, dO, the LSE and dpsum.
+template <typename T>
+struct BwdQuerySide {
+  const T *q, *dout;
+  const float *lse, *dpsum;
+
+  __device__ __forceinline__ static BwdQuerySide of(const BwdKernelParams& P, const detail::SeqInfo& seq, int b,
+                                                     int h) {
+    const detail::FwdKernelParams& p = P.fwd;
+    const int64_t stats = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+    return {static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h),
+            static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h), p.lse + stats,
+            P.dpsum + stats};
+  }
+};
+
 // Query rows [row0, row_end) of Q, dO, the LSE and dpsum into pipeline stage `stage`; the rest
 // of the kBlockM rows zero-filled (Q = dO = 0 and lse = dpsum = 0 give dS = 0 and P dO = 0).
 template <typename Cfg, typename T, typename Smem>
 __device__ __forceinline__ void bwd_load_q_block(Smem& sm, int stage, const BwdKernelParams& P,
-                                                 const T* q_g, const T* do_g, const float* lse_g,
-                                                 const float* dpsum_g, int row0, int row_end) {
+                                                 const BwdQuerySide<T>& qs, int row0, int row_end) {
   constexpr int kBlockM = Cfg::kBlockM, kHeadDim = Cfg::kHeadDim, kStride = Cfg::kRowStride;
   const detail::FwdKernelParams& p = P.fwd;
   const int rows = row_end - row0;
-  load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q[stage], q_g + row0 * p.q_str.row, p.q_str.row, rows, p.head_dim);
-  load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.dout[stage], do_g + row0 * P.dout_str.row, P.dout_str.row, rows,
+  load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q[stage], qs.q + row0 * p.q_str.row, p.q_str.row, rows,
                                                        p.head_dim);
+  load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.dout[stage], qs.dout + row0 * P.dout_str.row,
+                                                       P.dout_str.row, rows, p.head_dim);
   for (int i = threadIdx.x; i < kBlockM; i += Cfg::kThreads) {
     const bool valid = i < rows;
-    cp_async_4(&sm.lse[stage][i], lse_g + (valid ? row0 + i : 0), valid);
-    cp_async_4(&sm.dpsum[stage][i], dpsum_g + (valid ? row0 + i : 0), valid);
+    cp_async_4(&sm.lse[stage][i], qs.lse + (valid ? row0 + i : 0), valid);
+    cp_async_4(&sm.dpsum[stage][i], qs.dpsum + (valid ? row0 + i : 0), valid);
   }
+}
+
+// Keys [col0, col0 + keys) of K and V (kv head hk) into sm.k, sm.v; the rest of the kBlockN rows
+// zero-filled.
+template <typename Cfg, typename T, typename Smem>
+__device__ __forceinline__ void bwd_load_kv_block(Smem& sm, const BwdKernelParams& P, const detail::SeqInfo& seq,
+                                                  int b, int hk, int col0, int keys) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
+  const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
+  load_tile<Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
+  load_tile<Cfg::kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
 }
 
 // S^T = K Q^T and dP^T = V dO^T for this warp's 16 key rows (from kv_row of the key block).
@@ -314,17 +342,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<BwdSmem<Cfg, T>*>(smem_raw);
 
-  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h);
-  const T* do_g = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h);
-  const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
-  const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+  const BwdQuerySide<T> qs = BwdQuerySide<T>::of(P, seq, b, h);
 
   const sched::Band band = detail::band_of(p, seq);
   const sched::BlockRange mrange =
       sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
 
   auto load_q_block = [&](int m, int stage) {
-    bwd_load_q_block<Cfg, T>(sm, stage, P, q_g, do_g, lse_g, dpsum_g, m * kBlockM, seq.seqlen_q);
+    bwd_load_q_block<Cfg, T>(sm, stage, P, qs, m * kBlockM, seq.seqlen_q);
   };
 
   float dk[kDkvTiles][4], dv[kDkvTiles][4];
@@ -334,10 +359,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
     for (int e = 0; e < 4; ++e) dk[c][e] = dv[c][e] = 0.f;
 
   if (mrange.first < mrange.last) {
-    const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
-    const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
-    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
-    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    bwd_load_kv_block<Cfg, T>(sm, P, seq, b, hk, col0, keys);
     load_q_block(mrange.first, 0);
     cp_async_commit();
   }

@@ -166,10 +166,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<BwdSmem<Cfg, T>*>(smem_raw);
 
-  const T* q_g = static_cast<const T*>(p.q) + detail::row_offset(p.q_str, b, seq.q_start, h);
-  const T* do_g = static_cast<const T*>(P.dout) + detail::row_offset(P.dout_str, b, seq.q_start, h);
-  const float* lse_g = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
-  const float* dpsum_g = P.dpsum + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+  const BwdQuerySide<T> qs = BwdQuerySide<T>::of(P, seq, b, h);
 
   const SparseBlockWalk walk = walk_of_tile();
   const sched::Band band = detail::band_of(p, seq);  // a dense mask given with the block mask
@@ -179,7 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // loaded.
   auto load_q_tile = [&](const SparseTileCursor& c, int stage) {
     const int row0 = walk.tile_start<kBlockM>(c);
-    bwd_load_q_block<Cfg, T>(sm, stage, P, q_g, do_g, lse_g, dpsum_g, row0, min(row0 + kBlockM, walk.block_end(c.block)));
+    bwd_load_q_block<Cfg, T>(sm, stage, P, qs, row0, min(row0 + kBlockM, walk.block_end(c.block)));
   };
 
   float dk[kDkvTiles][4], dv[kDkvTiles][4];
@@ -191,10 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   SparseTileCursor cur = walk.begin();
   SparseTileCursor next = cur;  // the next tile to load
   if (cur.block >= 0) {
-    const T* k_g = static_cast<const T*>(p.k) + detail::row_offset(p.k_str, b, seq.k_start + col0, hk);
-    const T* v_g = static_cast<const T*>(p.v) + detail::row_offset(p.v_str, b, seq.k_start + col0, hk);
-    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.k, k_g, p.k_str.row, keys, p.head_dim);
-    load_tile<kBlockN, Cfg::kHeadDim, Cfg::kThreads, Cfg::kRowStride>(sm.v, v_g, p.v_str.row, keys, p.head_dim);
+    bwd_load_kv_block<Cfg, T>(sm, P, seq, b, hk, col0, keys);
     load_q_tile(next, 0);
     cp_async_commit();
     walk.advance<kBlockM>(next);
