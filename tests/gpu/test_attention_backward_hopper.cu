@@ -10,6 +10,7 @@
 
 #include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
+#include "tests/gpu/unbuilt.h"
 
 namespace flare::test {
 namespace {
@@ -20,12 +21,10 @@ void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backe
   SCOPED_TRACE(c.name() + (deterministic ? " deterministic" : ""));
   AttnProblem prob(c);
   AttentionForwardParams f = prob.forward_params(forward);
-  Status s = attention_forward(f);
-  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(f));
   AttentionBackwardParams b = prob.backward_params(Backend::kHopper, deterministic);  // draws dout
   prob.run_backward_oracle();
-  Status sb = attention_backward(b);
-  ASSERT_TRUE(sb.ok()) << sb.message();
+  FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();
 }

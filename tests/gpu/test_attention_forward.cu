@@ -8,6 +8,7 @@
 
 #include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
+#include "tests/gpu/unbuilt.h"
 
 namespace flare::test {
 namespace {
@@ -18,8 +19,7 @@ void run_forward(const AttnCase& c, Backend backend) {
   AttnProblem prob(c);
   prob.run_oracle();
   AttentionForwardParams p = prob.forward_params(backend);
-  Status s = attention_forward(p);
-  ASSERT_TRUE(s.ok()) << s.message();
+  FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(p));
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_forward();
 }
