@@ -239,10 +239,12 @@ class AttnProblem {
   void check_backward(double k = 2.0) {
     download_grads();
     // The low-precision baseline includes bf16 rounding of the outputs; atol covers the fp32
-    // accumulation order of long sums.
-    EXPECT_TRUE(within_tolerance(compare(dq_host, dq_ref, &dq_lowp), "dq", k, 1e-3)) << c_.name();
-    EXPECT_TRUE(within_tolerance(compare(dk_host, dk_ref, &dk_lowp), "dk", k, 1e-3)) << c_.name();
-    EXPECT_TRUE(within_tolerance(compare(dv_host, dv_ref, &dv_lowp), "dv", k, 1e-3)) << c_.name();
+    // accumulation order of long sums; each element may also differ by one ulp of its own rounding
+    // (compare's allow_ulp). FlashAttention's own gradient atol is looser: twice the dtype's rounding
+    // at max|grad| + 0.3, for every element.
+    EXPECT_TRUE(within_tolerance(compare(dq_host, dq_ref, &dq_lowp, true), "dq", k, 1e-3)) << c_.name();
+    EXPECT_TRUE(within_tolerance(compare(dk_host, dk_ref, &dk_lowp, true), "dk", k, 1e-3)) << c_.name();
+    EXPECT_TRUE(within_tolerance(compare(dv_host, dv_ref, &dv_lowp, true), "dv", k, 1e-3)) << c_.name();
     if (c_.sinks) check_dsinks(k);
   }
 
