@@ -67,6 +67,11 @@ void sweep(Env& e, bool causal) {
     measure<FwdTileConfig<d, 4, 2, 64>>(e, "w4 m2 n64", causal);
     measure<FwdTileConfig<d, 4, 1, 128>>(e, "w4 m1 n128", causal);
   }
+  // The split K/V pipeline (kStages = 1): FlashAttention-2's H100 shapes, 128 x 64 on 4 warps at
+  // d128 (70 KB: two CTAs an SM, as registers allow) and 64 x 64 on 4 warps at d256 (101 KB: two
+  // CTAs, where the 2-stage w8 m1 n64 default's 198 KB fits one).
+  measure<FwdTileConfig<d, 4, 1, 64, 1>>(e, "w4 m1 n64 split", causal);
+  if constexpr (d <= 128) measure<FwdTileConfig<d, 4, 2, 64, 1>>(e, "w4 m2 n64 split", causal);
 }
 
 int run(int argc, char** argv) {

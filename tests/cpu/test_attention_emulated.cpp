@@ -78,6 +78,7 @@ struct EmuCase {
   bool backward = false;
   bool deterministic = false;  // backward: dQ (and GQA's dK/dV) in turn order, through semaphores
   bool bwd_2d = false;         // backward: the 2-D warp tiling (bwd2_kernel.h) instead of bwd_kernel.h
+  bool fwd_split = false;      // forward: the split K/V pipeline (FwdTileConfig kStages = 1), 4 warps x 64 keys
 };
 
 // The inputs of AttnProblem (tests/gpu/attention_case.h), drawn the same way, on the host; the
@@ -137,9 +138,8 @@ struct Problem : flare::test::AttnLayout {
 
 
 // launch_portable_fwd_cfg's grid and kernel for a given launch mode.
-template <int kHeadDim, typename T>
-void run_forward_kernels(FwdKernelParams p, const EmuCase& e) {
-  using Cfg = typename portable::FwdConfigFor<kHeadDim>::type;
+template <typename Cfg, typename T>
+void run_forward_kernels_cfg(FwdKernelParams p, const EmuCase& e) {
   static_assert(portable::fwd_smem_bytes<Cfg, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
   if (p.seqlen_q == 0 || p.batch == 0) return;
   if (e.persistent_ctas == 0) {
@@ -152,6 +152,14 @@ void run_forward_kernels(FwdKernelParams p, const EmuCase& e) {
       flare::detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), e.l2_budget);
   const dim3 grid(std::min(p.order.num_tiles, e.persistent_ctas));
   cuda_emu::launch(grid, Cfg::kThreads, portable::smem_raw, [&] { portable::portable_fwd_kernel<Cfg, T, true>(p); });
+}
+
+template <int kHeadDim, typename T>
+void run_forward_kernels(const FwdKernelParams& p, const EmuCase& e) {
+  if (e.fwd_split)  // the tuning sweep's split-pipeline shapes (bench/tuning/tune_portable_fwd.cu)
+    run_forward_kernels_cfg<portable::FwdTileConfig<kHeadDim, 4, kHeadDim <= 128 ? 2 : 1, 64, 1>, T>(p, e);
+  else
+    run_forward_kernels_cfg<typename portable::FwdConfigFor<kHeadDim>::type, T>(p, e);
 }
 
 // launch_portable_bwd_cfg: the dpsum pre-pass, the main kernel, the conversions.
@@ -294,6 +302,20 @@ TEST(AttentionEmulated, ForwardMasks) {
   run_case({.c = attn(1, 70, 33, 2, 1, 64, kBf16, kCausal, 9)});
   run_case({.c = attn(1, 70, 90, 2, 2, 64, kFp16, {false, 16, 8}, 5), .padded_rows = true});
   run_case({.c = attn(1, 33, 47, 2, 2, 96, kBf16, {true, 20, -1}, 6)});
+}
+
+// The split K/V pipeline (one K and one V buffer, FlashAttention-2's load order): causal over
+// several key blocks with GQA, a window with padded rows, uniform work on the persistent grid (a
+// CTA's second tile starts its groups afresh), and varlen with an empty sequence and a keyless one.
+TEST(AttentionEmulated, ForwardSplitPipeline) {
+  run_case({.c = attn(1, 150, 170, 2, 1, 128, kFp16, kCausal, 21), .fwd_split = true});
+  run_case({.c = attn(1, 70, 200, 2, 2, 64, kBf16, {false, 48, 8}, 22), .padded_rows = true, .fwd_split = true});
+  run_case({.c = attn(2, 33, 147, 2, 2, 128, kBf16, kNoMask, 23), .persistent_ctas = 3, .l2_budget = 1,
+            .fwd_split = true});
+  AttnCase varlen = attn(4, 0, 0, 2, 1, 64, kBf16, {true, 20, -1}, 24);
+  varlen.varlen_q = {0, 17, 40, 3};
+  varlen.varlen_k = {5, 130, 47, 0};
+  run_case({.c = varlen, .fwd_split = true});
 }
 
 // Soft-capping and attention sinks; varlen with an empty query sequence and one with no keys

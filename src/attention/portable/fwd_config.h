@@ -6,6 +6,9 @@ namespace flare::portable {
 // A tile shape: kWarps warps each owning 16 * kMTiles query rows, kBlockN keys per step,
 // kStages shared-memory K/V buffers. Two m-tiles per warp let each K/V fragment feed two MMAs,
 // at the price of registers (S: kMTiles * kBlockN / 2, O: kMTiles * kHeadDim / 2 per thread).
+// kStages = 1 is FlashAttention-2's split pipeline: one K and one V buffer, the next K loaded
+// under the softmax and PV, the next V under the next S (half the shared memory of 2 stages, so
+// at d256 two CTAs of 64 rows fit an SM where one of 128 did).
 template <int kHeadDim_, int kWarps_, int kMTiles_, int kBlockN_, int kStages_ = 2>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
@@ -19,7 +22,7 @@ struct FwdTileConfig {
   static constexpr int kRowStride = kHeadDim + 8;
   static constexpr int kStages = kStages_;
 
-  static_assert(kStages >= 2, "K/V are prefetched at least one block ahead");
+  static_assert(kStages >= 1, "one K and one V buffer at least");
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: a multiple of 16 up to 256");
   static_assert(kBlockN % 16 == 0, "kv block: whole 16-key MMA steps");
 };

@@ -74,13 +74,21 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], int
       }
 }
 
-// One KV block (K and V staged in k_s, v_s):  S = Q K^T;  soft-cap;  mask_block(s) (the caller's
-// masking, by mask_scores or not at all);  online softmax in exp2;  O += P V.
-template <typename Cfg, typename T, typename MaskBlock>
+// No-op pipeline hook of fwd_attend_block.
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
+// One KV block (K and V staged in k_s, v_s):  S = Q K^T;  after_s();  soft-cap;  mask_block(s)
+// (the caller's masking, by mask_scores or not at all);  online softmax in exp2;  before_pv();
+// O += P V. The hooks let the split pipeline (kStages = 1) reload K once S is done and wait for V
+// just before PV.
+template <typename Cfg, typename T, typename MaskBlock, typename AfterS = NoHook, typename BeforePV = NoHook>
 __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const T* q_s, const T* k_s, const T* v_s,
                                                  int warp_row, int lane, float score_scale,
                                                  float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
-                                                 RowState<Cfg::kMTiles>& st, MaskBlock&& mask_block) {
+                                                 RowState<Cfg::kMTiles>& st, MaskBlock&& mask_block,
+                                                 AfterS&& after_s = {}, BeforePV&& before_pv = {}) {
   constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kMTiles = Cfg::kMTiles, kBlockN = Cfg::kBlockN;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
@@ -110,6 +118,7 @@ __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const
       }
     }
   }
+  after_s();
 
   // Scores soft-capped (then in scaled log2 units) and masked on partial tiles. Each step is a
   // branch-free loop under a uniform condition, so the compiler keeps the element work
@@ -155,6 +164,7 @@ __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const
     }
 
   // O += P V
+  before_pv();
 #pragma unroll
   for (int ks = 0; ks < kBlockN / 16; ++ks) {
     uint32_t a[kMTiles][4];
@@ -247,14 +257,58 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
 
   const int warp_row = warp * 16 * kMTiles;  // first row of this warp within the block
   const float score_scale = p.softcap > 0.f ? 1.f : p.scale_log2;  // raw (or capped) score -> log2 units
+  auto load_k = [&](int n, int stage) {
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k[stage], k_g + n * kBlockN * p.k_str.row,
+                                                         p.k_str.row, seq.seqlen_k - n * kBlockN, p.head_dim);
+  };
+  auto load_v = [&](int n, int stage) {
+    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v[stage], v_g + n * kBlockN * p.v_str.row,
+                                                         p.v_str.row, seq.seqlen_k - n * kBlockN, p.head_dim);
+  };
+  auto mask_block = [&](int n) {
+    return [&, n](float (&s)[kMTiles][kNTiles][4]) {
+      const int col0 = n * kBlockN;
+      if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN, seq.seqlen_k) != sched::TileKind::kFull)
+        mask_scores(s, row0 + warp_row + g, col0 + 2 * t,
+                    [&](int, int, int i, int j) { return j < seq.seqlen_k && band.visible(i, j); });
+    };
+  };
+  if constexpr (Cfg::kStages == 1) {
+    // The split pipeline: cp.async groups in the order {Q, K_last}, {V_last}, then per block n
+    // {K_n-1} after S_n and {V_n-1} after PV_n; each wait leaves only the newest group in flight.
+    if (range.first < range.last) {
+      load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
+      load_k(range.last - 1, 0);
+      cp_async_commit();
+      load_v(range.last - 1, 0);
+      cp_async_commit();
+    }
+    for (int n = range.last - 1; n >= range.first; --n) {
+      cp_async_wait<1>();  // K_n (and Q) landed for this thread...
+      __syncthreads();     // ...and for all
+      fwd_attend_block<Cfg, T>(
+          p, sm.q, sm.k[0], sm.v[0], warp_row, lane, score_scale, o, st, mask_block(n),
+          [&] {
+            __syncthreads();  // every warp's S is done with K_n
+            if (n > range.first) load_k(n - 1, 0);
+            cp_async_commit();
+          },
+          [&] {
+            cp_async_wait<1>();  // V_n landed (K_n-1 may still fly)
+            __syncthreads();
+          });
+      __syncthreads();  // every warp's PV is done with V_n
+      if (n > range.first) load_v(n - 1, 0);
+      cp_async_commit();
+    }
+    fwd_epilogue<Cfg, T>(p, sm.q, o, st, seq, row0, rows, h, b, warp_row);
+    return;
+  }
   // K/V blocks are loaded kStages - 1 iterations ahead, one cp.async group per block (Q joins
   // the first), so a block's load overlaps the compute of the blocks before it.
   auto load_kv = [&](int n, int stage) {
-    const int valid_rows = seq.seqlen_k - n * kBlockN;
-    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.k[stage], k_g + n * kBlockN * p.k_str.row,
-                                                         p.k_str.row, valid_rows, p.head_dim);
-    load_tile<kBlockN, kHeadDim, Cfg::kThreads, kStride>(sm.v[stage], v_g + n * kBlockN * p.v_str.row,
-                                                         p.v_str.row, valid_rows, p.head_dim);
+    load_k(n, stage);
+    load_v(n, stage);
   };
   if (range.first < range.last) {
     load_tile<kBlockM, kHeadDim, Cfg::kThreads, kStride>(sm.q, q_g, p.q_str.row, rows, p.head_dim);
@@ -273,14 +327,7 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
       --n_next;
 
       fwd_attend_block<Cfg, T>(p, sm.q, sm.k[stage], sm.v[stage], warp_row, lane, score_scale, o, st,
-                               [&](float (&s)[kMTiles][kNTiles][4]) {
-                                 const int col0 = n * kBlockN;
-                                 if (sched::classify_tile(band, row0, row0 + rows, col0, col0 + kBlockN,
-                                                          seq.seqlen_k) != sched::TileKind::kFull)
-                                   mask_scores(s, row0 + warp_row + g, col0 + 2 * t, [&](int, int, int i, int j) {
-                                     return j < seq.seqlen_k && band.visible(i, j);
-                                   });
-                               });
+                               mask_block(n));
     }
   }
 

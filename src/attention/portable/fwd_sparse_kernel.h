@@ -19,6 +19,7 @@ namespace flare::portable {
 template <typename Cfg, typename T>
 __device__ __forceinline__ void fwd_sparse_tile(const FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
                                                 FwdSmem<Cfg, T>& sm, int q_tile, int h, int b) {
+  static_assert(Cfg::kStages >= 2, "the sparse walk prefetches whole K/V tiles (no split pipeline)");
   constexpr int kHeadDim = Cfg::kHeadDim;
   constexpr int kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
