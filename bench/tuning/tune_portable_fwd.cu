@@ -72,6 +72,7 @@ void sweep(Env& e, bool causal) {
   // CTAs, where the 2-stage w8 m1 n64 default's 198 KB fits one).
   measure<FwdTileConfig<d, 4, 1, 64, 1>>(e, "w4 m1 n64 split", causal);
   if constexpr (d <= 128) measure<FwdTileConfig<d, 4, 2, 64, 1>>(e, "w4 m2 n64 split", causal);
+  if constexpr (d == 64) measure<FwdTileConfig<d, 4, 2, 128, 1>>(e, "w4 m2 n128 split", causal);  // FA2's d64
 }
 
 int run(int argc, char** argv) {
