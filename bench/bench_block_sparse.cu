@@ -181,8 +181,27 @@ struct Buffers {
   int64_t n = 0;
 };
 
+// q, k, v, out and the gradients as [batch, seqlen, heads, head_dim] views. FLARE_BENCH_LAYOUT=bhsd
+// lays each buffer out as FlexAttention's tensors are, [batch, heads, seqlen, head_dim] (the view
+// is then strided, as flare.flex_attention passes it): whether the layout is what separates the
+// Python-timed forward from this harness's (session 12: 5-25 %).
+bool bhsd_layout() {
+  static const bool bhsd = [] {
+    const char* e = std::getenv("FLARE_BENCH_LAYOUT");
+    return e != nullptr && std::string(e) == "bhsd";
+  }();
+  return bhsd;
+}
+
 TensorView view_of(void* p, int seqlen) {
-  return TensorView::contiguous(p, DType::kBFloat16, {kBatch, seqlen, kHeads, kHeadDim});
+  TensorView t = TensorView::contiguous(p, DType::kBFloat16, {kBatch, seqlen, kHeads, kHeadDim});
+  if (bhsd_layout()) {
+    t.stride[0] = int64_t{kHeads} * seqlen * kHeadDim;
+    t.stride[1] = kHeadDim;
+    t.stride[2] = int64_t{seqlen} * kHeadDim;
+    t.stride[3] = 1;
+  }
+  return t;
 }
 
 AttentionForwardParams forward_params(const Buffers& b, int seqlen, const BlockMask* mask, const MaskParams& dense,
@@ -241,6 +260,7 @@ int run(int argc, char** argv) {
   cudaStream_t stream;
   FLARE_BENCH_CHECK(cudaStreamCreate(&stream));
 
+  if (bhsd_layout()) std::printf("operands laid out [batch, heads, seqlen, head_dim] (FLARE_BENCH_LAYOUT=bhsd)\n");
   Buffers b;
   b.n = int64_t{kBatch} * seqlen * kHeads * kHeadDim;
   for (__nv_bfloat16** p : {&b.q, &b.k, &b.v, &b.out, &b.out2, &b.dout, &b.dq, &b.dk, &b.dv, &b.dq2, &b.dk2, &b.dv2})
