@@ -222,7 +222,7 @@ struct Problem : flare::test::AttnLayout {
 // launch_portable_fwd_sparse_cfg: one CTA per (kernel q tile, head, batch).
 template <int kHeadDim, typename T>
 void run_forward_kernel(const FwdKernelParams& p, const BlockSparseParams& bs) {
-  using Cfg = typename portable::FwdConfigFor<kHeadDim>::type;
+  using Cfg = typename portable::FwdSparseConfigFor<kHeadDim>::type;
   static_assert(portable::fwd_smem_bytes<Cfg, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
   if (p.seqlen_q == 0 || p.batch == 0) return;
   const int tiles_per_q_block = (bs.q_block_size + Cfg::kBlockM - 1) / Cfg::kBlockM;

@@ -27,12 +27,23 @@ struct FwdTileConfig {
   static_assert(kBlockN % 16 == 0, "kv block: whole 16-key MMA steps");
 };
 
-// The tile shape each instantiated head dim uses (bench/tune_portable_fwd.cu measures others).
+// The two-stage tile shapes measured best on the H100 (bench/RESULTS.md, tune_portable_fwd).
+template <int kHeadDim>
+using FwdTwoStageShape = FwdTileConfig<kHeadDim, /*warps=*/kHeadDim <= 128 ? 4 : 8, /*m_tiles=*/kHeadDim <= 128 ? 2 : 1,
+                                       /*block_n=*/kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 32 : 64)>;
+
+// The tile shape each instantiated head dim uses in the dense forward (bench/tune_portable_fwd.cu
+// measures others, the split pipeline's among them).
 template <int kHeadDim>
 struct FwdConfigFor {
-  // Measured on the H100 (bench/RESULTS.md, tune_portable_fwd).
-  using type = FwdTileConfig<kHeadDim, /*warps=*/kHeadDim <= 128 ? 4 : 8, /*m_tiles=*/kHeadDim <= 128 ? 2 : 1,
-                             /*block_n=*/kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 32 : 64)>;
+  using type = FwdTwoStageShape<kHeadDim>;
+};
+
+// The block-sparse forward's (fwd_sparse_kernel.h): its walk prefetches whole tiles, two stages
+// at least, so it keeps the two-stage shapes whatever the dense forward takes.
+template <int kHeadDim>
+struct FwdSparseConfigFor {
+  using type = FwdTwoStageShape<kHeadDim>;
 };
 
 template <typename Cfg, typename T>

@@ -157,7 +157,7 @@ Status launch_portable_fwd_sparse_cfg(const FwdKernelParams& params, const block
 template <int kHeadDim, typename T>
 Status launch_portable_fwd_sparse(const FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
                                   Stream stream) {
-  return launch_portable_fwd_sparse_cfg<typename FwdConfigFor<kHeadDim>::type, T>(p, bs, stream);
+  return launch_portable_fwd_sparse_cfg<typename FwdSparseConfigFor<kHeadDim>::type, T>(p, bs, stream);
 }
 
 }  // namespace flare::portable
