@@ -57,13 +57,17 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_> {
 // Head dims above 128 (docs/hopper_bwd_d256.md): a CTA owns 64 keys and its two consumer
 // warpgroups split the head dim: warpgroup 0 forms S^T and P^T, warpgroup 1 dP^T and dS^T, and
 // each keeps its half of dK, dV and dQ. Q rides a ring of kStages stages (with the row
-// statistics), dO a ring of one; the dQ tile goes out in two halves through one shared buffer,
-// each half with its own writer and, when deterministic, its own turn chain.
-template <int kHeadDim_, int kStages_ = 2>
+// statistics), dO a ring of one; the dQ tile goes out in two halves, each with its own writer and,
+// when deterministic, its own turn chain: through one shared buffer in turn (kDqBufs = 1), or
+// through a buffer each (kDqBufs = 2: a warpgroup then waits only for its own writer's previous
+// read, not for the other half's turn; the 32 KB it costs leaves room for one Q stage only).
+template <int kHeadDim_, int kStages_ = 2, int kDqBufs_ = 1>
 struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kStages_> {
   using Warps = HopperBwdWarps<kHeadDim_, kStages_>;
   static constexpr bool kSplitHeadDim = true;
   static constexpr int kBlockN = 64;  // keys per CTA, shared by both consumer warpgroups
+  static constexpr int kDqBufs = kDqBufs_;
+  static_assert(kDqBufs == 1 || kDqBufs == 2, "one dQ buffer for both halves, or one each");
   // Half w (warpgroup w's columns) of a 64-row tile, each half in its 128 threads' order.
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
     return (ct / 128) * Warps::kBlockM * (kHeadDim_ / 2) + detail::hopper_dq_tile_offset(128, ct % 128, i);
@@ -75,6 +79,17 @@ struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kStages_> {
 constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_dim <= 128 || head_dim == 256); }
 template <int kHeadDim>
 using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>, HopperBwdConfig<kHeadDim>>;
+
+// The split tiling's deterministic mode: FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS=2 (an experiment for
+// tools/bwd-experiments, not yet timed) runs it with a dQ buffer per half and one Q stage; 1 (the
+// default) with the ordinary mode's configuration.
+#ifndef FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS
+#define FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS 1
+#endif
+template <int kHeadDim>
+using HopperBwdSplitDeterministicConfig =
+    std::conditional_t<FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS == 2, HopperBwdSplitConfig<kHeadDim, 1, 2>,
+                       HopperBwdSplitConfig<kHeadDim>>;
 
 // The block-sparse backward (ordinary mode) has the d <= 128 tiling only: its 128-key CTAs lie in
 // one mask kv block (kv_block_size a multiple of 128) and its 64-row steps divide the q blocks.

@@ -102,6 +102,9 @@ Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream) {
     return Status::NotSupported("head dim " + std::to_string(kHeadDim) +
                                 ": the Hopper backward serves head dims up to 128 and 256");
   } else {
+    if constexpr (kHeadDim > 128 && !std::is_same_v<HopperBwdSplitDeterministicConfig<kHeadDim>, HopperBwdConfigFor<kHeadDim>>) {
+      if (p.deterministic) return launch_hopper_bwd_cfg<HopperBwdSplitDeterministicConfig<kHeadDim>, T>(p, stream);
+    }
     return launch_hopper_bwd_cfg<HopperBwdConfigFor<kHeadDim>, T>(p, stream);
   }
 }

@@ -34,13 +34,15 @@ struct BwdSplitSmem {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDO>, 1024> dout;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> p;   // P^T, as dS^T
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds;
-  cute::array_aligned<float, Cfg::kBlockM * Cfg::kHeadDim / 2, 128> dq;  // one half of a step's dQ tile
+  static constexpr int kDqHalf = Cfg::kBlockM * Cfg::kHeadDim / 2;  // floats of one half of a step's dQ tile
+  cute::array_aligned<float, Cfg::kDqBufs * kDqHalf, 128> dq;      // one half (kDqBufs = 1) or both
   cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
   uint64_t kv_full;
   StageBarriers<Cfg::kStages> q_ring;  // Q and the row statistics of one query block
   StageBarriers<1> do_ring;            // dO of one query block
   uint64_t dq_full[2];                 // half w written (warpgroup w's 4 warps)
-  uint64_t dq_empty[2];                // the buffer free for warpgroup w (writer 1 - w has read its half)
+  uint64_t dq_empty[2];                // the buffer free for warpgroup w (writer 1 - w, or with two
+                                       // buffers writer w, has read its half)
 };
 
 template <typename Cfg, typename T>
@@ -187,23 +189,32 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       if (lane == 0) sm.q_ring.release(qpos);
       qpos.template advance<Cfg::kStages>();
 
-      // dQ half w (scaled) into the shared buffer once the other half's writer has read it. The
-      // named barrier orders the two warpgroups' stores to the buffer directly as well (the
-      // mbarrier chain through the writer already does; racecheck does not follow it).
-      if (w == 1) {
-        cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[1], it & 1);
-        named_sync(kBarDqStored0);
-      } else if (it > 0) {
-        cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[0], (it - 1) & 1);
-        named_sync(kBarDqStored1);
+      if constexpr (Cfg::kDqBufs == 2) {
+        // dQ half w (scaled) into its own buffer once its writer has read the previous step's.
+        if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w], (it - 1) & 1);
+        bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
+                          [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
+        __syncwarp();
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
+      } else {
+        // dQ half w (scaled) into the shared buffer once the other half's writer has read it. The
+        // named barrier orders the two warpgroups' stores to the buffer directly as well (the
+        // mbarrier chain through the writer already does; racecheck does not follow it).
+        if (w == 1) {
+          cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[1], it & 1);
+          named_sync(kBarDqStored0);
+        } else if (it > 0) {
+          cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[0], (it - 1) & 1);
+          named_sync(kBarDqStored1);
+        }
+        bwd_store_dq_tile(sm.dq.data(), dq_acc, p.scale,
+                          [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
+        __syncwarp();
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
+        named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
       }
-      bwd_store_dq_tile(sm.dq.data(), dq_acc, p.scale,
-                        [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
-      named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
     }
-    if (w == 0) named_sync(kBarDqStored1);  // the last step's arrival
+    if (Cfg::kDqBufs == 1 && w == 0) named_sync(kBarDqStored1);  // the last step's arrival
   }
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
@@ -233,9 +244,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if ((warp == 1 || warp == 2) && cute::elect_one_sync()) {
       const int half = warp - 1;
       DqWriterPart part;
-      part.smem = sm.dq.data();
+      part.smem = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
       part.full = &sm.dq_full[half];
-      part.empty = &sm.dq_empty[1 - half];  // half 0 read: warpgroup 1 may write; half 1 read: warpgroup 0
+      // One buffer: half 0 read, warpgroup 1 may write; half 1 read, warpgroup 0. Two: its own.
+      part.empty = &sm.dq_empty[Cfg::kDqBufs == 2 ? half : 1 - half];
       part.tile_offset = half * Cfg::kBlockM * (Cfg::kHeadDim / 2);
       part.bytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
       part.chain = half;
