@@ -107,7 +107,7 @@ int run(int argc, char** argv) {
   std::vector<Case> cases;
   for (bool layer : {false, true}) {
     const std::string mode = layer ? " layer" : "";
-    for (int T : {1024, 4096, 32768}) cases.push_back({"B" + std::to_string(kTokens / T) + " T" + std::to_string(T) + mode, kTokens / T, T, {}, layer});
+    for (int T : {1024, 2048, 4096, 8192, 16384, 32768}) cases.push_back({"B" + std::to_string(kTokens / T) + " T" + std::to_string(T) + mode, kTokens / T, T, {}, layer});
     // varlen: uneven lengths summing to 32k (partial chunks in most sequences)
     cases.push_back({"varlen 12" + mode, 1, kTokens, {8000, 100, 3000, 1, 6000, 4567, 2222, 64, 5000, 1800, 1000, 1014}, layer});
   }
