@@ -88,12 +88,14 @@ struct ErrorReport {
   int64_t nan_count = 0;    // unwritten or NaN outputs (where the reference is not NaN)
   int64_t inf_mismatch = 0; // where one side is +-inf and the other is not the same
   int64_t worst_index = -1;
+  double worst_ref = 0;     // the reference value there
   bool ulp_allowed = false;
   std::string describe(const char* name) const {
     char buf[256];
-    std::snprintf(buf, sizeof buf, "%s: max err %.3g%s (low-precision baseline %.3g) nan %lld inf-mismatch %lld at %lld",
+    std::snprintf(buf, sizeof buf,
+                  "%s: max err %.3g%s (low-precision baseline %.3g) nan %lld inf-mismatch %lld at %lld (ref %.4g)",
                   name, max_err, ulp_allowed ? " beyond 1 ulp" : "", lowp_err, (long long)nan_count,
-                  (long long)inf_mismatch, (long long)worst_index);
+                  (long long)inf_mismatch, (long long)worst_index, worst_ref);
     return buf;
   }
 };
@@ -133,7 +135,7 @@ inline ErrorReport compare(const ref::HostTensor& got, const ref::HostTensor& re
     }
     double err = std::abs(g - e);
     if (allow_ulp) err = std::max(0.0, err - ulp_of(got_dtype, e));
-    if (err > r.max_err) r.max_err = err, r.worst_index = i;
+    if (err > r.max_err) r.max_err = err, r.worst_index = i, r.worst_ref = e;
     if (lowp) {
       double l = lowp->get(i);
       if (std::isfinite(l)) r.lowp_err = std::max(r.lowp_err, std::abs(l - e));
