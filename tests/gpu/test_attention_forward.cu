@@ -27,7 +27,8 @@ void run_forward(const AttnCase& c, Backend backend) {
 class Forward : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
-      if (GetParam() != Backend::kHopper) return;
+    FLARE_REQUIRE_GPU();
+    if (GetParam() != Backend::kHopper) return;
 #ifndef FLARE_HAS_HOPPER
     GTEST_SKIP() << "built without the Hopper kernels";
 #endif
