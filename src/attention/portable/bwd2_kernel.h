@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
         }
       }
     }
-    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
+    int* sem = dq_turn_semaphore(P, b, h, m);
     if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
 #pragma unroll
     for (int mi = 0; mi < kDqM; ++mi) {
@@ -276,8 +276,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
     if (sem) pass_turn(sem);
   }
 
-  const bool gqa = p.group > 1;
-  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
+  int* sem = dkv_turn_semaphore(P, b, hk, n);
   if (sem) wait_turn(sem, h % p.group);
 #pragma unroll
   for (int mi = 0; mi < kKvM; ++mi)

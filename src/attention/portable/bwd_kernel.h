@@ -74,6 +74,16 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
   return descending_kv_order(P) ? kv.last - 1 - n : n - kv.first;
 }
 
+// The dense deterministic backward's turn semaphores, null in the ordinary mode: dQ's of query
+// block m of (sequence b, head h); dK/dV's of key block n of (b, kv head hk), under GQA only.
+__device__ __forceinline__ int* dq_turn_semaphore(const BwdKernelParams& P, int b, int h, int m) {
+  return P.deterministic ? P.dq_semaphore + (int64_t{b} * P.fwd.heads + h) * P.num_m_blocks + m : nullptr;
+}
+__device__ __forceinline__ int* dkv_turn_semaphore(const BwdKernelParams& P, int b, int hk, int n) {
+  return P.deterministic && P.fwd.group > 1 ? P.dkv_semaphore + (int64_t{b} * P.fwd.heads_kv + hk) * P.num_n_blocks + n
+                                            : nullptr;
+}
+
 // The pieces of a (key block, query block) step that the dense kernel below and the
 // block-sparse kernel (bwd_sparse_kernel.h) share: the query block's loads, S^T and dP^T, the
 // probabilities and score gradients, the dK/dV accumulation, the dQ product and its reduction,
@@ -404,14 +414,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
     const DqPart<Cfg> dq_part(warp);
     float dq[kDqTiles][4];
     bwd_dq_product<Cfg, T>(sm.ds, sm.k, dq_part, lane, dq);
-    int* sem = P.deterministic ? P.dq_semaphore + (int64_t{b} * p.heads + h) * P.num_m_blocks + m : nullptr;
+    int* sem = dq_turn_semaphore(P, b, h, m);
     if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
     bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, dq_part, lane, dq);
     if (sem) pass_turn(sem);
   }
 
-  const bool gqa = p.group > 1;
-  int* sem = (gqa && P.deterministic) ? P.dkv_semaphore + (int64_t{b} * p.heads_kv + hk) * P.num_n_blocks + n : nullptr;
+  int* sem = dkv_turn_semaphore(P, b, hk, n);
   if (sem) wait_turn(sem, h % p.group);
   bwd_store_dkv<Cfg, T>(P, seq, b, hk, col0, keys, kv_row, dkv_col, lane, dk, dv);
   if (sem) pass_turn(sem);
