@@ -485,6 +485,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     tile.id = i;
     return tile;
   };
+  auto this_ctas_tile = [&] {  // one CTA per tile: longest first where rows see different key counts
+    const bool longest_first = kSparse || p.causal || p.window_left >= 0;
+    FwdTile<Walk> tile =
+        fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+    tile.id = cta;
+    return tile;
+  };
   PipePos pos;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
@@ -509,10 +516,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         produce<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);  // Q even where no key is visible
       }
     } else {
-      const bool longest_first = kSparse || p.causal || p.window_left >= 0;
-      FwdTile<Walk> tile =
-          fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
-      tile.id = cta;
+      const FwdTile<Walk> tile = this_ctas_tile();
       if (tile.rows > 0 && (Walk::kSparse || !tile.kv.empty())) produce<Cfg, T>(hp, sm, tile, pos);
     }
   } else {
@@ -526,10 +530,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
       }
     } else {
-      const bool longest_first = kSparse || p.causal || p.window_left >= 0;
-      FwdTile<Walk> tile =
-          fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
-      tile.id = cta;
+      const FwdTile<Walk> tile = this_ctas_tile();
       if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
     }
   }
