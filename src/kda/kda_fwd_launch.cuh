@@ -43,24 +43,28 @@ inline int state_slice_width(const KdaFwdArgs& a, int num_sms, int max_bv) {
   return ctas(32) * 2 >= num_sms ? 32 : 16;
 }
 
-template <typename Kernel, typename... Args>
-cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream, const Args&... args) {
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+// kernel<<<grid, threads, smem, stream>>>(args...) with its shared-memory limit raised to smem;
+// programmatic: as the programmatic dependent of the kernel before it in the stream (it may start
+// once every CTA of that kernel has allowed it; src/common/grid_dependency.h).
+template <typename... Params, typename... Args>
+cudaError_t launch_with(bool programmatic, void (*kernel)(Params...), dim3 grid, int threads, size_t smem,
+                        cudaStream_t stream, const Args&... args) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  kernel<<<grid, threads, smem, stream>>>(args...);
-  return cudaGetLastError();
+  return detail::launch_maybe_programmatic(programmatic, kernel, grid, dim3(threads), smem, stream, args...);
 }
 
-// launch, as the programmatic dependent of the kernel before it in the stream (sm_90+: it may
-// start once every CTA of that kernel has allowed it; src/common/grid_dependency.h), or plainly
-// below sm_90.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                   const Args&... args) {
+  return launch_with(false, kernel, grid, threads, smem, stream, args...);
+}
+
+// launch, as a programmatic dependent on sm_90+ (plainly below).
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
                              const Args&... args) {
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  return detail::launch_maybe_programmatic(detail::current_device_facts().cc_major >= 9, kernel, grid, dim3(threads),
-                                           smem, stream, args...);
+  return launch_with(detail::current_device_facts().cc_major >= 9, kernel, grid, threads, smem, stream, args...);
 }
 
 template <typename T, int K, int V, int BV>
