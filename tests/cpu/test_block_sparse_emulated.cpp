@@ -200,12 +200,7 @@ void build_mask(const SparseEmuCase& e, HostMask* m) {
 struct Problem : flare::test::AttnLayout {
   explicit Problem(const AttnCase& c) : AttnLayout(c), c(c) {
     std::mt19937_64 rng(c.seed);
-    q.reset(c.dtype, q_shape);
-    k.reset(c.dtype, k_shape);
-    v.reset(c.dtype, k_shape);
-    q.fill_normal(rng);
-    k.fill_normal(rng);
-    v.fill_normal(rng);
+    draw_qkv(c.dtype, rng, q, k, v);
   }
   template <typename P>
   void fill_common(P& p) const {

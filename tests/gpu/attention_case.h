@@ -65,6 +65,17 @@ struct AttnLayout {
       lse_shape = {c.batch, c.heads, c.seqlen_q};
     }
   }
+
+  // Q, K and V of a case in `dtype`, drawn from rng in the order every test draws them (dense
+  // rows; test_attention_emulated draws into padded ones itself).
+  void draw_qkv(DType dtype, std::mt19937_64& rng, ref::HostTensor& q, ref::HostTensor& k, ref::HostTensor& v) const {
+    q.reset(dtype, q_shape);
+    k.reset(dtype, k_shape);
+    v.reset(dtype, k_shape);
+    q.fill_normal(rng);
+    k.fill_normal(rng);
+    v.fill_normal(rng);
+  }
 };
 
 class AttnProblem {
@@ -76,12 +87,7 @@ class AttnProblem {
     cu_k = std::move(layout.cu_k);
     q_shape = layout.q_shape, k_shape = layout.k_shape, lse_shape = layout.lse_shape;
     max_q = layout.max_q, max_k = layout.max_k;
-    q.reset(c.dtype, q_shape);
-    k.reset(c.dtype, k_shape);
-    v.reset(c.dtype, k_shape);
-    q.fill_normal(rng);
-    k.fill_normal(rng);
-    v.fill_normal(rng);
+    layout.draw_qkv(c.dtype, rng, q, k, v);
     if (c.sinks) {
       sinks.reset(DType::kFloat32, {c.heads});
       sinks.fill_normal(rng);
