@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,17 @@ __global__ void bf16_to_f32(const __nv_bfloat16* in, float* out, int64_t n) {
 __global__ void count_nonfinite(const __nv_bfloat16* x, int64_t n, unsigned long long* bad) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     if (!isfinite(__bfloat162float(x[i]))) atomicAdd(bad, 1ull);
+}
+
+// The non-finite elements of `tensors` (n bf16 each), counted in *bad on the device.
+unsigned long long count_nonfinite_outputs(std::initializer_list<const __nv_bfloat16*> tensors, int64_t n,
+                                           unsigned long long* bad, cudaStream_t stream) {
+  FLARE_BENCH_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
+  for (const __nv_bfloat16* x : tensors) count_nonfinite<<<1024, 256, 0, stream>>>(x, n, bad);
+  unsigned long long nonfinite = 0;
+  FLARE_BENCH_CHECK(cudaMemcpyAsync(&nonfinite, bad, sizeof(nonfinite), cudaMemcpyDeviceToHost, stream));
+  FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+  return nonfinite;
 }
 
 struct Buffers {
@@ -178,6 +190,26 @@ int run(int argc, char** argv) {
     p.workspace = b.workspace;
     p.workspace_bytes = b.workspace_bytes;
     const Timing t = time_op(kda_forward, p, c.name, args.timing(), stream);
+    // q, k, v, out bf16, g fp32, beta bf16: each once
+    const double io_bytes = elems * (2.0 * 4 + 4.0) + rows * 2.0;
+    const double gbps = io_bytes / (t.median_ms * 1e6);
+    Record r;
+    r.name = "kda_fwd " + c.name;
+    r.tags = device_tags();
+    r.tags["dtype"] = "bf16";
+    r.metrics = {{"median_ms", t.median_ms}, {"gbps_io_once", gbps}, {"fraction_of_copy_bw", gbps / copy_gbps}};
+    std::vector<std::pair<std::string, Table::Cell>> row = {{"case", c.name},
+                                                            {"ms", Table::Cell(t.median_ms, 3)},
+                                                            {"GB/s (io once)", Table::Cell(gbps, 0)},
+                                                            {"of copy bw", Table::Cell(gbps / copy_gbps, 2)}};
+    if (args.forward_only) {
+      const unsigned long long nonfinite = count_nonfinite_outputs({b.out}, elems, bad, stream);
+      failures += nonfinite != 0;
+      row.push_back({"non-finite", Table::Cell(static_cast<int64_t>(nonfinite))});
+      table.add_row(row);
+      records.push_back(r);
+      continue;
+    }
 
     KdaBackwardParams bp = make_backward_params(p, b);
     check_ok(kda_backward_workspace_size(bp, &bytes), c.name + " backward");
@@ -208,34 +240,18 @@ int run(int argc, char** argv) {
     bk.workspace_from_forward = true;
     const Timing tbk = time_op(kda_backward, bk, c.name + " backward from the forward", args.timing(), stream);
 
-    FLARE_BENCH_CHECK(cudaMemsetAsync(bad, 0, sizeof(*bad), stream));
-    count_nonfinite<<<1024, 256, 0, stream>>>(b.out, elems, bad);
-    count_nonfinite<<<1024, 256, 0, stream>>>(b.dq, elems, bad);
-    unsigned long long nonfinite = 0;
-    FLARE_BENCH_CHECK(cudaMemcpyAsync(&nonfinite, bad, sizeof(nonfinite), cudaMemcpyDeviceToHost, stream));
-    FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+    const unsigned long long nonfinite = count_nonfinite_outputs({b.out, b.dq}, elems, bad, stream);
     failures += nonfinite != 0;
 
-    // q, k, v, out bf16, g fp32, beta bf16: each once
-    const double io_bytes = elems * (2.0 * 4 + 4.0) + rows * 2.0;
-    const double gbps = io_bytes / (t.median_ms * 1e6);
-    table.add_row({{"case", c.name},
-                   {"ms", Table::Cell(t.median_ms, 3)},
-                   {"GB/s (io once)", Table::Cell(gbps, 0)},
-                   {"of copy bw", Table::Cell(gbps / copy_gbps, 2)},
-                   {"bwd ms", Table::Cell(tb.median_ms, 3)},
-                   {"fwd+bwd ms", Table::Cell(t.median_ms + tb.median_ms, 3)},
-                   {"kept fwd ms", Table::Cell(tk.median_ms, 3)},
-                   {"bwd from fwd ms", Table::Cell(tbk.median_ms, 3)},
-                   {"training ms", Table::Cell(tk.median_ms + tbk.median_ms, 3)},
-                   {"non-finite", Table::Cell(static_cast<int64_t>(nonfinite))}});
-    Record r;
-    r.name = "kda_fwd " + c.name;
-    r.metrics = {{"median_ms", t.median_ms}, {"gbps_io_once", gbps}, {"fraction_of_copy_bw", gbps / copy_gbps},
-                 {"backward_median_ms", tb.median_ms}, {"kept_forward_median_ms", tk.median_ms},
-                 {"backward_from_forward_median_ms", tbk.median_ms}};
-    r.tags = device_tags();
-    r.tags["dtype"] = "bf16";
+    row.insert(row.end(), {{"bwd ms", Table::Cell(tb.median_ms, 3)},
+                           {"fwd+bwd ms", Table::Cell(t.median_ms + tb.median_ms, 3)},
+                           {"kept fwd ms", Table::Cell(tk.median_ms, 3)},
+                           {"bwd from fwd ms", Table::Cell(tbk.median_ms, 3)},
+                           {"training ms", Table::Cell(tk.median_ms + tbk.median_ms, 3)},
+                           {"non-finite", Table::Cell(static_cast<int64_t>(nonfinite))}});
+    table.add_row(row);
+    r.metrics.insert({{"backward_median_ms", tb.median_ms}, {"kept_forward_median_ms", tk.median_ms},
+                      {"backward_from_forward_median_ms", tbk.median_ms}});
     records.push_back(r);
   }
   std::printf("KDA forward and backward, bf16, H = HV = %d, K = V = %d, %d tokens (copy bandwidth %.0f GB/s)\n", kHeads, kDim,

@@ -289,7 +289,7 @@ bool parse_args(int argc, const char* const* argv, Args* args, std::string* erro
     std::optional<std::string> inline_value;
     if (eq != std::string_view::npos) inline_value = std::string(arg.substr(eq + 1));
 
-    const bool is_flag = name == "--graph" || name == "--no-flush" || name == "--quick";
+    const bool is_flag = name == "--graph" || name == "--no-flush" || name == "--quick" || name == "--forward-only";
     const bool takes_value =
         name == "--json" || name == "--repeats" || name == "--warmup" || name == "--filter" || name == "--seqlen" ||
         name == "--calls";
@@ -298,6 +298,7 @@ bool parse_args(int argc, const char* const* argv, Args* args, std::string* erro
       if (name == "--graph") args->graph = true;
       if (name == "--no-flush") args->no_flush = true;
       if (name == "--quick") args->quick = true;
+      if (name == "--forward-only") args->forward_only = true;
       continue;
     }
     if (!takes_value) return fail("unknown option '" + name + "'");
@@ -346,6 +347,7 @@ std::string usage(std::string_view program) {
          "  --filter SUBSTR  run only the cases whose name contains SUBSTR\n"
          "  --seqlen N       the sequence length, for the sweeps that take one\n"
          "  --quick          a smaller sweep with fewer samples\n"
+         "  --forward-only   (benchmarks of an op with a backward) time the forward alone\n"
          "  -h, --help       print this help\n";
 }
 

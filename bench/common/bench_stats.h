@@ -129,6 +129,7 @@ struct Args {
   bool no_flush = false;       // --no-flush: keep L2 warm between samples
   std::string filter;          // --filter SUBSTR: run only cases whose name contains it
   bool quick = false;          // --quick: a smaller sweep and fewer samples
+  bool forward_only = false;   // --forward-only: benchmarks of an op with a backward time the forward alone
   bool help = false;           // --help / -h
 
   // Whether a case named `name` passes --filter (everything passes an empty filter).

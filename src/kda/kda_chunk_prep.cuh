@@ -96,6 +96,33 @@ __device__ __forceinline__ KdaChunk chunk_at(const KdaFwdArgs& a, int c) {
   return {b, t0, min(kKdaChunk, a.seqlen - t0), b};
 }
 
+// Where row `row` of one of the prep's row inputs of chunk ch, value head hv, starts (which: 0 the
+// gate as stored, 1 q, 2 k, 3 v), and its bytes; none past the chunk's end or for a scalar gate.
+struct PrepRowSource {
+  const void* src;
+  uint32_t bytes;
+};
+template <typename T, int K, int V>
+__device__ __forceinline__ PrepRowSource prep_row_source(const KdaFwdArgs& a, const KdaChunk& ch, int hv, int which,
+                                                         int row) {
+  if (row >= ch.len || (which == 0 && a.scalar_gate)) return {nullptr, 0};
+  const int64_t t = ch.t0 + row;
+  auto at = [&](const detail::RowStrides& st, int head) { return ch.batch * st.batch + t * st.token + head * st.head; };
+  const int h = hv / (a.heads_v / a.heads);
+  constexpr uint32_t kSize = sizeof(T);
+  switch (which) {
+    case 0:
+      return a.g_fp32 ? PrepRowSource{static_cast<const float*>(a.g) + at(a.g_st, hv), K * 4u}
+                      : PrepRowSource{static_cast<const T*>(a.g) + at(a.g_st, hv), K * kSize};
+    case 1:
+      return {static_cast<const T*>(a.q) + at(a.q_st, h), K * kSize};
+    case 2:
+      return {static_cast<const T*>(a.k) + at(a.k_st, h), K * kSize};
+    default:
+      return {static_cast<const T*>(a.v) + at(a.v_st, hv), V * kSize};
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ float load_scalar(const void* p, bool fp32, int64_t at) {
   return fp32 ? static_cast<const float*>(p)[at] : to_float(static_cast<const T*>(p)[at]);
@@ -321,14 +348,10 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   const int chunk = blockIdx.x, hv = blockIdx.y;
   const KdaChunk ch = chunk_at(a, chunk);
   if (ch.len <= 0) return;
-  const int h = hv / (a.heads_v / a.heads);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
 
   // ---- load: q, k, v asynchronously; gate and beta activated on the way in ------------------
-  const T* q = static_cast<const T*>(a.q) + ch.batch * a.q_st.batch + ch.t0 * a.q_st.token + h * a.q_st.head;
-  const T* k = static_cast<const T*>(a.k) + ch.batch * a.k_st.batch + ch.t0 * a.k_st.token + h * a.k_st.head;
-  const T* v = static_cast<const T*>(a.v) + ch.batch * a.v_st.batch + ch.t0 * a.v_st.token + hv * a.v_st.head;
 
   // The raw gate first, as it is stored: fp32 rows straight into gam, 16-bit rows into kb (free
   // until the scaling pass), a scalar gate (GDN) one value per row. The cumulative gate is formed
@@ -350,45 +373,44 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   {
     static_assert(C::kThreads == 4 * kKdaChunk, "a row per thread: the gate, q, k, v");
     const int row = tid % kKdaChunk, which = tid / kKdaChunk;  // 0: gate, 1: q, 2: k, 3: v
-    const bool in = row < ch.len;
     uint64_t* bar = &s.bar[which == 0 ? 0 : 1];
-    void* dst = nullptr;
-    const void* src = nullptr;
-    uint32_t bytes = 0;
-    if (which == 0) {
-      if (!a.scalar_gate && in) {
-        dst = a.g_fp32 ? static_cast<void*>(&s.gam[row][0]) : static_cast<void*>(&s.kb[row][0]);
-        src = a.g_fp32 ? static_cast<const void*>(static_cast<const float*>(a.g) + g_base + row * a.g_st.token)
-                       : static_cast<const void*>(static_cast<const T*>(a.g) + g_base + row * a.g_st.token);
-        bytes = K * (a.g_fp32 ? 4 : sizeof(T));
-      }
+    void* dst = which == 0   ? (a.g_fp32 ? static_cast<void*>(&s.gam[row][0]) : static_cast<void*>(&s.kb[row][0]))
+                : which == 1 ? &s.q[row][0]
+                : which == 2 ? &s.k[row][0]
+                             : &s.v[row][0];
+    const PrepRowSource in = prep_row_source<T, K, V>(a, ch, hv, which, row);
+    if (in.bytes != 0) {
+      sm90::mbar_arrive_expect_tx(bar, in.bytes);
+      sm90::bulk_copy_g2s(dst, in.src, in.bytes, bar);
     } else {
-      T* d = which == 1 ? &s.q[row][0] : which == 2 ? &s.k[row][0] : &s.v[row][0];
-      const int cols = which == 3 ? V : K;
-      if (in) {
-        dst = d;
-        src = which == 1 ? q + row * a.q_st.token : which == 2 ? k + row * a.k_st.token : v + row * a.v_st.token;
-        bytes = cols * sizeof(T);
-      } else {
-        for (int c = 0; c < cols; c += 8) *reinterpret_cast<uint4*>(d + c) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    if (bytes != 0) {
-      sm90::mbar_arrive_expect_tx(bar, bytes);
-      sm90::bulk_copy_g2s(dst, src, bytes, bar);
-    } else {
+      if (which != 0)
+        for (int c = 0; c < (which == 3 ? V : K); c += 8)
+          *reinterpret_cast<uint4*>(static_cast<T*>(dst) + c) = make_uint4(0, 0, 0, 0);
       sm90::mbar_arrive(bar);
+    }
+    // The same row of the CTA prep_prefetch_ahead blocks later, into L2: that CTA starts about when
+    // one of this wave retires, and its loads then wait on L2 instead of DRAM, while this CTA's
+    // computing leaves DRAM idle otherwise.
+    if (a.prep_prefetch_ahead > 0) {
+      const int64_t later = blockIdx.x + int64_t{gridDim.x} * blockIdx.y + a.prep_prefetch_ahead;
+      const int later_hv = static_cast<int>(later / gridDim.x);
+      if (later_hv < a.heads_v) {
+        const int later_chunk = static_cast<int>(later - int64_t{later_hv} * gridDim.x);
+        const PrepRowSource r = prep_row_source<T, K, V>(a, chunk_at(a, later_chunk), later_hv, which, row);
+        if (r.bytes != 0) sm90::bulk_prefetch_l2(r.src, r.bytes);
+      }
     }
   }
 #else
+  auto first_row = [&](int which) { return prep_row_source<T, K, V>(a, ch, hv, which, 0).src; };
   if (!a.scalar_gate) {
-    if (a.g_fp32) load_rows<float, K>(s.gam, static_cast<const float*>(a.g) + g_base, a.g_st.token, ch.len);
-    else load_rows<T, K>(s.kb, static_cast<const T*>(a.g) + g_base, a.g_st.token, ch.len);
+    if (a.g_fp32) load_rows<float, K>(s.gam, static_cast<const float*>(first_row(0)), a.g_st.token, ch.len);
+    else load_rows<T, K>(s.kb, static_cast<const T*>(first_row(0)), a.g_st.token, ch.len);
   }
   cp_async_commit();
-  load_rows<T, K>(s.q, q, a.q_st.token, ch.len);
-  load_rows<T, K>(s.k, k, a.k_st.token, ch.len);
-  load_rows<T, V>(s.v, v, a.v_st.token, ch.len);
+  load_rows<T, K>(s.q, static_cast<const T*>(first_row(1)), a.q_st.token, ch.len);
+  load_rows<T, K>(s.k, static_cast<const T*>(first_row(2)), a.k_st.token, ch.len);
+  load_rows<T, V>(s.v, static_cast<const T*>(first_row(3)), a.v_st.token, ch.len);
   cp_async_commit();
 #endif
   if (tid < kKdaChunk) {

@@ -255,7 +255,7 @@ TEST(Args, Defaults) {
   EXPECT_FALSE(a.repeats.has_value());
   EXPECT_FALSE(a.warmup.has_value());
   EXPECT_FALSE(a.seqlen.has_value());
-  EXPECT_FALSE(a.graph || a.no_flush || a.quick || a.help);
+  EXPECT_FALSE(a.graph || a.no_flush || a.quick || a.forward_only || a.help);
   EXPECT_TRUE(a.selected("anything"));
   const TimingOptions t = a.timing();
   EXPECT_EQ(t.repeats, TimingOptions{}.repeats);
@@ -269,7 +269,7 @@ TEST(Args, AllOptionsSeparateValues) {
   Args a;
   std::string error;
   ASSERT_TRUE(parse({"--json", "out/r.json", "--repeats", "20", "--warmup", "0", "--graph",
-                     "--no-flush", "--filter", "d128", "--quick", "--seqlen", "1024", "--calls", "20"},
+                     "--no-flush", "--filter", "d128", "--quick", "--seqlen", "1024", "--calls", "20", "--forward-only"},
                     &a, &error))
       << error;
   EXPECT_EQ(a.seqlen, 1024);
@@ -281,6 +281,7 @@ TEST(Args, AllOptionsSeparateValues) {
   EXPECT_TRUE(a.no_flush);
   EXPECT_EQ(a.filter, "d128");
   EXPECT_TRUE(a.quick);
+  EXPECT_TRUE(a.forward_only);
   EXPECT_TRUE(a.selected("fwd d128 causal"));
   EXPECT_FALSE(a.selected("fwd d64"));
 
@@ -331,7 +332,7 @@ TEST(Args, Help) {
   const std::string u = usage("bench_attention_fwd");
   EXPECT_EQ(u.rfind("usage: bench_attention_fwd [options]\n", 0), 0u);
   for (const char* option : {"--json", "--repeats", "--warmup", "--graph", "--no-flush",
-                             "--filter", "--quick", "--seqlen", "--calls", "--help"}) {
+                             "--filter", "--quick", "--seqlen", "--calls", "--forward-only", "--help"}) {
     EXPECT_NE(u.find(option), std::string::npos) << option;
   }
 }
