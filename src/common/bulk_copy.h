@@ -61,15 +61,6 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       : "memory");
 #endif
 }
-// A hint: bring [src, src + bytes) (multiple of 16, 16-byte aligned) into L2, nothing into shared
-// memory, nothing to wait for.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#else
-  (void)src, (void)bytes;
-#endif
-}
 // Generic-proxy writes to shared memory become visible to later bulk copies into it.
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

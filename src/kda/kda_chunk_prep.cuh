@@ -388,18 +388,6 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
           *reinterpret_cast<uint4*>(static_cast<T*>(dst) + c) = make_uint4(0, 0, 0, 0);
       sm90::mbar_arrive(bar);
     }
-    // The same row of the CTA prep_prefetch_ahead blocks later, into L2: that CTA starts about when
-    // one of this wave retires, and its loads then wait on L2 instead of DRAM, while this CTA's
-    // computing leaves DRAM idle otherwise.
-    if (a.prep_prefetch_ahead > 0) {
-      const int64_t later = blockIdx.x + int64_t{gridDim.x} * blockIdx.y + a.prep_prefetch_ahead;
-      const int later_hv = static_cast<int>(later / gridDim.x);
-      if (later_hv < a.heads_v) {
-        const int later_chunk = static_cast<int>(later - int64_t{later_hv} * gridDim.x);
-        const PrepRowSource r = prep_row_source<T, K, V>(a, chunk_at(a, later_chunk), later_hv, which, row);
-        if (r.bytes != 0) sm90::bulk_prefetch_l2(r.src, r.bytes);
-      }
-    }
   }
 #else
   auto first_row = [&](int which) { return prep_row_source<T, K, V>(a, ch, hv, which, 0).src; };

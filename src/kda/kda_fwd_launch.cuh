@@ -1,7 +1,6 @@
 // Launch of the KDA forward kernels for one (dtype, K, V); instantiated by kda_fwd_*.cu.
 #pragma once
 
-#include <algorithm>
 #include <type_traits>
 #include <utility>
 
@@ -74,32 +73,14 @@ cudaError_t launch_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
                 StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a, 0);
 }
 
-// How far ahead (in blocks, launch order) the chunk prep prefetches its rows into L2: one wave, the
-// CTAs resident at once (resident_per_sm x SMs), so a row arrives about when its CTA starts.
-// FLARE_KDA_PREP_PREFETCH=<blocks> overrides it (0: no prefetch; tuning).
-inline int kda_prep_prefetch_ahead(int resident_per_sm, int num_sms) {
-  if (const char* env = std::getenv("FLARE_KDA_PREP_PREFETCH")) return std::max(0, std::atoi(env));
-  return resident_per_sm * num_sms;
-}
-
 // The chunk table (varlen) and every chunk's preparation: the first stages of the forward and of
 // the backward.
 template <typename T, int K, int V>
 Status launch_chunk_prep(const KdaFwdArgs& a, cudaStream_t stream) {
   if (a.varlen) FLARE_CUDA_RETURN(launch_chunk_table(a, stream));
-  if (a.max_chunks <= 0) return Status::Ok();
-  constexpr auto kernel = kda_chunk_prep_kernel<T, K, V>;
-  constexpr int kThreads = PrepConfig<K, V>::kThreads;
-  constexpr size_t kSmem = sizeof(PrepSmem<T, K, V>);
-  KdaFwdArgs pa = a;
-  const detail::DeviceFacts& device = detail::current_device_facts();
-  if (device.cc_major >= 9) {
-    int resident = 0;
-    FLARE_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-    FLARE_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem));
-    pa.prep_prefetch_ahead = kda_prep_prefetch_ahead(resident, device.num_sms);
-  }
-  FLARE_CUDA_RETURN(launch(kernel, dim3(a.max_chunks, a.heads_v), kThreads, kSmem, stream, pa));
+  if (a.max_chunks > 0)
+    FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v), PrepConfig<K, V>::kThreads,
+                             sizeof(PrepSmem<T, K, V>), stream, a));
   return Status::Ok();
 }
 

@@ -66,10 +66,6 @@ struct KdaFwdArgs {
   int* seq_chunk_begin;       // [N + 1] (varlen): chunks of sequence n are [begin[n], begin[n+1])
   int* seq_order;             // [N] (varlen): the sequences longest first, the state passes' CTA order
 
-  // The chunk prep (sm_90) prefetches into L2 the rows of the CTA this many blocks later in launch
-  // order (about one wave: kda_prep_prefetch_ahead); 0: none.
-  int prep_prefetch_ahead = 0;
-
   // The segmented state pass (kda_state_segments.h); state_segments 1: not segmented.
   int state_segments = 1, segment_chunks = 0;
   float* seg_transition = nullptr;  // [N][HV][state_segments - 2][K][V + K]: S0 | X of segments 1 .. count-2

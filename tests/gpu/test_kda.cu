@@ -256,30 +256,6 @@ TEST(KdaForward, SegmentedStatePass) {
   unsetenv("FLARE_KDA_STATE_SEGMENT");
 }
 
-// The chunk prep's L2 prefetch of a later CTA's rows (a hint: results must not move) at distances
-// the small grids here reach, FLARE_KDA_PREP_PREFETCH blocks ahead: across value heads, past the
-// grid's end, into varlen's empty chunk slots, with a 16-bit gate and with a scalar one (no gate rows).
-TEST(KdaForward, PrepPrefetch) {
-  FLARE_REQUIRE_GPU();
-  for (int ahead : {1, 5}) {
-    ASSERT_EQ(setenv("FLARE_KDA_PREP_PREFETCH", std::to_string(ahead).c_str(), 1), 0);
-    SCOPED_TRACE("FLARE_KDA_PREP_PREFETCH=" + std::to_string(ahead));
-    Case c;
-    c.name = "prefetch " + std::to_string(ahead) + " varlen GVA";
-    c.H = 2, c.HV = 4, c.seqlens = {1, 0, 130, 64, 65}, c.initial_state = true;
-    run_case(c, 120 + ahead);
-    Case g16;
-    g16.name = "prefetch " + std::to_string(ahead) + " 16-bit gate";
-    g16.T = 200, g16.g_dtype = DType::kBFloat16;
-    run_case(g16, 125 + ahead);
-    Case gdn;
-    gdn.name = "prefetch " + std::to_string(ahead) + " GDN";
-    gdn.gdn = true, gdn.T = 200;
-    run_case(gdn, 130 + ahead);
-  }
-  unsetenv("FLARE_KDA_PREP_PREFETCH");
-}
-
 TEST(KdaForward, GroupedValueHeads) {
   FLARE_REQUIRE_GPU();
   Case c;
