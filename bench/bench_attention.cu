@@ -134,60 +134,67 @@ int run(int argc, char** argv) {
 #endif
     }
     if (p.q.data == nullptr) continue;
-    // The backward reads the portable forward's out and lse: run it again last.
-    if (!attention_forward(p).ok()) std::abort();
     const double flops = attention_fwd_flops(c.batch(), c.heads(), c.seqlen, c.seqlen, c.head_dim, c.causal);
-    // Backward, ordinary and deterministic, from this forward's out and lse.
-    double bwd_ms[2] = {0, 0};
-    for (int det = 0; det < 2 && !forward_only; ++det) {
-      AttentionBackwardParams bp;
-      bp.q = p.q;
-      bp.k = p.k;
-      bp.v = p.v;
-      bp.out = p.out;
-      bp.lse = p.lse;
-      bp.dout = TensorView::contiguous(b.dout, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-      bp.dq = TensorView::contiguous(b.dq, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-      bp.dk = TensorView::contiguous(b.dk, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-      bp.dv = TensorView::contiguous(b.dv, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-      bp.mask = p.mask;
-      bp.deterministic = det == 1;
-      bp.stream = stream;
-      size_t need = 0;
-      Status ws = attention_backward_workspace_size(bp, &need);
-      if (!ws.ok()) {
-        std::printf("%s backward: %s\n", c.name().c_str(), ws.message().c_str());
-        all_ok = false;
-        break;
+    // Backward, ordinary and deterministic, on every backend this build and device have, from the
+    // portable forward's out and lse (run again first: the Hopper forward wrote out last).
+    if (!forward_only && !attention_forward(p).ok()) std::abort();
+    for (Backend backend : {Backend::kPortable, Backend::kHopper}) {
+      if (forward_only) break;
+      const char* bname = backend == Backend::kHopper ? "hopper" : "portable";
+      double bwd_ms[2] = {0, 0};
+      for (int det = 0; det < 2; ++det) {
+        AttentionBackwardParams bp;
+        bp.q = p.q;
+        bp.k = p.k;
+        bp.v = p.v;
+        bp.out = p.out;
+        bp.lse = p.lse;
+        bp.dout = TensorView::contiguous(b.dout, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+        bp.dq = TensorView::contiguous(b.dq, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+        bp.dk = TensorView::contiguous(b.dk, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+        bp.dv = TensorView::contiguous(b.dv, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+        bp.mask = p.mask;
+        bp.deterministic = det == 1;
+        bp.backend = backend;
+        bp.stream = stream;
+        size_t need = 0;
+        Status ws = attention_backward_workspace_size(bp, &need);
+        if (!ws.ok()) {
+          std::printf("%s %s backward: %s\n", c.name().c_str(), bname, ws.message().c_str());
+          if (backend == Backend::kPortable) all_ok = false;  // the Hopper kernel may be absent here
+          break;
+        }
+        if (need > b.workspace_bytes) {
+          if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
+          FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, need));
+          b.workspace_bytes = need;
+        }
+        bp.workspace = b.workspace;
+        bp.workspace_bytes = b.workspace_bytes;
+        Status bs = attention_backward(bp);
+        if (!bs.ok()) {
+          std::printf("%s %s backward: %s\n", c.name().c_str(), bname, bs.message().c_str());
+          if (backend == Backend::kPortable) all_ok = false;
+          break;
+        }
+        Timing tb = time_kernel([&](cudaStream_t st) {
+          bp.stream = st;
+          if (!attention_backward(bp).ok()) std::abort();
+        }, args.timing({.warmup = 3, .repeats = 20}), stream);
+        bwd_ms[det] = tb.median_ms;
       }
-      if (need > b.workspace_bytes) {
-        if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
-        FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, need));
-        b.workspace_bytes = need;
-      }
-      bp.workspace = b.workspace;
-      bp.workspace_bytes = b.workspace_bytes;
-      Status bs = attention_backward(bp);
-      if (!bs.ok()) {
-        std::printf("%s backward: %s\n", c.name().c_str(), bs.message().c_str());
-        all_ok = false;
-        break;
-      }
-      Timing tb = time_kernel([&](cudaStream_t st) {
-        bp.stream = st;
-        if (!attention_backward(bp).ok()) std::abort();
-      }, args.timing({.warmup = 3, .repeats = 20}), stream);
-      bwd_ms[det] = tb.median_ms;
+      if (bwd_ms[0] <= 0) continue;
+      const double bwd_tf = tflops(2.5 * flops, bwd_ms[0]);
+      const double det_tf = bwd_ms[1] > 0 ? tflops(2.5 * flops, bwd_ms[1]) : 0;
+      table.add_row({{"case", c.name()}, {"backend", std::string(bname) + " bwd"}, {"bwd ms", Table::Cell(bwd_ms[0], 3)},
+                     {"bwd TFLOP/s", Table::Cell(bwd_tf, 1)}, {"det ms", Table::Cell(bwd_ms[1], 3)},
+                     {"det TFLOP/s", Table::Cell(det_tf, 1)},
+                     {"det/ord", Table::Cell(bwd_ms[1] > 0 ? bwd_ms[0] / bwd_ms[1] : 0, 2)}});
+      records.push_back({c.name() + " backward " + bname,
+                         {{"bwd_ms", bwd_ms[0]}, {"bwd_tflops", bwd_tf}, {"bwd_det_ms", bwd_ms[1]}, {"bwd_det_tflops", det_tf}},
+                         {{"backend", bname}, {"dtype", "bf16"}, {"head_dim", std::to_string(c.head_dim)},
+                          {"seqlen", std::to_string(c.seqlen)}, {"causal", c.causal ? "1" : "0"}}});
     }
-    const double bwd_tf = bwd_ms[0] > 0 ? tflops(2.5 * flops, bwd_ms[0]) : 0;
-    const double det_tf = bwd_ms[1] > 0 ? tflops(2.5 * flops, bwd_ms[1]) : 0;
-    table.add_row({{"case", c.name()}, {"bwd ms", Table::Cell(bwd_ms[0], 3)}, {"bwd TFLOP/s", Table::Cell(bwd_tf, 1)},
-                   {"det ms", Table::Cell(bwd_ms[1], 3)}, {"det TFLOP/s", Table::Cell(det_tf, 1)},
-                   {"det/ord", Table::Cell(bwd_ms[1] > 0 ? bwd_ms[0] / bwd_ms[1] : 0, 2)}});
-    records.push_back({c.name() + " backward",
-                       {{"bwd_ms", bwd_ms[0]}, {"bwd_tflops", bwd_tf}, {"bwd_det_ms", bwd_ms[1]}, {"bwd_det_tflops", det_tf}},
-                       {{"backend", "portable"}, {"dtype", "bf16"}, {"head_dim", std::to_string(c.head_dim)},
-                        {"seqlen", std::to_string(c.seqlen)}, {"causal", c.causal ? "1" : "0"}}});
   }
   table.print();
   if (!args.json_path.empty()) write_json(args.json_path, records);

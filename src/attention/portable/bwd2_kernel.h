@@ -42,9 +42,14 @@ struct Bwd2TileConfig {
   static_assert(kDkvCols % 16 == 0 && kDqCols % 16 == 0 && kBlockM % 16 == 0, "whole 16-wide MMA steps");
 };
 
+// The 2-D backward's tile per head dim (a multiple of 64), and whether the library takes it by
+// default over bwd_kernel.h: measured on the H100 for 64, 128 and 256 (15-19 % faster, ordinary
+// and deterministic; bench/RESULTS.md, session 15), not yet for 192. d64 walks 128-row query steps
+// (11 % faster there than 64).
 template <int kHeadDim>
 struct Bwd2ConfigFor {
-  using type = Bwd2TileConfig<kHeadDim, kHeadDim <= 128 ? 128 : 64>;
+  using type = Bwd2TileConfig<kHeadDim, kHeadDim <= 128 ? 128 : 64, kHeadDim == 64 ? 128 : 64>;
+  static constexpr bool kDefault = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256;
 };
 
 template <typename Cfg, typename T>
@@ -296,18 +301,19 @@ Status launch_portable_bwd2_cfg(const BwdKernelParams& P, Stream stream) {
   return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, P, stream, "portable backward (2-D tiling) launch");
 }
 
-// The library's portable backward (bwd_launch.h): the first design, or the 2-D tiling where the
-// environment sets FLARE_PORTABLE_BWD_2D=1 and the head dim has it (a multiple of 64), until the
-// two are timed against each other (tune_portable_bwd, bench_attention).
+// The library's portable backward (bwd_launch.h): the 2-D tiling where Bwd2ConfigFor takes it by
+// default, else the first design; FLARE_PORTABLE_BWD_2D=0 or 1 forces one (1: where the head dim
+// has the 2-D kernel, a multiple of 64).
 template <int kHeadDim, typename T>
 Status launch_portable_bwd(const BwdKernelParams& p, Stream stream) {
   if constexpr (kHeadDim % 64 == 0) {
-    using Cfg2 = typename Bwd2ConfigFor<kHeadDim>::type;
+    using For2 = Bwd2ConfigFor<kHeadDim>;
+    using Cfg2 = typename For2::type;
     static_assert(Cfg2::kBlockN == BwdConfigFor<kHeadDim>::type::kBlockN,
                   "the API sizes the grid and the semaphores from BwdConfigFor's key blocks");
     static const bool use_2d = [] {
       const char* e = std::getenv("FLARE_PORTABLE_BWD_2D");
-      return e != nullptr && e[0] == '1';
+      return e != nullptr && (e[0] == '0' || e[0] == '1') ? e[0] == '1' : For2::kDefault;
     }();
     if (use_2d) return launch_portable_bwd2_cfg<Cfg2, T>(p, stream);
   }

@@ -403,7 +403,8 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
 
 template <int kHeadDim, typename T>
 Status launch_portable_fwd(const FwdKernelParams& p, Stream stream) {
-  return launch_portable_fwd_cfg<typename FwdConfigFor<kHeadDim>::type, T>(p, stream);
+  using For = FwdConfigFor<kHeadDim>;
+  return launch_portable_fwd_cfg<typename For::type, T>(p, stream, For::kPersistentWhenUniform ? -1 : 0);
 }
 
 }  // namespace flare::portable
