@@ -80,11 +80,12 @@ constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_di
 template <int kHeadDim>
 using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>, HopperBwdConfig<kHeadDim>>;
 
-// The split tiling's deterministic mode: FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS=2 (an experiment for
-// tools/bwd-experiments, not yet timed) runs it with a dQ buffer per half and one Q stage; 1 (the
-// default) with the ordinary mode's configuration.
+// The split tiling's deterministic mode: FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS=2 (the default) runs it
+// with a dQ buffer per half and one Q stage, so each half waits only for its own dQ writer; 1 with
+// the ordinary mode's configuration (one shared dQ buffer, two Q stages). Measured on the H100 at
+// d256 (bench/RESULTS.md, session 15): 2 is 2-5 % faster causal, within 1 % non-causal.
 #ifndef FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS
-#define FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS 1
+#define FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS 2
 #endif
 template <int kHeadDim>
 using HopperBwdSplitDeterministicConfig =
