@@ -73,6 +73,10 @@ void sweep(Env& e, bool causal) {
   measure<FwdTileConfig<d, 4, 1, 64, 1>>(e, "w4 m1 n64 split", causal);
   if constexpr (d <= 128) measure<FwdTileConfig<d, 4, 2, 64, 1>>(e, "w4 m2 n64 split", causal);
   if constexpr (d == 64) measure<FwdTileConfig<d, 4, 2, 128, 1>>(e, "w4 m2 n128 split", causal);  // FA2's d64
+  // Around the split defaults: shorter key blocks (fewer S registers), more warps per CTA.
+  if constexpr (d >= 128) measure<FwdTileConfig<d, 4, 1, 32, 1>>(e, "w4 m1 n32 split", causal);
+  if constexpr (d >= 128) measure<FwdTileConfig<d, 8, 1, 64, 1>>(e, "w8 m1 n64 split", causal);
+  if constexpr (d == 128) measure<FwdTileConfig<d, 4, 2, 32, 1>>(e, "w4 m2 n32 split", causal);
 }
 
 int run(int argc, char** argv) {
