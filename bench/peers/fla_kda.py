@@ -5,8 +5,9 @@ k, beta in (0, 1)) and layer mode (gate, q/k l2norm, beta sigmoid in the kernel)
 plus bench_kda's varlen batch (12 sequences, cu_seqlens). Forward + backward is one forward with
 autograd and torch.autograd.grad of (o, final state) against random (do, dht), every input's
 gradient (and A_log's, dt_bias's in layer mode) as bench_kda's kda_backward computes. Median of
-CUDA-event timings after warm-up (Triton compiles during the warm-up). fla is not installed on
-the GPU machine: carry the fla-core and einops wheels (pip download --no-deps into .whl/) and put
+CUDA-event timings after warm-up (Triton compiles during the warm-up), L2 flushed before each
+sample as bench_kda does (--no-flush: not; the figures of sessions 6-15 were taken without). fla
+is not installed on the GPU machine: carry the fla-core and einops wheels (pip download --no-deps into .whl/) and put
 them on PYTHONPATH. Prints a note and exits 0 when fla cannot be imported. Writes JSON with --json."""
 import argparse
 import json
@@ -24,6 +25,7 @@ def main():
     ap.add_argument("--modes", default="plain,layer")
     ap.add_argument("--no-varlen", action="store_true")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between samples (flushed by default, as bench_kda)")
     args = ap.parse_args()
     try:
         from fla.ops.kda import chunk_kda
@@ -64,7 +66,7 @@ def main():
                     return chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw)
 
             name = label + (" layer" if layer else "")
-            ms = time_ms(fwd, 3, 10)
+            ms = time_ms(fwd, 3, 10, flush=not args.no_flush)
             print(f"fla chunk_kda fwd {name}: {ms:.3f} ms", flush=True)
             records.append({"name": "fla_kda_fwd " + name, "metrics": {"median_ms": ms}})
             if args.no_backward:
@@ -80,7 +82,7 @@ def main():
                 o, ht = chunk_kda(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True, **kw)
                 return torch.autograd.grad([o, ht], leaves, [do, dht])
 
-            ms = time_ms(fwd_bwd, 3, 10)
+            ms = time_ms(fwd_bwd, 3, 10, flush=not args.no_flush)
             print(f"fla chunk_kda fwd+bwd {name}: {ms:.3f} ms", flush=True)
             records.append({"name": "fla_kda_fwd_bwd " + name, "metrics": {"median_ms": ms}})
     if args.json:

@@ -151,12 +151,12 @@ def measure(args, torch, flare):
             out = None
         results, grads = {}, {}
         for impl, fwd in runs.items():
-            fwd_ms = time_ms(fwd, args.warmup, args.repeats, args.calls)
+            fwd_ms = time_ms(fwd, args.warmup, args.repeats, args.calls, flush=not args.no_flush)
             bwd_ms = float("nan")
             out = fwd()
             if not args.no_backward:
                 bwd_ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                                 args.warmup, args.repeats, args.calls)
+                                 args.warmup, args.repeats, args.calls, flush=not args.no_flush)
                 grads[impl] = (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
             else:
                 grads[impl] = (out.detach(),)
@@ -234,6 +234,7 @@ def main():
     ap.add_argument("--calls", type=int, default=1,
                     help="back-to-back calls per timed sample (> 1 hides the host's per-call time behind the GPU's)")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between samples (flushed by default)")
     ap.add_argument("--deterministic", action="store_true", help="also flare's deterministic backward, if it has one")
     ap.add_argument("--json", help="write the records here")
     args = ap.parse_args()

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch SDPA backends (cuDNN, flash = FlashAttention-2, efficient) on the attention benchmark's
 configuration: bf16, 16k tokens, hidden 2048 (heads = 2048 / head_dim, batch = 16384 / seqlen).
-Forward and backward, median of CUDA-event timings after warm-up, FLOPs counted as FlashAttention
+Forward and backward, median of CUDA-event timings after warm-up (L2 flushed before each sample
+unless --no-flush), FLOPs counted as FlashAttention
 counts them (4*b*h*s*s*d forward, halved for causal; backward 2.5x). Writes JSON with --json."""
 import argparse
 import json
@@ -22,6 +23,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--backends", default="cudnn,flash")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between samples (flushed by default, as flare's bench)")
     args = ap.parse_args()
     seqlens = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
     records = []
@@ -38,12 +40,13 @@ def main():
                     try:
                         with sdpa_kernel([BACKENDS[be]]):
                             fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                            fms = time_ms(fwd, 5, 30)
+                            fms = time_ms(fwd, 5, 30, flush=not args.no_flush)
                             bms = float("nan")
                             if not args.no_backward:
                                 out = fwd()
                                 g = torch.randn_like(out)
-                                bms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 5, 30)
+                                bms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True), 5, 30,
+                                              flush=not args.no_flush)
                     except RuntimeError as e:
                         print(f"{name:28s} {be:10s} unsupported: {str(e).splitlines()[0][:60]}")
                         continue

@@ -18,21 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import L2Flush
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 GROUP = HEADS_Q // HEADS_KV
-
-
-class L2Flush:
-    def __init__(self):
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        self.buf = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
-        self.value = 0
-
-    def __call__(self):
-        self.value ^= 1
-        self.buf.fill_(self.value)
 
 
 def percentiles(samples):
