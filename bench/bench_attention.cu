@@ -33,8 +33,7 @@ struct Case {
 
 struct Buffers {
   __nv_bfloat16 *q, *k, *v, *out, *ref, *dout, *dq, *dk, *dv;
-  void* workspace;
-  size_t workspace_bytes;
+  GrowingDeviceBuffer workspace;
   float* lse;
   int64_t n;
 };
@@ -72,7 +71,6 @@ int run(int argc, char** argv) {
   b.n = int64_t{kTotalTokens} * kHidden;
   for (__nv_bfloat16** p : {&b.q, &b.k, &b.v, &b.out, &b.ref, &b.dout, &b.dq, &b.dk, &b.dv})
     FLARE_BENCH_CHECK(cudaMalloc(p, b.n * 2));
-  b.workspace_bytes = 0;
   FLARE_BENCH_CHECK(cudaMalloc(&b.lse, int64_t{kTotalTokens} * kHidden / 64 * 4));
   fill_normal_bf16(b.q, b.n, 1, stream);
   fill_normal_bf16(b.k, b.n, 2, stream);
@@ -164,13 +162,8 @@ int run(int argc, char** argv) {
           if (backend == Backend::kPortable) all_ok = false;  // the Hopper kernel may be absent here
           break;
         }
-        if (need > b.workspace_bytes) {
-          if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
-          FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, need));
-          b.workspace_bytes = need;
-        }
-        bp.workspace = b.workspace;
-        bp.workspace_bytes = b.workspace_bytes;
+        bp.workspace = b.workspace.reserve(need);
+        bp.workspace_bytes = b.workspace.bytes;
         Status bs = attention_backward(bp);
         if (!bs.ok()) {
           std::printf("%s %s backward: %s\n", c.name().c_str(), bname, bs.message().c_str());

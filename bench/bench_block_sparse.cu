@@ -176,8 +176,7 @@ void build_mask(MaskKind kind, int seqlen, cudaStream_t stream, Mask* m) {
 struct Buffers {
   __nv_bfloat16 *q, *k, *v, *out, *out2, *dout, *dq, *dk, *dv, *dq2, *dk2, *dv2;
   float* lse;
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  GrowingDeviceBuffer workspace;
   int64_t n = 0;
 };
 
@@ -237,13 +236,9 @@ AttentionBackwardParams backward_params(Buffers& b, int seqlen, const AttentionF
   p.backend = backend;
   p.stream = f.stream;
   size_t need = 0;
-  if (attention_backward_workspace_size(p, &need).ok() && need > b.workspace_bytes) {
-    if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
-    FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, need));
-    b.workspace_bytes = need;
-  }
-  p.workspace = b.workspace;
-  p.workspace_bytes = b.workspace_bytes;
+  if (attention_backward_workspace_size(p, &need).ok()) b.workspace.reserve(need);
+  p.workspace = b.workspace.data;
+  p.workspace_bytes = b.workspace.bytes;
   return p;
 }
 

@@ -58,8 +58,7 @@ struct Buffers {
   __nv_bfloat16 *q, *k, *v, *beta, *out;
   float *g, *A_log, *dt_bias, *final_state;
   int* cu_seqlens;
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  GrowingDeviceBuffer workspace;
   // backward
   __nv_bfloat16 *dout, *dq, *dk, *dv, *dbeta;
   float *dg, *dA_log, *ddt_bias, *d_final_state;
@@ -142,8 +141,7 @@ int run(int argc, char** argv) {
   FLARE_BENCH_CHECK(cudaMalloc(&b.dA_log, kHeads * 4));
   FLARE_BENCH_CHECK(cudaMalloc(&b.ddt_bias, kHeads * kDim * 4));
   FLARE_BENCH_CHECK(cudaMalloc(&b.d_final_state, int64_t{kTokens} * kHeads * kDim * kDim / 64 * 4));
-  void* bwd_workspace = nullptr;
-  size_t bwd_workspace_bytes = 0;
+  GrowingDeviceBuffer bwd_workspace;
   unsigned long long* bad;
   FLARE_BENCH_CHECK(cudaMalloc(&bad, sizeof(*bad)));
 
@@ -182,13 +180,8 @@ int run(int argc, char** argv) {
     p.stream = stream;
     size_t bytes = 0;
     check_ok(kda_forward_workspace_size(p, &bytes), c.name);
-    if (bytes > b.workspace_bytes) {
-      if (b.workspace) FLARE_BENCH_CHECK(cudaFree(b.workspace));
-      FLARE_BENCH_CHECK(cudaMalloc(&b.workspace, bytes));
-      b.workspace_bytes = bytes;
-    }
-    p.workspace = b.workspace;
-    p.workspace_bytes = b.workspace_bytes;
+    p.workspace = b.workspace.reserve(bytes);
+    p.workspace_bytes = b.workspace.bytes;
     const Timing t = time_op(kda_forward, p, c.name, args.timing(), stream);
     // q, k, v, out bf16, g fp32, beta bf16: each once
     const double io_bytes = elems * (2.0 * 4 + 4.0) + rows * 2.0;
@@ -213,13 +206,8 @@ int run(int argc, char** argv) {
 
     KdaBackwardParams bp = make_backward_params(p, b);
     check_ok(kda_backward_workspace_size(bp, &bytes), c.name + " backward");
-    if (bytes > bwd_workspace_bytes) {
-      if (bwd_workspace) FLARE_BENCH_CHECK(cudaFree(bwd_workspace));
-      FLARE_BENCH_CHECK(cudaMalloc(&bwd_workspace, bytes));
-      bwd_workspace_bytes = bytes;
-    }
-    bp.workspace = bwd_workspace;
-    bp.workspace_bytes = bwd_workspace_bytes;
+    bp.workspace = bwd_workspace.reserve(bytes);
+    bp.workspace_bytes = bwd_workspace.bytes;
     const Timing tb = time_op(kda_backward, bp, c.name + " backward", args.timing(), stream);
 
     // Training: the forward keeps its per-chunk WY form in the backward's workspace and the
@@ -234,7 +222,7 @@ int run(int argc, char** argv) {
                    kept_bytes, bytes);
       return 1;
     }
-    pk.workspace = bwd_workspace, pk.workspace_bytes = bwd_workspace_bytes;
+    pk.workspace = bwd_workspace.data, pk.workspace_bytes = bwd_workspace.bytes;
     const Timing tk = time_op(kda_forward, pk, c.name + " kept forward", args.timing(), stream);
     KdaBackwardParams bk = bp;
     bk.workspace_from_forward = true;

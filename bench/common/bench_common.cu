@@ -223,6 +223,15 @@ void flush_l2(cudaStream_t stream) {
   FLARE_BENCH_CHECK(cudaMemsetAsync(buffer.data, buffer.fill, buffer.bytes, stream));
 }
 
+void* GrowingDeviceBuffer::reserve(std::size_t need) {
+  if (need > bytes) {
+    if (data != nullptr) FLARE_BENCH_CHECK(cudaFree(data));
+    FLARE_BENCH_CHECK(cudaMalloc(&data, need));
+    bytes = need;
+  }
+  return data;
+}
+
 Timing time_kernel(const std::function<void(cudaStream_t)>& launch, const TimingOptions& options,
                    cudaStream_t stream) {
   if (options.repeats < 1 || options.warmup < 0 || options.graph_batch < 1 || options.calls < 1) {

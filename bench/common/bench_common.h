@@ -50,6 +50,14 @@ std::map<std::string, std::string> device_tags();
 // kernel reads next comes from HBM. The buffer is allocated on first use and kept.
 void flush_l2(cudaStream_t stream);
 
+// A device buffer that only grows: reserve(need) makes it at least `need` bytes (the old one freed)
+// and returns it, for workspaces whose size changes from case to case. Kept for the process.
+struct GrowingDeviceBuffer {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  void* reserve(std::size_t need);
+};
+
 // Times `launch` on `stream`: `warmup` untimed runs, then `repeats` samples, each an event pair
 // around one launch (or one graph replay of `graph_batch` launches, divided by graph_batch; or
 // `calls` launches or replays back to back, divided by calls), preceded by an L2 flush when
