@@ -79,7 +79,7 @@ int run(int argc, char** argv) {
 
   Table table;
   std::vector<Record> records;
-  const bool forward_only = std::getenv("FLARE_BENCH_FORWARD_ONLY") != nullptr;
+  const bool forward_only = args.forward_only;
   bool all_ok = true;
   for (const Case& c : cases) {
     if (!args.selected(c.name())) continue;
