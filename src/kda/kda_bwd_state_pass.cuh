@@ -52,7 +52,7 @@ __device__ __forceinline__ void load_bwd_chunk(BwdStateStage<T, K, BV>& st, cons
   load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
   load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
   load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
-  load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
+  load_rows<T, kKdaChunk, C::kLdP, kThreads, true, true>(st.P, P, kKdaChunk);  // P: its lower blocks
   const KdaChunk ch = chunk_at(a, chunk);
   const T* dO = static_cast<const T*>(b.dout) + ch.batch * b.dout_st.batch + ch.t0 * b.dout_st.token +
                 hv * b.dout_st.head + v0;

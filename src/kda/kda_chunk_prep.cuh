@@ -173,7 +173,10 @@ struct GateActivation {
 // rows [0, 64) of a [token][dim] operand into smem with 16-byte cp.async by kThreads threads;
 // rows >= len are zeros (kFull: len is 64, no row checks). Each thread keeps one 16-byte column and
 // steps its row pointers (the index arithmetic of a flat loop cost some 26 instructions per copy).
-template <typename T, int D, int LD, int kThreads = 256, bool kFull = false>
+// kLowerBlocks (a 64 x 64 block-lower-triangular matrix, P): only the 16 x 16 blocks on and below
+// the diagonal are read from global memory (the prep does not write the others); those above are
+// zeros.
+template <typename T, int D, int LD, int kThreads = 256, bool kFull = false, bool kLowerBlocks = false>
 __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t token_stride, int len = kKdaChunk) {
   constexpr int kPerVec = 16 / sizeof(T), kVecs = D / kPerVec, kRowStep = kThreads / kVecs;
   static_assert(kThreads % kVecs == 0 && kKdaChunk % kRowStep == 0, "whole rows per pass");
@@ -183,7 +186,8 @@ __device__ __forceinline__ void load_rows(T (*dst)[LD], const T* src, int64_t to
   const int64_t step = kRowStep * token_stride;
 #pragma unroll 8  // (narrow CTAs have many rows per thread: unrolled fully they spilled)
   for (int n = 0; n < kKdaChunk / kRowStep; ++n) {
-    const bool valid = kFull || r0 + n * kRowStep < len;
+    const int r = r0 + n * kRowStep;
+    const bool valid = (kFull || r < len) && (!kLowerBlocks || c < (r / kKdaSubChunk + 1) * kKdaSubChunk);
     cp_async_16(d, valid ? p : src, valid);
     p += step;
     d += kRowStep * LD;
@@ -549,7 +553,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
             acc[nt][2 * half + 1] = j + 1 <= i ? v1 : 0.f;
           }
         }
-      if (!is_L) store_tile16<T>(P + J * 16, kKdaChunk, acc, g, t);
+      if (!is_L && J <= I) store_tile16<T>(P + J * 16, kKdaChunk, acc, g, t);  // (blocks above: never read)
     }
   }
   __syncthreads();

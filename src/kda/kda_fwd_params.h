@@ -59,7 +59,8 @@ struct KdaFwdArgs {
   float lower_bound;   // < 0: bounded gate
 
   // Workspace: per (chunk c, value head hv) slot s = c * HV + hv, each a dense block.
-  void *w, *u, *kg, *qg, *P;  // [s][64][K], [s][64][V], [s][64][K], [s][64][K], [s][64][64]
+  void *w, *u, *kg, *qg, *P;  // [s][64][K], [s][64][V], [s][64][K], [s][64][K], [s][64][64] (P: only its
+                              // 16 x 16 blocks on and below the diagonal are written)
   float* decay;               // [s][K]: exp(Gam_last)
   void* A_inv = nullptr;      // [s][64][64]: (I + L)^-1, written only when set (the backward reads it)
   KdaChunk* chunks;           // [max_chunks] (varlen)

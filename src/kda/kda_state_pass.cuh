@@ -107,7 +107,7 @@ __device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass>& st, 
     const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
     const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
     load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
-    load_rows<T, kKdaChunk, C::kLdP, kThreads, true>(st.P, P, kKdaChunk);
+    load_rows<T, kKdaChunk, C::kLdP, kThreads, true, true>(st.P, P, kKdaChunk);  // P: its lower blocks
   }
   load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
   load_rows<T, BU, C::kLdU, kThreads, true>(st.u, u, V);
