@@ -356,7 +356,6 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
 
   // ---- load: q, k, v asynchronously; gate and beta activated on the way in ------------------
-
   // The raw gate first, as it is stored: fp32 rows straight into gam, 16-bit rows into kb (free
   // until the scaling pass), a scalar gate (GDN) one value per row. The cumulative gate is formed
   // while q, k and v are still landing. Rows from len on: q, k, v zeros, the gate undefined (the
