@@ -139,11 +139,7 @@ __global__ void __launch_bounds__(BwdStateConfig<K, BV>::kThreads) kda_bwd_state
 #pragma unroll
       for (int r = 0; r < 4; ++r) aV[jj][r] = neg2(aV[jj][r]);
     }
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      const float d0 = st.decay[nt * 8 + 2 * t], d1 = st.decay[nt * 8 + 2 * t + 1];
-      dS[nt][0] *= d0, dS[nt][1] *= d1, dS[nt][2] *= d0, dS[nt][3] *= d1;
-    }
+    decay_state_frag<K>(dS, st.decay, t);
 #pragma unroll
     for (int ii = 0; ii < kKdaChunk / 16; ++ii)
 #pragma unroll

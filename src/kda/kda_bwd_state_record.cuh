@@ -118,19 +118,8 @@ __global__ void __launch_bounds__(RecordConfig<K, BV>::kThreads) kda_state_recor
     uint32_t aV[kKdaChunk / 16][4];
 #pragma unroll
     for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      const float d0 = st.decay[nt * 8 + 2 * t], d1 = st.decay[nt * 8 + 2 * t + 1];
-      S[nt][0] *= d0, S[nt][1] *= d1, S[nt][2] *= d0, S[nt][3] *= d1;
-    }
-#pragma unroll
-    for (int jj = 0; jj < kKdaChunk / 16; ++jj)
-#pragma unroll
-      for (int np = 0; np < K / 16; ++np) {
-        uint32_t bk[4];
-        load_b_cols(bk, &st.kg[0][0], C::kLdK, jj * 16, np * 16);
-        mma_pair<T>(S[2 * np], S[2 * np + 1], aV[jj], bk);
-      }
+    decay_state_frag<K>(S, st.decay, t);
+    add_chunk_product<T, K>(S, aV, &st.kg[0][0], C::kLdK);
 
     __syncthreads();  // every warp is done with this stage
     if (chunk + C::kStages < end) load_record_chunk<T, K, V, BV>(stages[stage], a, chunk + C::kStages, hv, v0);

@@ -265,19 +265,8 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
     if constexpr (kOut) write_output<T, K, V, BV>(sm.out[warp], st, o, aV, a, chunk, hv, v0 + vw, lane);
 
     // S^T <- S^T Diag(decay) + vnew^T kg
-#pragma unroll
-    for (int nt = 0; nt < K / 8; ++nt) {
-      const float d0 = st.decay[nt * 8 + 2 * t], d1 = st.decay[nt * 8 + 2 * t + 1];
-      S[nt][0] *= d0, S[nt][1] *= d1, S[nt][2] *= d0, S[nt][3] *= d1;
-    }
-#pragma unroll
-    for (int jj = 0; jj < kKdaChunk / 16; ++jj)
-#pragma unroll
-      for (int np = 0; np < K / 16; ++np) {
-        uint32_t b[4];
-        load_b_cols(b, &st.kg[0][0], C::kLdK, jj * 16, np * 16);
-        mma_pair<T>(S[2 * np], S[2 * np + 1], aV[jj], b);
-      }
+    decay_state_frag<K>(S, st.decay, t);
+    add_chunk_product<T, K>(S, aV, &st.kg[0][0], C::kLdK);
 
     __syncthreads();  // every warp is done with this stage (and its out tile)
     if (chunk + C::kStages < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[stage], a, chunk + C::kStages, hv, v0);

@@ -134,9 +134,6 @@ __device__ __forceinline__ void store_tile16(T* dst, int ld, const float (&acc)[
   *reinterpret_cast<uint4*>(dst + (g + 8 * (t / 2)) * ld + 8 * (t % 2)) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A warp's fragment of a transposed fp32 [K, V] state (rows v (+8), columns c = 8 nt + 2 t (+1)):
-// `state` points at the state's element (c = 0, v) of the thread's row v, the row stride is V.
-// Loaded as zeros when `state` is null.
 // The transposed fragment x^T [16 columns x R rows] of rows [0, R) and columns [c0, c0 + 16) of a
 // 16-bit tile in shared memory (u^T of a chunk, as the state passes start vnew^T from it).
 template <int R, typename T, int Ld>
@@ -151,6 +148,9 @@ __device__ __forceinline__ void load_frag_t(float (&x)[R / 8][4], const T (&tile
   }
 }
 
+// A warp's fragment of a transposed fp32 [K, V] state (rows v (+8), columns c = 8 nt + 2 t (+1)):
+// `state` points at the state's element (c = 0, v) of the thread's row v, the row stride is V.
+// Loaded as zeros when `state` is null.
 template <int K>
 __device__ __forceinline__ void load_state_frag(float (&S)[K / 8][4], const float* state, int V, int t) {
 #pragma unroll
@@ -173,6 +173,32 @@ __device__ __forceinline__ void store_state_frag(const float (&S)[K / 8][4], flo
     float* dst = state + (nt * 8 + 2 * t) * V;
     dst[0] = S[nt][0], dst[V] = S[nt][1], dst[8] = S[nt][2], dst[V + 8] = S[nt][3];
   }
+}
+
+// A transposed state fragment's decay over one chunk: S^T <- S^T Diag(decay), `decay` the chunk's
+// K per-channel factors (shared memory).
+template <int K>
+__device__ __forceinline__ void decay_state_frag(float (&S)[K / 8][4], const float* decay, int t) {
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+    const float d0 = decay[nt * 8 + 2 * t], d1 = decay[nt * 8 + 2 * t + 1];
+    S[nt][0] *= d0, S[nt][1] *= d1, S[nt][2] *= d0, S[nt][3] *= d1;
+  }
+}
+
+// S^T += X^T Y over a chunk's tokens: X^T as the A operands of its 16-token k-steps, Y the chunk's
+// [token][K] tile in shared memory (row stride ld). The state update's vnew^T kg.
+template <typename T, int K, int KSteps>
+__device__ __forceinline__ void add_chunk_product(float (&S)[K / 8][4], const uint32_t (&xt)[KSteps][4], const T* y,
+                                                  int ld) {
+#pragma unroll
+  for (int jj = 0; jj < KSteps; ++jj)
+#pragma unroll
+    for (int np = 0; np < K / 16; ++np) {
+      uint32_t b[4];
+      load_b_cols(b, y, ld, jj * 16, np * 16);
+      mma_pair<T>(S[2 * np], S[2 * np + 1], xt[jj], b);
+    }
 }
 
 }  // namespace flare::kda
