@@ -32,31 +32,34 @@ template <int kHeadDim>
 using FwdTwoStageShape = FwdTileConfig<kHeadDim, /*warps=*/kHeadDim <= 128 ? 4 : 8, /*m_tiles=*/kHeadDim <= 128 ? 2 : 1,
                                        /*block_n=*/kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 32 : 64)>;
 
-// The tile shape each instantiated head dim uses in the dense forward, and whether uniform work
-// (no mask) runs it on the persistent L2-grouped grid (bench/tuning/tune_portable_fwd.cu measures
-// the shapes). Head dims 64, 128 and 256 take FlashAttention-2's split pipeline, measured faster
-// on the H100 than the two-stage shapes by 6-12 % (bench/RESULTS.md, session 15), one CTA per tile
-// as measured; 96 and 192 (not measured split yet) keep the two-stage shapes.
+// The tile shape each instantiated head dim uses in the dense forward (bench/tuning/
+// tune_portable_fwd.cu measures the shapes). Head dims 64, 128 and 256 take FlashAttention-2's split
+// pipeline, measured faster on the H100 than the two-stage shapes by 6-12 % (bench/RESULTS.md,
+// session 15); 96 and 192 (not measured split yet) keep the two-stage shapes.
 template <int kHeadDim>
 struct FwdConfigFor {
   using type = FwdTwoStageShape<kHeadDim>;
-  static constexpr bool kPersistentWhenUniform = true;
 };
 template <>
 struct FwdConfigFor<64> {
   using type = FwdTileConfig<64, /*warps=*/4, /*m_tiles=*/2, /*block_n=*/128, /*stages=*/1>;
-  static constexpr bool kPersistentWhenUniform = false;
 };
 template <>
 struct FwdConfigFor<128> {
   using type = FwdTileConfig<128, 4, 2, 64, 1>;
-  static constexpr bool kPersistentWhenUniform = false;
 };
 template <>
 struct FwdConfigFor<256> {
   using type = FwdTileConfig<256, 4, 1, 64, 1>;
-  static constexpr bool kPersistentWhenUniform = false;
 };
+
+// Whether uniform work (no mask) runs a shape on the persistent L2-grouped grid: the two-stage
+// shapes do (1-4 % faster); every split shape measured 3-13 % slower persistent than one CTA per
+// tile (bench/RESULTS.md, session 15).
+template <typename Cfg>
+constexpr bool fwd_persistent_when_uniform() {
+  return Cfg::kStages > 1;
+}
 
 // The block-sparse forward's (fwd_sparse_kernel.h): its walk prefetches whole tiles, two stages
 // at least, so it keeps the two-stage shapes whatever the dense forward takes.

@@ -403,8 +403,8 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
 
 template <int kHeadDim, typename T>
 Status launch_portable_fwd(const FwdKernelParams& p, Stream stream) {
-  using For = FwdConfigFor<kHeadDim>;
-  return launch_portable_fwd_cfg<typename For::type, T>(p, stream, For::kPersistentWhenUniform ? -1 : 0);
+  using Cfg = typename FwdConfigFor<kHeadDim>::type;
+  return launch_portable_fwd_cfg<Cfg, T>(p, stream, fwd_persistent_when_uniform<Cfg>() ? -1 : 0);
 }
 
 }  // namespace flare::portable
