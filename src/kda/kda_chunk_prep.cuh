@@ -151,8 +151,8 @@ __device__ __forceinline__ Softplus softplus_with_slope(float x) {
 }
 __device__ __forceinline__ float softplusf(float x) { return softplus_with_slope(x).value; }
 
-// The gate activation of one key channel of one value head, as in flare::KdaOptions:
-// the activated log decay (natural log) of a raw gate value.
+// The gate activation of one key channel of one value head, as in flare::KdaOptions: its
+// parameters, and the activated log decay of a raw gate value.
 struct GateActivation {
   bool on;
   float bias, a_coef, lower_bound;  // z = g + dt_bias; a_coef = exp(A_log) (1 without A_log)
@@ -162,11 +162,17 @@ struct GateActivation {
     a_coef = on && a.A_log ? __expf(a.A_log[hv]) : 1.f;
     lower_bound = a.lower_bound;
   }
-  __device__ float operator()(float g) const {
-    if (!on) return g;
+  // The two activations (callers pick one outside their loops): the sigmoid gate in natural log
+  // units, lower_bound sigmoid(a z).
+  __device__ float sigmoid_gate(float g) const { return lower_bound * sigmoidf(a_coef * (g + bias)); }
+  // -a softplus(z) / ln 2, the softplus gate in log2 units, as max(z, 0) log2(e) + log2(1 + 2^(-|z|
+  // log2(e))): two MUFU operations and five others. Its absolute error (lg2.approx near 1: about
+  // 2^-22) is below a millionth of the decay it sets; the relative accuracy of softplusf at very
+  // negative z (its series) is not needed where the value only joins a cumulative sum.
+  __device__ float softplus_gate_log2(float g) const {
     const float z = g + bias;
-    if (lower_bound < 0.f) return lower_bound * sigmoidf(a_coef * z);
-    return -a_coef * softplusf(z);
+    const float e = fast_exp2(-fabsf(z) * kRcpLn2);
+    return -a_coef * fmaf(fmaxf(z, 0.f), kRcpLn2, __log2f(1.f + e));
   }
 };
 
@@ -233,48 +239,32 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
 // The cumulative activated gate (log2 units) of one chunk, in place over gam's 64 rows: row i
 // holds the sum over rows j <= i, j < len (rows from len on hold the total). raw(i, c) is the gate
 // as stored (it may read gam itself; callers choose the stored format outside, so raw has no
-// branch). Every thread works on kSegs / (kThreads / K) segments of 8 rows of one channel, then adds
-// the totals of the segments before each: those are the segments' last rows, read before anyone
-// adds (a barrier between). Without the activation a thread loads all its raw values first and
-// keeps the running sums in registers, so no shared load waits on a store (the chained form was a
-// quarter of the chunk prep's stall samples). Ends with a barrier.
-template <int K, int kThreads, int LD, typename Raw>
-__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
+// branch); log2_gate(x) * factor is the activated gate of a raw value x in log2 units. Every thread
+// works on kSegs / (kThreads / K) segments of 8 rows of one channel, then adds the totals of the
+// segments before each: those are the segments' last rows, read before anyone adds (a barrier
+// between). A thread loads all its raw values first and keeps the running sums in registers, so no
+// shared load waits on a store (the chained form was a quarter of the chunk prep's stall samples).
+// Ends with a barrier.
+template <int K, int kThreads, int LD, typename Raw, typename Log2Gate>
+__device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw raw, Log2Gate log2_gate, float factor) {
   constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K, kMine = kSegs / kStep;
   static_assert(kThreads % K == 0 && kSegs % kStep == 0, "whole segments per thread");
   const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
   auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
-  const GateActivation activate(a, hv, c);
-  float run[kMine][kSegRows];  // plain: segment m's running sums
-  if (activate.on) {
-    // The segments' chains interleaved, the row loop rolled (its softplus and sigmoid are long:
-    // unrolled, their copies made the code outgrow the instruction cache).
-    float sum[kMine];
+  float run[kMine][kSegRows];  // segment m's running sums
 #pragma unroll
-    for (int m = 0; m < kMine; ++m) sum[m] = 0.f;
-#pragma unroll 1
-    for (int r = 0; r < kSegRows; ++r)
+  for (int m = 0; m < kMine; ++m)
 #pragma unroll
-      for (int m = 0; m < kMine; ++m) {
-        const int i = row_of(m, r);
-        if (i < len) sum[m] += activate(raw(i, c)) * kRcpLn2;
-        gam[i][c] = sum[m];
-      }
-  } else {
+    for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
 #pragma unroll
-    for (int m = 0; m < kMine; ++m)
+  for (int m = 0; m < kMine; ++m)
 #pragma unroll
-      for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
+    for (int r = 0; r < kSegRows; ++r) {
+      const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
+      run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
+    }
 #pragma unroll
-    for (int m = 0; m < kMine; ++m)
-#pragma unroll
-      for (int r = 0; r < kSegRows; ++r) {
-        const float x = row_of(m, r) < len ? run[m][r] : 0.f;
-        run[m][r] = fmaf(x, kRcpLn2, r > 0 ? run[m][r - 1] : 0.f);
-      }
-#pragma unroll
-    for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
-  }
+  for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
   __syncthreads();
   float total[kSegs - 1], offset[kMine];
 #pragma unroll
@@ -290,12 +280,22 @@ __device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs
 #pragma unroll
   for (int m = 0; m < kMine; ++m)
 #pragma unroll
-    for (int r = 0; r < kSegRows; ++r) {
-      const int i = row_of(m, r);
-      if (activate.on) gam[i][c] += offset[m];
-      else gam[i][c] = run[m][r] + offset[m];
-    }
+    for (int r = 0; r < kSegRows; ++r) gam[row_of(m, r)][c] = run[m][r] + offset[m];
   __syncthreads();
+}
+
+// cumulate_gate_as with the activation of the call (none, softplus or sigmoid; uniform over the
+// CTA, so chosen once here and not per element: per element, its tests and branches kept the
+// layer mode's activation a third of the chunk prep's stall samples).
+template <int K, int kThreads, int LD, typename Raw>
+__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
+  const GateActivation act(a, hv, threadIdx.x % K);
+  if (!act.on)
+    cumulate_gate_as<K, kThreads>(gam, len, raw, [](float g) { return g; }, kRcpLn2);
+  else if (act.lower_bound < 0.f)
+    cumulate_gate_as<K, kThreads>(gam, len, raw, [act](float g) { return act.sigmoid_gate(g); }, kRcpLn2);
+  else
+    cumulate_gate_as<K, kThreads>(gam, len, raw, [act](float g) { return act.softplus_gate_log2(g); }, 1.f);
 }
 
 // acc[0..3] += sum over k in [k0, k1) of x[k] y[k][0..3]: x a row of fp32 in smem, y fp32 rows of

@@ -9,7 +9,9 @@
 //   vnew^T = u^T - S^T w^T                      (the delta-rule corrections, 16 x 64)
 //   O^T    = S^T qg^T + vnew^T P^T               (qg and P carry the scale)
 //   S^T    = S^T Diag(decay) + vnew^T kg
-// The chunk's w, u, qg, kg, P come from kda_chunk_prep through a 3-stage cp.async pipeline.
+// The chunk's w, qg, kg, P come from kda_chunk_prep through a 3-stage cp.async pipeline (two
+// chunks in flight while one is computed), its u through a 2-slot ring (one ahead); each warp
+// stages its output tile in the columns of u it alone has read.
 // The segmented pass's transition kernel runs the same step without the output (no qg, P) on
 // K x (V + K) columns, all in one CTA of (V + K) / 16 warps: value columns from a zero state,
 // identity columns with u = 0; its warps share each chunk's w and kg.
@@ -35,49 +37,55 @@ struct StateConfig {
   static_assert(BU % 16 == 0 && BU <= BV, "BU: value columns among the state's");
   static constexpr int kWarps = BV / 16;
   static constexpr int kThreads = 32 * kWarps;
-  // Two chunks in flight while one is computed; one at the widest slice, whose 8 warps hide the
-  // loads' latency instead (three stages would not fit in shared memory).
-  static constexpr int kStages = BV > 64 ? 2 : 3;
+  // The output pass: stages of w, kg, qg, P (two chunks in flight while one is computed) and
+  // slots of u (one ahead: u is the operand whose columns the slice narrows). At the widest slice
+  // three whole stages (u in them) would not fit in shared memory; with u apart they do.
+  static constexpr int kStages = 3;
+  static constexpr int kUSlots = 2;
+  // The transition pass (u in its stages; 12 or more warps to hide the loads' latency).
+  static constexpr int kTransitionStages = 2;
   static constexpr int kLdK = K + 8;  // 16-byte padding: conflict-free ldmatrix
   static constexpr int kLdP = kKdaChunk + 8;
   static constexpr int kLdU = BU + 8;
-  static constexpr int kLdO = 16 + 8;
 };
 
-// One stage of the pipeline: a chunk's operands (the transition pass reads no qg, P).
+// One stage of the transition pass: a chunk's w, kg, u (value columns) and decay.
 template <typename T, int K, int BV, int BU>
 struct StateStageCore {
   using C = StateConfig<K, BV, BU>;
   T w[kKdaChunk][C::kLdK];
   T kg[kKdaChunk][C::kLdK];
-  T u[kKdaChunk][C::kLdU];  // this CTA's value columns
+  T u[kKdaChunk][C::kLdU];
   float decay[K];
 };
 
+// One stage of the output pass: a chunk's w, kg, qg, P and decay (its u is in the slots).
 template <typename T, int K, int BV>
-struct StateStageFull : StateStageCore<T, K, BV, BV> {
+struct StateStageOut {
   using C = StateConfig<K, BV>;
+  T w[kKdaChunk][C::kLdK];
+  T kg[kKdaChunk][C::kLdK];
   T qg[kKdaChunk][C::kLdK];
   T P[kKdaChunk][C::kLdP];
+  float decay[K];
 };
 
-// The output pass's stage holds a BV-column slice's operands; the transition's (BV = V + K,
-// BU = V) no qg or P.
 template <typename T, int K, int BV, int BU, StatePass kPass>
-using StateStage =
-    std::conditional_t<kPass == StatePass::kOutput, StateStageFull<T, K, BV>, StateStageCore<T, K, BV, BU>>;
+using StateStage = std::conditional_t<kPass == StatePass::kOutput, StateStageOut<T, K, BV>, StateStageCore<T, K, BV, BU>>;
 
+// The output pass's shared memory (BU = BV): the stages and u's slots.
 template <typename T, int K, int BV, int BU = BV, StatePass kPass = StatePass::kOutput>
 struct StateSmem {
-  using C = StateConfig<K, BV, BU>;
-  StateStage<T, K, BV, BU, kPass> stage[C::kStages];
+  using C = StateConfig<K, BV>;
+  StateStageOut<T, K, BV> stage[C::kStages];
+  T u[C::kUSlots][kKdaChunk][C::kLdU];  // this CTA's value columns; then each warp's output tile
 };
 
-template <typename T, int K, int BV>
-struct StateSmem<T, K, BV, BV, StatePass::kOutput> {
-  using C = StateConfig<K, BV>;
-  StateStage<T, K, BV, BV, StatePass::kOutput> stage[C::kStages];
-  T out[C::kWarps][kKdaChunk][C::kLdO];  // each warp's output tile, staged for 16-byte stores
+// The transition pass's shared memory.
+template <typename T, int K, int BV, int BU>
+struct StateSmem<T, K, BV, BU, StatePass::kTransition> {
+  using C = StateConfig<K, BV, BU>;
+  StateStageCore<T, K, BV, BU> stage[C::kTransitionStages];
 };
 
 // The transition pass's configuration and shared memory: one CTA of all K x (V + K) columns.
@@ -86,19 +94,30 @@ using TransitionConfig = StateConfig<K, V + K, V>;
 template <typename T, int K, int V>
 using TransitionSmem = StateSmem<T, K, V + K, V, StatePass::kTransition>;
 
-// cp.async of chunk `chunk`'s operands (value columns [v0, v0 + BU) of u) into one stage.
+// cp.async of chunk `chunk`'s u, value columns [v0, v0 + BU), into rows of ld LD.
+template <typename T, int V, int BU, int kThreads, int LD>
+__device__ __forceinline__ void load_chunk_u(T (*dst)[LD], const KdaFwdArgs& a, int chunk, int hv, int v0) {
+  if (threadIdx.x >= kThreads) return;
+  const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
+  load_rows<T, BU, LD, kThreads, true>(dst, static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0, V);
+}
+
+// The loaders' thread count: the rows are spread over a power-of-two count of threads (a
+// transition CTA of 12 warps loads with 8 of them).
+template <int kCtaThreads>
+inline constexpr int kStateLoaders = kCtaThreads & (kCtaThreads - 1) ? 256 : kCtaThreads;
+
+// cp.async of chunk `chunk`'s w, kg, decay and, for the output pass, qg and P into one stage; the
+// transition pass's stage also takes u (value columns [v0, v0 + BU)).
 template <typename T, int K, int V, int BV, int BU, StatePass kPass>
 __device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass>& st, const KdaFwdArgs& a, int chunk,
                                            int hv, int v0) {
   using C = StateConfig<K, BV, BU>;
-  // The rows are spread over a power-of-two count of threads (a transition CTA of 12 warps loads
-  // with 8 of them).
-  constexpr int kThreads = C::kThreads & (C::kThreads - 1) ? 256 : C::kThreads;
+  constexpr int kThreads = kStateLoaders<C::kThreads>;
   static_assert(kThreads <= C::kThreads, "loaders within the CTA");
   const int64_t slot = static_cast<int64_t>(chunk) * a.heads_v + hv;
   const T* w = static_cast<const T*>(a.w) + slot * kKdaChunk * K;
   const T* kg = static_cast<const T*>(a.kg) + slot * kKdaChunk * K;
-  const T* u = static_cast<const T*>(a.u) + slot * kKdaChunk * V + v0;
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += C::kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
   if (threadIdx.x >= kThreads) return;
@@ -110,7 +129,7 @@ __device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass>& st, 
     load_rows<T, kKdaChunk, C::kLdP, kThreads, true, true>(st.P, P, kKdaChunk);  // P: its lower blocks
   }
   load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
-  load_rows<T, BU, C::kLdU, kThreads, true>(st.u, u, V);
+  if constexpr (kPass == StatePass::kTransition) load_chunk_u<T, V, BU, kThreads>(st.u, a, chunk, hv, v0);
 }
 
 // The segmented pass's arrays for head = sequence * HV + value head: segment s's S0 | X
@@ -137,11 +156,12 @@ __device__ __forceinline__ void identity_state_frag(float (&S)[K / 8][4], int j0
   }
 }
 
-// O^T's tile of one chunk: O^T += vnew^T P^T, then through this warp's smem tile (stmatrix: O^T's
-// fragments land as O's rows), 32 bytes per token, into out's columns [vc, vc + 16).
+// O^T's tile of one chunk: O^T += vnew^T P^T, then through this warp's columns [uc, uc + 16) of the
+// chunk's u slot (stmatrix: O^T's fragments land as O's rows; the warp alone read those columns,
+// as vnew's start), 32 bytes per token, into out's columns [vc, vc + 16).
 template <typename T, int K, int V, int BV>
-__device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdO],
-                                             const StateStage<T, K, BV, BV, StatePass::kOutput>& st,
+__device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdU], int uc,
+                                             const StateStageOut<T, K, BV>& st,
                                              float (&o)[kKdaChunk / 8][4], const uint32_t (&aV)[kKdaChunk / 16][4],
                                              const KdaFwdArgs& a, int chunk, int hv, int vc, int lane) {
   using C = StateConfig<K, BV>;
@@ -156,13 +176,14 @@ __device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdO],
     }
 
   const KdaChunk ch = chunk_at(a, chunk);
+  __syncwarp();  // every lane's reads of u are done
 #pragma unroll
   for (int nt = 0; nt < kKdaChunk / 8; nt += 2) {
     // matrix m: tokens 8 (nt + m / 2) .. + 7, values 8 (m % 2) .. + 7
     const uint32_t r[4] = {pack2<T>(o[nt][0], o[nt][1]), pack2<T>(o[nt][2], o[nt][3]),
                            pack2<T>(o[nt + 1][0], o[nt + 1][1]), pack2<T>(o[nt + 1][2], o[nt + 1][3])};
     const int m = lane / 8;
-    stmatrix_x4_trans(r, &ot[8 * (nt + m / 2) + lane % 8][8 * (m % 2)]);
+    stmatrix_x4_trans(r, &ot[8 * (nt + m / 2) + lane % 8][uc + 8 * (m % 2)]);
   }
   __syncwarp();
   // lane: token 16 r + lane / 2, value half lane % 2
@@ -172,7 +193,7 @@ __device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdO],
 #pragma unroll
   for (int r = 0; r < kKdaChunk / 16; ++r, out += step) {
     const int i = r * 16 + lane / 2;
-    if (i < ch.len) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(&ot[i][(lane % 2) * 8]);
+    if (i < ch.len) *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(&ot[i][uc + (lane % 2) * 8]);
   }
 }
 
@@ -222,23 +243,45 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
     identity_state_frag<K>(S, vw - V, g, t);
   }
 
-#pragma unroll
-  for (int s = 0; s < C::kStages; ++s) {
-    if (begin + s < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[s], a, begin + s, hv, v0);
+  // The pipeline. Output pass: commit groups M(0) U(0) M(1) U(1) M(2), then after step j U(j + 2)
+  // M(j + 3) (M: a stage's w, kg, qg, P, decay; U: u's slot); at step j every group up to U(j) is
+  // complete, the three after it may be in flight. Transition pass: M(0) M(1), then after step j
+  // M(j + 2) (u in the stages).
+  constexpr int kStages = kOut ? C::kStages : C::kTransitionStages;
+  constexpr int kInFlight = kOut ? 3 : kStages - 1;
+  static_assert(!kOut || (C::kStages == 3 && C::kUSlots == 2), "the output pass's group order assumes 3 stages, 2 slots");
+  auto load_main = [&](int j) {
+    if (begin + j < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[j % kStages], a, begin + j, hv, v0);
     cp_async_commit();
+  };
+  auto load_u = [&](int j) {
+    if constexpr (kOut) {
+      if (begin + j < end) load_chunk_u<T, V, BU, kStateLoaders<C::kThreads>>(sm.u[j % C::kUSlots], a, begin + j, hv, v0);
+      cp_async_commit();
+    }
+  };
+  auto u_of = [&](int j) -> auto& {
+    if constexpr (kOut) return sm.u[j % C::kUSlots];
+    else return sm.stage[j % kStages].u;
+  };
+  if constexpr (kOut) {
+    load_main(0), load_u(0), load_main(1), load_u(1), load_main(2);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kStages; ++j) load_main(j);
   }
 
   for (int chunk = begin; chunk < end; ++chunk) {
-    const int stage = (chunk - begin) % C::kStages;
-    const StateStage<T, K, BV, BU, kPass>& st = sm.stage[stage];
-    cp_async_wait<C::kStages - 1>();
+    const int j = chunk - begin;
+    const StateStage<T, K, BV, BU, kPass>& st = sm.stage[j % kStages];
+    cp_async_wait<kInFlight>();
     __syncthreads();
 
     // vnew^T = u^T - S^T w^T  and  O^T = S^T qg^T, k-step by k-step: S^T (the state at the chunk
     // start) becomes an A operand one k-step at a time, which keeps registers free for the
     // loads in flight.
     float vnew[kKdaChunk / 8][4], o[kKdaChunk / 8][4];
-    if (value_warp) load_frag_t<kKdaChunk>(vnew, st.u, vw, g, t);
+    if (value_warp) load_frag_t<kKdaChunk>(vnew, u_of(j), vw, g, t);
     else zero(vnew);
     zero(o);
 #pragma unroll
@@ -262,15 +305,18 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
 #pragma unroll
     for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
 
-    if constexpr (kOut) write_output<T, K, V, BV>(sm.out[warp], st, o, aV, a, chunk, hv, v0 + vw, lane);
+    if constexpr (kOut) write_output<T, K, V, BV>(u_of(j), vw, st, o, aV, a, chunk, hv, v0 + vw, lane);
 
     // S^T <- S^T Diag(decay) + vnew^T kg
     decay_state_frag<K>(S, st.decay, t);
     add_chunk_product<T, K>(S, aV, &st.kg[0][0], C::kLdK);
 
-    __syncthreads();  // every warp is done with this stage (and its out tile)
-    if (chunk + C::kStages < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[stage], a, chunk + C::kStages, hv, v0);
-    cp_async_commit();
+    __syncthreads();  // every warp is done with this stage and u slot (and its output tile)
+    if constexpr (kOut) {
+      load_u(j + 2), load_main(j + 3);
+    } else {
+      load_main(j + kStages);
+    }
   }
 
   if constexpr (kOut) {
@@ -289,7 +335,7 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
 
 // The output pass: grid (V / BV, HV, N x segments in the grid); first_segment as in state_pass.
 template <typename T, int K, int V, int BV>
-__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads)
+__global__ void __launch_bounds__(StateConfig<K, BV>::kThreads, 1)
     kda_state_pass_kernel(const KdaFwdArgs a, int first_segment) {
   state_pass<T, K, V, BV, BV, StatePass::kOutput>(a, first_segment);
 }

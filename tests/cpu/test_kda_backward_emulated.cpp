@@ -365,7 +365,12 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
   EXPECT_LE(final_err, 2e-2 * final_max);
 }
 
-TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) { run_forward_case(100, 1, 0, 11); }
+// T 100: two chunks; T 600: ten, so the output pass's three stages and two u slots each wrap
+// around several times.
+TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) {
+  run_forward_case(100, 1, 0, 11);
+  run_forward_case(600, 1, 0, 21);
+}
 
 // The segmented state pass (kda_state_segments.h): 4 segments of 1 chunk (two transitions),
 // 3 of 2 (one transition, the last segment short), 2 of 3 (none: segment 0, then segment 1).

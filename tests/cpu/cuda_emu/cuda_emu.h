@@ -161,5 +161,6 @@ inline X __shfl_xor_sync(unsigned, X v, int offset) {
 }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
+inline float __log2f(float x) { return std::log2(x); }
 inline float __fdividef(float x, float y) { return x / y; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
