@@ -51,6 +51,17 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 #endif
 }
+// True in one lane of the (converged) warp: work issued under it from warp-uniform operands keeps
+// them in uniform registers (under `lane == 0` the compiler moves them there copy by copy).
+__device__ __forceinline__ bool elect_one_lane() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t is_elected = 0;
+  asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}\n" : "=r"(is_elected));
+  return is_elected != 0;
+#else
+  return threadIdx.x % 32 == 0;
+#endif
+}
 // Global -> shared bulk copy of `bytes` (multiple of 16, both addresses 16-byte aligned),
 // completing as transaction bytes on `bar`.
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {

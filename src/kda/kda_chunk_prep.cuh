@@ -123,6 +123,22 @@ __device__ __forceinline__ PrepRowSource prep_row_source(const KdaFwdArgs& a, co
   }
 }
 
+// The distance in bytes between consecutive rows of one of the prep's row inputs (which as in
+// prep_row_source; the gate's rows, when the gate is per channel).
+template <typename T>
+__device__ __forceinline__ int64_t prep_row_stride_bytes(const KdaFwdArgs& a, int which) {
+  switch (which) {
+    case 0:
+      return a.g_st.token * (a.g_fp32 ? 4 : int64_t{sizeof(T)});
+    case 1:
+      return a.q_st.token * int64_t{sizeof(T)};
+    case 2:
+      return a.k_st.token * int64_t{sizeof(T)};
+    default:
+      return a.v_st.token * int64_t{sizeof(T)};
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ float load_scalar(const void* p, bool fp32, int64_t at) {
   return fp32 ? static_cast<const float*>(p)[at] : to_float(static_cast<const T*>(p)[at]);
@@ -242,29 +258,46 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
 // branch); log2_gate(x) * factor is the activated gate of a raw value x in log2 units. Every thread
 // works on kSegs / (kThreads / K) segments of 8 rows of one channel, then adds the totals of the
 // segments before each: those are the segments' last rows, read before anyone adds (a barrier
-// between). A thread loads all its raw values first and keeps the running sums in registers, so no
-// shared load waits on a store (the chained form was a quarter of the chunk prep's stall samples).
+// between). Unrolled, a thread loads all its raw values first and keeps the running sums in
+// registers, so no shared load waits on a store (the chained form was a quarter of the chunk
+// prep's stall samples). kRolled: the segments' chains interleaved over a rolled row loop, every
+// row stored as it is summed (a twelfth of the code, for kernels too large for the instruction
+// cache to take the unrolled activations: the backward's chunk gradient). Same sums either way.
 // Ends with a barrier.
-template <int K, int kThreads, int LD, typename Raw, typename Log2Gate>
+template <int K, int kThreads, bool kRolled, int LD, typename Raw, typename Log2Gate>
 __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw raw, Log2Gate log2_gate, float factor) {
   constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K, kMine = kSegs / kStep;
   static_assert(kThreads % K == 0 && kSegs % kStep == 0, "whole segments per thread");
   const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
   auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
-  float run[kMine][kSegRows];  // segment m's running sums
+  float run[kMine][kSegRows];  // unrolled: segment m's running sums
+  if constexpr (kRolled) {
+    float sum[kMine];
 #pragma unroll
-  for (int m = 0; m < kMine; ++m)
+    for (int m = 0; m < kMine; ++m) sum[m] = 0.f;
+#pragma unroll 1
+    for (int r = 0; r < kSegRows; ++r)
 #pragma unroll
-    for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
+      for (int m = 0; m < kMine; ++m) {
+        const int i = row_of(m, r);
+        sum[m] = fmaf(i < len ? log2_gate(raw(i, c)) : 0.f, factor, sum[m]);
+        gam[i][c] = sum[m];
+      }
+  } else {
 #pragma unroll
-  for (int m = 0; m < kMine; ++m)
+    for (int m = 0; m < kMine; ++m)
 #pragma unroll
-    for (int r = 0; r < kSegRows; ++r) {
-      const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
-      run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
-    }
+      for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
 #pragma unroll
-  for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
+    for (int m = 0; m < kMine; ++m)
+#pragma unroll
+      for (int r = 0; r < kSegRows; ++r) {
+        const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
+        run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
+      }
+#pragma unroll
+    for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
+  }
   __syncthreads();
   float total[kSegs - 1], offset[kMine];
 #pragma unroll
@@ -280,22 +313,29 @@ __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw 
 #pragma unroll
   for (int m = 0; m < kMine; ++m)
 #pragma unroll
-    for (int r = 0; r < kSegRows; ++r) gam[row_of(m, r)][c] = run[m][r] + offset[m];
+    for (int r = 0; r < kSegRows; ++r) {
+      const int i = row_of(m, r);
+      if constexpr (kRolled) gam[i][c] += offset[m];
+      else gam[i][c] = run[m][r] + offset[m];
+    }
   __syncthreads();
 }
 
 // cumulate_gate_as with the activation of the call (none, softplus or sigmoid; uniform over the
 // CTA, so chosen once here and not per element: per element, its tests and branches kept the
-// layer mode's activation a third of the chunk prep's stall samples).
-template <int K, int kThreads, int LD, typename Raw>
+// layer mode's activation a third of the chunk prep's stall samples). kRolledActivation: the
+// activated sums rolled (the gate without activation is always unrolled: its loop is short).
+template <int K, int kThreads, bool kRolledActivation = false, int LD, typename Raw>
 __device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
   const GateActivation act(a, hv, threadIdx.x % K);
   if (!act.on)
-    cumulate_gate_as<K, kThreads>(gam, len, raw, [](float g) { return g; }, kRcpLn2);
+    cumulate_gate_as<K, kThreads, false>(gam, len, raw, [](float g) { return g; }, kRcpLn2);
   else if (act.lower_bound < 0.f)
-    cumulate_gate_as<K, kThreads>(gam, len, raw, [act](float g) { return act.sigmoid_gate(g); }, kRcpLn2);
+    cumulate_gate_as<K, kThreads, kRolledActivation>(gam, len, raw, [act](float g) { return act.sigmoid_gate(g); },
+                                                     kRcpLn2);
   else
-    cumulate_gate_as<K, kThreads>(gam, len, raw, [act](float g) { return act.softplus_gate_log2(g); }, 1.f);
+    cumulate_gate_as<K, kThreads, kRolledActivation>(
+        gam, len, raw, [act](float g) { return act.softplus_gate_log2(g); }, 1.f);
 }
 
 // acc[0..3] += sum over k in [k0, k1) of x[k] y[k][0..3]: x a row of fp32 in smem, y fp32 rows of
@@ -364,33 +404,42 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   if (a.scalar_gate && tid < kKdaChunk)
     s.scalar_gate[tid] = tid < ch.len ? load_scalar<T>(a.g, a.g_fp32, g_base + tid * a.g_st.token) : 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // sm_90: one bulk copy per row, a row per thread: threads 0-63 the gate's rows, completing on
-  // bar[0], the others those of q, k, v on bar[1] (issued in a few instructions, where the
-  // 16-byte cp.async loop took some 400 per warp before the last copy left).
+  // sm_90: a bulk copy per row, completing on mbarriers. Warp w copies rows [32 (w % 2), + 32) of
+  // input w / 2 (0 the gate, on bar[0]; 1-3 q, k, v, on bar[1]), all issued by its first lane from
+  // warp-uniform operands (a copy per thread took some 16 instructions to make its own operands
+  // uniform: an eighth of the chunk prep's instructions). Rows past the chunk's end are zeros
+  // (the gate's are not read).
   if (tid == 0) {
-    sm90::mbar_init(&s.bar[0], kKdaChunk);
-    sm90::mbar_init(&s.bar[1], C::kThreads - kKdaChunk);
+    sm90::mbar_init(&s.bar[0], 2);
+    sm90::mbar_init(&s.bar[1], C::kWarps - 2);
     sm90::mbar_init_fence();
   }
   __syncthreads();
   {
-    static_assert(C::kThreads == 4 * kKdaChunk, "a row per thread: the gate, q, k, v");
-    const int row = tid % kKdaChunk, which = tid / kKdaChunk;  // 0: gate, 1: q, 2: k, 3: v
+    static_assert(C::kWarps == 8 && kKdaChunk == 64, "two warps per input, 32 rows each");
+    const int w = __shfl_sync(0xffffffffu, warp, 0);  // uniform, as the compiler can see
+    const int which = w / 2, row0 = (w % 2) * 32;
     uint64_t* bar = &s.bar[which == 0 ? 0 : 1];
-    void* dst = which == 0   ? (a.g_fp32 ? static_cast<void*>(&s.gam[row][0]) : static_cast<void*>(&s.kb[row][0]))
-                : which == 1 ? &s.q[row][0]
-                : which == 2 ? &s.k[row][0]
-                             : &s.v[row][0];
-    const PrepRowSource in = prep_row_source<T, K, V>(a, ch, hv, which, row);
-    if (in.bytes != 0) {
-      sm90::mbar_arrive_expect_tx(bar, in.bytes);
-      sm90::bulk_copy_g2s(dst, in.src, in.bytes, bar);
-    } else {
-      if (which != 0)
-        for (int c = 0; c < (which == 3 ? V : K); c += 8)
-          *reinterpret_cast<uint4*>(static_cast<T*>(dst) + c) = make_uint4(0, 0, 0, 0);
-      sm90::mbar_arrive(bar);
+    char* dst = which == 0   ? (a.g_fp32 ? reinterpret_cast<char*>(&s.gam[row0][0]) : reinterpret_cast<char*>(&s.kb[row0][0]))
+                : which == 1 ? reinterpret_cast<char*>(&s.q[row0][0])
+                : which == 2 ? reinterpret_cast<char*>(&s.k[row0][0])
+                             : reinterpret_cast<char*>(&s.v[row0][0]);
+    const uint32_t dst_ld = which == 0 ? (a.g_fp32 ? C::kLdG * 4u : C::kLdK * uint32_t{sizeof(T)})
+                            : which == 3 ? C::kLdV * uint32_t{sizeof(T)}
+                                         : C::kLdK * uint32_t{sizeof(T)};
+    const PrepRowSource first = prep_row_source<T, K, V>(a, ch, hv, which, row0);
+    const int rows = first.bytes == 0 ? 0 : min(32, ch.len - row0);
+    if (which != 0 && rows < 32) {  // the chunk's end: zeros
+      const int vecs = (which == 3 ? V : K) * int{sizeof(T)} / 16;
+      for (int e = lane; e < (32 - rows) * vecs; e += 32)
+        *reinterpret_cast<uint4*>(dst + (rows + e / vecs) * dst_ld + (e % vecs) * 16) = make_uint4(0, 0, 0, 0);
     }
+    __syncwarp();  // the zeros before the arrival that publishes them
+    const int64_t src_ld = prep_row_stride_bytes<T>(a, which);
+    if (sm90::elect_one_lane()) sm90::mbar_arrive_expect_tx(bar, rows * first.bytes);
+    const char* src = static_cast<const char*>(first.src);
+    for (int r = 0; r < rows; ++r, src += src_ld, dst += dst_ld)
+      if (sm90::elect_one_lane()) sm90::bulk_copy_g2s(dst, src, first.bytes, bar);
   }
 #else
   auto first_row = [&](int which) { return prep_row_source<T, K, V>(a, ch, hv, which, 0).src; };
