@@ -238,9 +238,9 @@ __global__ void __launch_bounds__(GradConfig<K, V>::kThreads, 1) kda_chunk_grad_
     l2norm_rows<T, K, kRows>(s.k, warp * kRows, s.rstd_k);
   }
   if (a.scalar_gate)
-    cumulate_gate<K, C::kThreads, true>(s.gam, a, hv, len, [&](int i, int) { return s.gate_raw[i]; });
+    cumulate_gate_compact<K, C::kThreads>(s.gam, a, hv, len, [&](int i, int) { return s.gate_raw[i]; });
   else
-    cumulate_gate<K, C::kThreads, true>(s.gam, a, hv, len, [&](int i, int c) { return s.gam[i][c]; });
+    cumulate_gate_compact<K, C::kThreads>(s.gam, a, hv, len, [&](int i, int c) { return s.gam[i][c]; });
   for (int c = tid; c < K; c += C::kThreads) {
     float m[C::kSubChunks];
 #pragma unroll

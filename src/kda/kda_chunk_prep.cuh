@@ -178,8 +178,14 @@ struct GateActivation {
     a_coef = on && a.A_log ? __expf(a.A_log[hv]) : 1.f;
     lower_bound = a.lower_bound;
   }
-  // The two activations (callers pick one outside their loops): the sigmoid gate in natural log
-  // units, lower_bound sigmoid(a z).
+  // The activated gate (natural log units), the mode tested per call.
+  __device__ float operator()(float g) const {
+    if (!on) return g;
+    if (lower_bound < 0.f) return sigmoid_gate(g);
+    return -a_coef * softplusf(g + bias);
+  }
+  // The two activations, for callers that pick one outside their loops: the sigmoid gate in natural
+  // log units, lower_bound sigmoid(a z).
   __device__ float sigmoid_gate(float g) const { return lower_bound * sigmoidf(a_coef * (g + bias)); }
   // -a softplus(z) / ln 2, the softplus gate in log2 units, as max(z, 0) log2(e) + log2(1 + 2^(-|z|
   // log2(e))): two MUFU operations and five others. Its absolute error (lg2.approx near 1: about
@@ -258,20 +264,78 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
 // branch); log2_gate(x) * factor is the activated gate of a raw value x in log2 units. Every thread
 // works on kSegs / (kThreads / K) segments of 8 rows of one channel, then adds the totals of the
 // segments before each: those are the segments' last rows, read before anyone adds (a barrier
-// between). Unrolled, a thread loads all its raw values first and keeps the running sums in
-// registers, so no shared load waits on a store (the chained form was a quarter of the chunk
-// prep's stall samples). kRolled: the segments' chains interleaved over a rolled row loop, every
-// row stored as it is summed (a twelfth of the code, for kernels too large for the instruction
-// cache to take the unrolled activations: the backward's chunk gradient). Same sums either way.
+// between). A thread loads all its raw values first and keeps the running sums in registers, so no
+// shared load waits on a store (the chained form was a quarter of the chunk prep's stall samples).
 // Ends with a barrier.
-template <int K, int kThreads, bool kRolled, int LD, typename Raw, typename Log2Gate>
+template <int K, int kThreads, int LD, typename Raw, typename Log2Gate>
 __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw raw, Log2Gate log2_gate, float factor) {
   constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K, kMine = kSegs / kStep;
   static_assert(kThreads % K == 0 && kSegs % kStep == 0, "whole segments per thread");
   const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
   auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
-  float run[kMine][kSegRows];  // unrolled: segment m's running sums
-  if constexpr (kRolled) {
+  float run[kMine][kSegRows];  // segment m's running sums
+#pragma unroll
+  for (int m = 0; m < kMine; ++m)
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
+#pragma unroll
+  for (int m = 0; m < kMine; ++m)
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) {
+      const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
+      run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
+    }
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
+  __syncthreads();
+  float total[kSegs - 1], offset[kMine];
+#pragma unroll
+  for (int q = 0; q < kSegs - 1; ++q) total[q] = gam[q * kSegRows + kSegRows - 1][c];
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) {
+    offset[m] = 0.f;
+#pragma unroll
+    for (int q = 0; q < kSegs - 1; ++q)
+      if (q < seg0 + m * kStep) offset[m] += total[q];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < kMine; ++m)
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) gam[row_of(m, r)][c] = run[m][r] + offset[m];
+  __syncthreads();
+}
+
+// The chunk prep's cumulative gate: cumulate_gate_as with the activation of the call (none,
+// softplus or sigmoid; uniform over the CTA, so chosen once here and not per element: per element,
+// its tests and branches kept the layer mode's activation a third of the prep's stall samples).
+template <int K, int kThreads, int LD, typename Raw>
+__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
+  const GateActivation act(a, hv, threadIdx.x % K);
+  if (!act.on)
+    cumulate_gate_as<K, kThreads>(gam, len, raw, [](float g) { return g; }, kRcpLn2);
+  else if (act.lower_bound < 0.f)
+    cumulate_gate_as<K, kThreads>(gam, len, raw, [act](float g) { return act.sigmoid_gate(g); }, kRcpLn2);
+  else
+    cumulate_gate_as<K, kThreads>(gam, len, raw, [act](float g) { return act.softplus_gate_log2(g); }, 1.f);
+}
+
+// The same sums in less code, for the backward's chunk gradient (a kernel larger than the
+// instruction cache): the activated gate's rows in one rolled loop (the mode tested per element),
+// the activation's accurate forms (softplusf). With cumulate_gate there, its three unrolled loops
+// per stored format, that kernel ran 25 % slower in the layer mode (5.40 -> 6.72 ms, B8 T4096).
+// Same cumulation order; without the activation the same code as cumulate_gate_as.
+template <int K, int kThreads, int LD, typename Raw>
+__device__ __forceinline__ void cumulate_gate_compact(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
+  constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K, kMine = kSegs / kStep;
+  static_assert(kThreads % K == 0 && kSegs % kStep == 0, "whole segments per thread");
+  const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
+  auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
+  const GateActivation activate(a, hv, c);
+  float run[kMine][kSegRows];  // plain: segment m's running sums
+  if (activate.on) {
+    // The segments' chains interleaved, the row loop rolled (its softplus and sigmoid are long:
+    // unrolled, their copies made the code outgrow the instruction cache).
     float sum[kMine];
 #pragma unroll
     for (int m = 0; m < kMine; ++m) sum[m] = 0.f;
@@ -280,7 +344,7 @@ __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw 
 #pragma unroll
       for (int m = 0; m < kMine; ++m) {
         const int i = row_of(m, r);
-        sum[m] = fmaf(i < len ? log2_gate(raw(i, c)) : 0.f, factor, sum[m]);
+        if (i < len) sum[m] += activate(raw(i, c)) * kRcpLn2;
         gam[i][c] = sum[m];
       }
   } else {
@@ -292,8 +356,8 @@ __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw 
     for (int m = 0; m < kMine; ++m)
 #pragma unroll
       for (int r = 0; r < kSegRows; ++r) {
-        const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
-        run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
+        const float x = row_of(m, r) < len ? run[m][r] : 0.f;
+        run[m][r] = fmaf(x, kRcpLn2, r > 0 ? run[m][r - 1] : 0.f);
       }
 #pragma unroll
     for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
@@ -315,28 +379,12 @@ __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw 
 #pragma unroll
     for (int r = 0; r < kSegRows; ++r) {
       const int i = row_of(m, r);
-      if constexpr (kRolled) gam[i][c] += offset[m];
+      if (activate.on) gam[i][c] += offset[m];
       else gam[i][c] = run[m][r] + offset[m];
     }
   __syncthreads();
 }
 
-// cumulate_gate_as with the activation of the call (none, softplus or sigmoid; uniform over the
-// CTA, so chosen once here and not per element: per element, its tests and branches kept the
-// layer mode's activation a third of the chunk prep's stall samples). kRolledActivation: the
-// activated sums rolled (the gate without activation is always unrolled: its loop is short).
-template <int K, int kThreads, bool kRolledActivation = false, int LD, typename Raw>
-__device__ __forceinline__ void cumulate_gate(float (*gam)[LD], const KdaFwdArgs& a, int hv, int len, Raw raw) {
-  const GateActivation act(a, hv, threadIdx.x % K);
-  if (!act.on)
-    cumulate_gate_as<K, kThreads, false>(gam, len, raw, [](float g) { return g; }, kRcpLn2);
-  else if (act.lower_bound < 0.f)
-    cumulate_gate_as<K, kThreads, kRolledActivation>(gam, len, raw, [act](float g) { return act.sigmoid_gate(g); },
-                                                     kRcpLn2);
-  else
-    cumulate_gate_as<K, kThreads, kRolledActivation>(
-        gam, len, raw, [act](float g) { return act.softplus_gate_log2(g); }, 1.f);
-}
 
 // acc[0..3] += sum over k in [k0, k1) of x[k] y[k][0..3]: x a row of fp32 in smem, y fp32 rows of
 // LDY floats; k0 and k1 multiples of 4, all 16-byte aligned.

@@ -42,8 +42,9 @@ struct StateConfig {
   // three whole stages (u in them) would not fit in shared memory; with u apart they do.
   static constexpr int kStages = 3;
   static constexpr int kUSlots = 2;
-  // The transition pass (u in its stages; 12 or more warps to hide the loads' latency).
-  static constexpr int kTransitionStages = 2;
+  // The transition pass (u in its stages, which it reads whole): two chunks in flight as well
+  // (3 x 52 KB at K = V = 128; one CTA per SM either way).
+  static constexpr int kTransitionStages = 3;
   static constexpr int kLdK = K + 8;  // 16-byte padding: conflict-free ldmatrix
   static constexpr int kLdP = kKdaChunk + 8;
   static constexpr int kLdU = BU + 8;
