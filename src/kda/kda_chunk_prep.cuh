@@ -258,6 +258,28 @@ __device__ __forceinline__ void l2norm_rows(T (*x)[LD], int row0, float* rstd = 
   }
 }
 
+// The cumulations' middle step (rows in segments of 8, kThreads / K threads per channel): after a
+// barrier, each of this thread's segments gets the total of the segments before it (their last
+// rows, as the first step left them), then a barrier, so that no one adds before everyone has read.
+template <int K, int kThreads, int LD, int kMine>
+__device__ __forceinline__ void segment_offsets(float (*gam)[LD], float (&offset)[kMine]) {
+  constexpr int kSegRows = 8, kSegs = kKdaChunk / kSegRows, kStep = kThreads / K;
+  static_assert(kMine == kSegs / kStep, "one offset per segment of this thread");
+  const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
+  __syncthreads();
+  float total[kSegs - 1];
+#pragma unroll
+  for (int q = 0; q < kSegs - 1; ++q) total[q] = gam[q * kSegRows + kSegRows - 1][c];
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) {
+    offset[m] = 0.f;
+#pragma unroll
+    for (int q = 0; q < kSegs - 1; ++q)
+      if (q < seg0 + m * kStep) offset[m] += total[q];
+  }
+  __syncthreads();
+}
+
 // The cumulative activated gate (log2 units) of one chunk, in place over gam's 64 rows: row i
 // holds the sum over rows j <= i, j < len (rows from len on hold the total). raw(i, c) is the gate
 // as stored (it may read gam itself; callers choose the stored format outside, so raw has no
@@ -287,18 +309,8 @@ __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw 
     }
 #pragma unroll
   for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
-  __syncthreads();
-  float total[kSegs - 1], offset[kMine];
-#pragma unroll
-  for (int q = 0; q < kSegs - 1; ++q) total[q] = gam[q * kSegRows + kSegRows - 1][c];
-#pragma unroll
-  for (int m = 0; m < kMine; ++m) {
-    offset[m] = 0.f;
-#pragma unroll
-    for (int q = 0; q < kSegs - 1; ++q)
-      if (q < seg0 + m * kStep) offset[m] += total[q];
-  }
-  __syncthreads();
+  float offset[kMine];
+  segment_offsets<K, kThreads>(gam, offset);
 #pragma unroll
   for (int m = 0; m < kMine; ++m)
 #pragma unroll
@@ -362,18 +374,8 @@ __device__ __forceinline__ void cumulate_gate_compact(float (*gam)[LD], const Kd
 #pragma unroll
     for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
   }
-  __syncthreads();
-  float total[kSegs - 1], offset[kMine];
-#pragma unroll
-  for (int q = 0; q < kSegs - 1; ++q) total[q] = gam[q * kSegRows + kSegRows - 1][c];
-#pragma unroll
-  for (int m = 0; m < kMine; ++m) {
-    offset[m] = 0.f;
-#pragma unroll
-    for (int q = 0; q < kSegs - 1; ++q)
-      if (q < seg0 + m * kStep) offset[m] += total[q];
-  }
-  __syncthreads();
+  float offset[kMine];
+  segment_offsets<K, kThreads>(gam, offset);
 #pragma unroll
   for (int m = 0; m < kMine; ++m)
 #pragma unroll
