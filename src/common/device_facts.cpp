@@ -15,6 +15,7 @@ DeviceFacts current_device_facts() {
     cudaDeviceGetAttribute(&f.l2_bytes, cudaDevAttrL2CacheSize, device);
     cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, device);
     cudaDeviceGetAttribute(&f.cc_minor, cudaDevAttrComputeCapabilityMinor, device);
+    cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     cached = f;
   }
   return cached;

@@ -31,6 +31,14 @@ cudaError_t launch_state_passes(const KdaBwdArgs& b, cudaStream_t stream) {
 template <typename T, int K, int V>
 Status launch_backward(const KdaBwdArgs& b, cudaStream_t stream) {
   const KdaFwdArgs& a = b.fwd;
+  // Shared memory: the prep, the chunk gradient, and the state passes at their widest slice.
+  constexpr int kWideBV = V < 64 ? V : 64;
+  FLARE_RETURN_IF_ERROR(require_shared_memory(sizeof(PrepSmem<T, K, V>), "chunk prep"));
+  FLARE_RETURN_IF_ERROR(require_shared_memory(sizeof(GradSmem<T, K, V>), "chunk gradient"));
+  FLARE_RETURN_IF_ERROR(require_shared_memory(
+      RecordConfig<K, kWideBV>::kStages * sizeof(RecordStage<T, K, kWideBV>), "state record pass"));
+  FLARE_RETURN_IF_ERROR(require_shared_memory(
+      BwdStateConfig<K, kWideBV>::kStages * sizeof(BwdStateStage<T, K, kWideBV>), "backward state pass"));
   if (!b.prep_done) FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
   // The passes are sequential along T like the forward's: the same value-slice width, at most 64.
   FLARE_CUDA_RETURN((with_state_slice_width<V, 64>(

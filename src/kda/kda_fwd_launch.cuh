@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "src/common/cuda_check.h"
 #include "src/common/device_facts.h"
@@ -43,6 +44,17 @@ inline int state_slice_width(const KdaFwdArgs& a, int num_sms, int max_bv) {
   if (max_bv >= 128 && a.value_dim % 128 == 0 && (ctas(128) >= num_sms || ctas(64) > num_sms)) return 128;
   if (a.value_dim % 64 == 0 && ctas(64) >= num_sms) return 64;
   return ctas(32) * 2 >= num_sms ? 32 : 16;
+}
+
+// NotSupported, naming the kernel, where it needs more shared memory per block than the device
+// allows (the state passes' pipelines are sized for sm_90's 227 KB; an A100 allows 163 KB): a
+// clear refusal instead of a failed launch.
+inline Status require_shared_memory(size_t bytes, const char* kernel) {
+  const int optin = detail::current_device_facts().smem_optin;
+  if (optin <= 0 || bytes <= static_cast<size_t>(optin)) return Status::Ok();
+  return Status::NotSupported(std::string("KDA: the ") + kernel + " needs " + std::to_string(bytes) +
+                              " bytes of shared memory per block; this device allows " + std::to_string(optin) +
+                              " (the KDA kernels are sized for sm_90)");
 }
 
 // kernel<<<grid, threads, smem, stream>>>(args...) with its shared-memory limit raised to smem;
@@ -154,6 +166,9 @@ cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream
 
 template <typename T, int K, int V>
 Status launch_forward(const KdaFwdArgs& a, cudaStream_t stream) {
+  // Shared memory: the prep, and the output pass at its widest slice (the transitions need less).
+  FLARE_RETURN_IF_ERROR(require_shared_memory(sizeof(PrepSmem<T, K, V>), "chunk prep"));
+  FLARE_RETURN_IF_ERROR(require_shared_memory(sizeof(StateSmem<T, K, (V < 128 ? V : 128)>), "state pass"));
   FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
   if (a.state_segments > 1) {
     FLARE_CUDA_RETURN((launch_segmented_state_pass<T, K, V>(a, stream)));
