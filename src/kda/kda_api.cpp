@@ -55,14 +55,16 @@ struct ForwardPlan {
 };
 
 // The segmentation of the state pass on the current device (FLARE_KDA_STATE_SEGMENT=<chunks>
-// forces a segment length: tests, tuning).
+// forces a segment length, FLARE_KDA_SEGMENT0_WEIGHT=<percent> weights segment 0: tests, tuning).
 detail::KdaStateSegments state_segments_of(const detail::KdaShape& s) {
   const int64_t chunks_per_row = chunks_per_row_of(s);
   const int64_t wide_ctas = int64_t{s.num_seqs} * s.heads_v * (s.value_dim / (s.value_dim < 128 ? s.value_dim : 128));
   const char* env = std::getenv("FLARE_KDA_STATE_SEGMENT");
   const int forced = env != nullptr ? std::atoi(env) : 0;
+  const char* weight_env = std::getenv("FLARE_KDA_SEGMENT0_WEIGHT");
+  const int weight = weight_env != nullptr ? std::atoi(weight_env) : 100;
   return detail::kda_state_segments(wide_ctas, chunks_per_row, s.varlen, detail::current_device_facts().num_sms,
-                                    forced);
+                                    forced, weight);
 }
 
 Status plan_forward(const KdaForwardParams& p, ForwardPlan* plan) {
@@ -175,6 +177,7 @@ Status kda_forward(const KdaForwardParams& p) {
   if (p.keep_for_backward) a.A_inv = static_cast<char*>(p.workspace) + plan.A_inv;
   if (plan.segments.count > 1) {
     a.state_segments = plan.segments.count, a.segment_chunks = plan.segments.chunks;
+    a.first_segment_chunks = plan.segments.first;
     a.seg_transition = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.seg_transition);
     a.seg_start = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.seg_start);
   }

@@ -68,7 +68,8 @@ struct KdaFwdArgs {
   int* seq_order;             // [N] (varlen): the sequences longest first, the state passes' CTA order
 
   // The segmented state pass (kda_state_segments.h); state_segments 1: not segmented.
-  int state_segments = 1, segment_chunks = 0;
+  int state_segments = 1, segment_chunks = 0;  // segment_chunks: of each segment after the first
+  int first_segment_chunks = 0;                 // of segment 0
   float* seg_transition = nullptr;  // [N][HV][state_segments - 2][K][V + K]: S0 | X of segments 1 .. count-2
   float* seg_start = nullptr;       // [N][HV][state_segments - 1][K][V]: the state where segments 1.. start
 };

@@ -221,8 +221,8 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
   const int vw = warp * 16;  // this warp's columns within the CTA's
   auto [begin, end] = chunk_range(a, n);
   if (count > 1) {
-    begin += seg * a.segment_chunks;
-    end = min(end, begin + a.segment_chunks);
+    begin += seg == 0 ? 0 : a.first_segment_chunks + (seg - 1) * a.segment_chunks;
+    end = min(end, begin + (seg == 0 ? a.first_segment_chunks : a.segment_chunks));
   }
   const int64_t head = static_cast<int64_t>(n) * a.heads_v + hv;
   // Transition pass: the warps past V carry identity columns (no u).

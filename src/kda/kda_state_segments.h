@@ -31,14 +31,30 @@ inline constexpr int kKdaMaxSegments = 16;
 
 struct KdaStateSegments {
   int count = 1;   // segments per sequence (1: the unsegmented pass)
-  int chunks = 0;  // chunks per segment (the last may hold fewer); 0 when count is 1
+  int chunks = 0;  // chunks per segment after the first (the last may hold fewer); 0 when count is 1
+  int first = 0;   // chunks of segment 0 (chunks unless weighted); 0 when count is 1
 };
 
 // count and chunks for `count` segments over chunks_per_row chunks (the last segment non-empty).
 inline KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
   if (count <= 1 || chunks_per_row <= 1) return {};
   const int64_t chunks = (chunks_per_row + count - 1) / count;
-  return {static_cast<int>((chunks_per_row + chunks - 1) / chunks), static_cast<int>(chunks)};
+  return {static_cast<int>((chunks_per_row + chunks - 1) / chunks), static_cast<int>(chunks), static_cast<int>(chunks)};
+}
+
+// As kda_segments_of, with segment 0 weighted first_weight_pct percent of each later segment:
+// segment 0's output pass runs beside the transitions of segments 1 .. count-2, whose chunk steps
+// may take longer or shorter than an output step, so the phase is shortest where their lengths
+// are in the inverse ratio. At least a chunk in segment 0 and one in each later segment (the count
+// may come out lower); 100 or below 1: kda_segments_of.
+inline KdaStateSegments kda_segments_weighted(int64_t chunks_per_row, int count, int first_weight_pct) {
+  if (count <= 1 || chunks_per_row <= 1 || count > chunks_per_row) return kda_segments_of(chunks_per_row, count);
+  if (first_weight_pct == 100 || first_weight_pct < 1) return kda_segments_of(chunks_per_row, count);
+  const int64_t weights = int64_t{count - 1} * 100 + first_weight_pct;
+  const int64_t first =
+      std::clamp<int64_t>((chunks_per_row * first_weight_pct + weights / 2) / weights, 1, chunks_per_row - (count - 1));
+  const int64_t rest = chunks_per_row - first, chunks = (rest + count - 2) / (count - 1);
+  return {1 + static_cast<int>((rest + chunks - 1) / chunks), static_cast<int>(chunks), static_cast<int>(first)};
 }
 
 // The segmentation of the forward state pass. wide_ctas: the output pass's CTAs without
@@ -48,15 +64,20 @@ inline KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
 // below 3 segments the phases would walk the whole sequence one after the other, so no segments.
 // Varlen batches are not segmented (their sequences differ in length).
 // forced_chunks > 0 (FLARE_KDA_STATE_SEGMENT, tests and tuning) sets the segment length instead.
+// first_weight_pct (FLARE_KDA_SEGMENT0_WEIGHT, tuning): segment 0's length against the others'
+// (kda_segments_weighted); 100, equal lengths, until measured otherwise.
 inline KdaStateSegments kda_state_segments(int64_t wide_ctas, int64_t chunks_per_row, bool varlen, int num_sms,
-                                              int forced_chunks = 0) {
+                                              int forced_chunks = 0, int first_weight_pct = 100) {
   if (varlen || chunks_per_row <= 1 || wide_ctas <= 0) return {};
   if (forced_chunks > 0)
-    return kda_segments_of(chunks_per_row, static_cast<int>((chunks_per_row + forced_chunks - 1) / forced_chunks));
+    return kda_segments_weighted(chunks_per_row,
+                                 static_cast<int>((chunks_per_row + forced_chunks - 1) / forced_chunks),
+                                 first_weight_pct);
   if (num_sms <= 0) return {};  // no device facts
   const int64_t count = std::min<int64_t>({num_sms / wide_ctas + 1, chunks_per_row / kKdaMinSegmentChunks,
                                            int64_t{kKdaMaxSegments}});
-  return count >= 3 ? kda_segments_of(chunks_per_row, static_cast<int>(count)) : KdaStateSegments{};
+  return count >= 3 ? kda_segments_weighted(chunks_per_row, static_cast<int>(count), first_weight_pct)
+                    : KdaStateSegments{};
 }
 
 }  // namespace flare::detail

@@ -691,3 +691,39 @@ TEST(KdaStateSegments, Rule) {
         }
       }
 }
+
+// Segment 0 weighted against the others (kda_segments_weighted): 100 % is kda_segments_of; any
+// weight covers exactly the chunks, with segment 0 and every later segment non-empty, the later
+// ones at most `chunks` long, and no more segments than asked for.
+TEST(KdaStateSegments, WeightedFirstSegment) {
+  using flare::detail::kda_segments_of;
+  using flare::detail::kda_segments_weighted;
+  using flare::detail::KdaStateSegments;
+  KdaStateSegments s = kda_segments_weighted(256, 3, 100);  // B2 T16384's rule
+  EXPECT_EQ(s.count, 3);
+  EXPECT_EQ(s.chunks, 86);
+  EXPECT_EQ(s.first, 86);
+  s = kda_segments_weighted(256, 3, 130);  // 101 = 256 x 130 / 330, then 78 and 77
+  EXPECT_EQ(s.count, 3);
+  EXPECT_EQ(s.first, 101);
+  EXPECT_EQ(s.chunks, 78);
+  EXPECT_EQ(kda_segments_weighted(256, 3, 50).first, 51);  // 256 x 50 / 250
+  for (int64_t cpr = 1; cpr <= 300; ++cpr)
+    for (int count = 2; count <= 16; ++count)
+      for (int weight : {1, 37, 50, 100, 130, 200, 400}) {
+        s = kda_segments_weighted(cpr, count, weight);
+        if (weight == 100) {
+          const KdaStateSegments e = kda_segments_of(cpr, count);
+          ASSERT_TRUE(s.count == e.count && s.chunks == e.chunks && s.first == e.first);
+        }
+        if (s.count == 1) {
+          ASSERT_TRUE(cpr <= 1) << cpr << " " << count << " " << weight;
+          continue;
+        }
+        ASSERT_GE(s.first, 1);
+        ASSERT_GE(s.chunks, 1);
+        ASSERT_LE(s.count, count);
+        ASSERT_LT(s.first + int64_t{s.count - 2} * s.chunks, cpr) << "empty last segment";
+        ASSERT_GE(s.first + int64_t{s.count - 1} * s.chunks, cpr) << "chunks left over";
+      }
+}

@@ -285,9 +285,9 @@ void run_case(const Case& c, uint64_t seed) {
 // The emulation itself, against kernels proved on the H100: the forward (chunk prep and state
 // pass) must reproduce the oracle's output as tests/gpu/test_kda.cu requires of the GPU.
 // The forward's kernels (prep, then the state pass: whole, or cut into `segments` segments of
-// segment_chunks chunks: transition, combine, output) on a K64 V128 case of T tokens, against the
-// oracle.
-void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed) {
+// segment_chunks chunks, segment 0 first_chunks when given: transition, combine, output) on a K64
+// V128 case of T tokens, against the oracle.
+void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed, int first_chunks = 0) {
   Problem p;
   make_problem({.name = "forward", .T = T, .V = 128}, seed, &p);
   const Case& c = p.c;
@@ -335,6 +335,7 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
                    [&] { kda::kda_chunk_prep_kernel<__nv_bfloat16, 64, 128>(a); });
   // The launch order of kda_fwd_launch.cuh (unsegmented: the output pass alone).
   a.state_segments = segments, a.segment_chunks = segments > 1 ? segment_chunks : 0;
+  a.first_segment_chunks = segments > 1 ? (first_chunks > 0 ? first_chunks : segment_chunks) : 0;
   a.seg_transition = reinterpret_cast<float*>(ws + l.total);
   a.seg_start = reinterpret_cast<float*>(ws + l.total + transition_bytes);
   if (segments > 2)
@@ -378,6 +379,8 @@ TEST(KdaBackwardEmulated, SegmentedForwardStatePass) {
   run_forward_case(200, 4, 1, 13);
   run_forward_case(300, 3, 2, 15);
   run_forward_case(200, 2, 3, 14);
+  // Segment 0 longer than the others (kda_segments_weighted): 3 chunks, then 1, 1 (a transition).
+  run_forward_case(300, 3, 1, 16, 3);
 }
 
 TEST(KdaBackwardEmulated, Kda) {

@@ -254,6 +254,15 @@ TEST(KdaForward, SegmentedStatePass) {
   rule.name = "long sequence, kept, 4 segments";
   run_case(rule, 98);
   unsetenv("FLARE_KDA_STATE_SEGMENT");
+  // Segment 0 weighted (FLARE_KDA_SEGMENT0_WEIGHT, kda_segments_weighted): longer and shorter than
+  // the others, by the rule's count.
+  rule.keep_for_backward = false;
+  for (const char* weight : {"160", "50"}) {
+    ASSERT_EQ(setenv("FLARE_KDA_SEGMENT0_WEIGHT", weight, 1), 0);
+    rule.name = std::string("long sequence, segment 0 weighted ") + weight + " %";
+    run_case(rule, 99);
+  }
+  unsetenv("FLARE_KDA_SEGMENT0_WEIGHT");
 }
 
 TEST(KdaForward, GroupedValueHeads) {
