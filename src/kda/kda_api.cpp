@@ -8,6 +8,7 @@
 #include "src/kda/kda_args.h"
 #include "src/kda/kda_bwd_params.h"
 #include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_prep_order.h"
 #include "src/kda/kda_state_segments.h"
 
 namespace flare {
@@ -128,6 +129,10 @@ detail::KdaFwdArgs input_args(const Params& p, const detail::KdaShape& s, int64_
   a.key_dim = s.key_dim, a.value_dim = s.value_dim;
   a.chunks_per_row = static_cast<int>(chunks_per_row_of(s));
   a.max_chunks = static_cast<int>(max_chunks);
+  if (const char* order = std::getenv("FLARE_KDA_PREP_ORDER"))  // tuning (kda_prep_order.h)
+    a.prep_order = std::atoi(order) == 1 ? detail::kHeadMajor
+                   : std::atoi(order) == 2 ? detail::kHeadMajorReversed
+                                           : detail::kChunkMajor;
   a.varlen = s.varlen, a.scalar_gate = s.scalar_gate;
   a.scale = s.scale;
   const KdaOptions& o = p.options;

@@ -1,6 +1,7 @@
 // KDA forward, stage 1: the WY form of one 64-token chunk of one value head (KDA.md section (b)).
-// One CTA of 8 warps per (chunk, value head); every chunk is independent. Warps I and I + 4 own
-// the rows of sub-chunk I, [16 I, 16 I + 16): the first computes P and w, the second L and u.
+// One CTA of 8 warps per (chunk, value head), in the order of kda_prep_order.h; every chunk is
+// independent. Warps I and I + 4 own the rows of sub-chunk I, [16 I, 16 I + 16): the first computes
+// P and w, the second L and u.
 // All gates are in log2 units (exp -> exp2).
 //
 //   load      the gate, then q, k, v (bulk copies on sm_90, else cp.async), beta
@@ -25,6 +26,7 @@
 
 #include "src/common/bulk_copy.h"
 #include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_prep_order.h"
 #include "src/kda/kda_tiles.cuh"
 
 namespace flare::kda {
@@ -439,7 +441,8 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& s = *reinterpret_cast<PrepSmem<T, K, V>*>(smem_raw);
 
-  const int chunk = blockIdx.x, hv = blockIdx.y;
+  const detail::KdaPrepCta cta = detail::kda_prep_cta(blockIdx.x, a.max_chunks, a.heads_v, a.prep_order);
+  const int chunk = cta.chunk, hv = cta.hv;
   const KdaChunk ch = chunk_at(a, chunk);
   if (ch.len <= 0) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;

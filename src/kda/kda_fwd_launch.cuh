@@ -92,9 +92,9 @@ cudaError_t launch_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
 template <typename T, int K, int V>
 Status launch_chunk_prep(const KdaFwdArgs& a, cudaStream_t stream) {
   if (a.varlen) FLARE_CUDA_RETURN(launch_chunk_table(a, stream));
-  if (a.max_chunks > 0)
-    FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(a.max_chunks, a.heads_v), PrepConfig<K, V>::kThreads,
-                             sizeof(PrepSmem<T, K, V>), stream, a));
+  if (a.max_chunks > 0)  // a 1-D grid (kda_prep_order.h)
+    FLARE_CUDA_RETURN(launch(kda_chunk_prep_kernel<T, K, V>, dim3(static_cast<unsigned>(int64_t{a.max_chunks} * a.heads_v)),
+                             PrepConfig<K, V>::kThreads, sizeof(PrepSmem<T, K, V>), stream, a));
   return Status::Ok();
 }
 

@@ -52,6 +52,7 @@ struct KdaFwdArgs {
   int batch, seqlen, heads, heads_v, num_seqs, key_dim, value_dim;
   int chunks_per_row;  // ceil(T / 64) without cu_seqlens
   int max_chunks;      // chunks the workspace holds (an upper bound with cu_seqlens)
+  int prep_order = 0;  // the chunk prep's CTA order (kda_prep_order.h)
   bool varlen, scalar_gate;
   float scale;
   bool qk_l2norm, beta_sigmoid, gate_in_kernel;

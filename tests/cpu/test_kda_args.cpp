@@ -4,9 +4,11 @@
 #include <cmath>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "reference/host_tensor.h"
 #include "src/kda/kda_args.h"
+#include "src/kda/kda_prep_order.h"
 #include "src/kda/kda_state_segments.h"
 #include "tests/common/status_checks.h"
 
@@ -725,5 +727,28 @@ TEST(KdaStateSegments, WeightedFirstSegment) {
         ASSERT_LE(s.count, count);
         ASSERT_LT(s.first + int64_t{s.count - 2} * s.chunks, cpr) << "empty last segment";
         ASSERT_GE(s.first + int64_t{s.count - 1} * s.chunks, cpr) << "chunks left over";
+      }
+}
+
+// The chunk prep's CTA orders (kda_prep_order.h): each a bijection of the grid onto (chunk, value
+// head); chunk-major as the earlier 2-D grid, head-major with a chunk's heads adjacent, reversed
+// ending on chunk 0.
+TEST(KdaPrepOrder, EveryCtaOnce) {
+  using namespace flare::detail;
+  for (int chunks : {1, 2, 7, 64})
+    for (int heads : {1, 3, 32})
+      for (int order : {kChunkMajor, kHeadMajor, kHeadMajorReversed}) {
+        std::vector<int> seen(static_cast<size_t>(chunks) * heads, 0);
+        for (int64_t i = 0; i < int64_t{chunks} * heads; ++i) {
+          const KdaPrepCta c = kda_prep_cta(i, chunks, heads, order);
+          ASSERT_TRUE(c.chunk >= 0 && c.chunk < chunks && c.hv >= 0 && c.hv < heads);
+          ++seen[static_cast<size_t>(c.chunk) * heads + c.hv];
+          if (order == kChunkMajor) ASSERT_TRUE(c.chunk == i % chunks && c.hv == i / chunks);
+          if (order != kChunkMajor) ASSERT_EQ(c.hv, i % heads);
+        }
+        for (int n : seen) ASSERT_EQ(n, 1);
+        const KdaPrepCta last = kda_prep_cta(int64_t{chunks} * heads - 1, chunks, heads, order);
+        if (order == kHeadMajorReversed) EXPECT_EQ(last.chunk, 0);
+        if (order == kHeadMajor) EXPECT_EQ(last.chunk, chunks - 1);
       }
 }

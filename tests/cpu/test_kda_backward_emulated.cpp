@@ -74,7 +74,7 @@ void run_kernels(const KdaBwdArgs& b) {
   unsigned char* smem = kda::smem_raw;
   if (a.varlen) build_chunk_table(a);
   if (a.max_chunks > 0)
-    cuda_emu::launch(dim3(a.max_chunks, a.heads_v), kda::PrepConfig<K, V>::kThreads, smem,
+    cuda_emu::launch(dim3(a.max_chunks * a.heads_v), kda::PrepConfig<K, V>::kThreads, smem,
                      [&] { kda::kda_chunk_prep_kernel<T, K, V>(a); });
   const dim3 passes(V / BV, a.heads_v, a.num_seqs);
   cuda_emu::launch(passes, kda::RecordConfig<K, BV>::kThreads, smem,
@@ -287,7 +287,8 @@ void run_case(const Case& c, uint64_t seed) {
 // The forward's kernels (prep, then the state pass: whole, or cut into `segments` segments of
 // segment_chunks chunks, segment 0 first_chunks when given: transition, combine, output) on a K64
 // V128 case of T tokens, against the oracle.
-void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed, int first_chunks = 0) {
+void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed, int first_chunks = 0,
+                      int prep_order = flare::detail::kChunkMajor) {
   Problem p;
   make_problem({.name = "forward", .T = T, .V = 128}, seed, &p);
   const Case& c = p.c;
@@ -331,7 +332,8 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
   a.beta_factor = 1.f;
   a.w = ws + l.w, a.u = ws + l.u, a.kg = ws + l.kg, a.qg = ws + l.qg, a.P = ws + l.P;
   a.decay = reinterpret_cast<float*>(ws + l.decay);
-  cuda_emu::launch(dim3(chunks, a.heads_v), kda::PrepConfig<64, 128>::kThreads, kda::smem_raw,
+  a.prep_order = prep_order;
+  cuda_emu::launch(dim3(chunks * a.heads_v), kda::PrepConfig<64, 128>::kThreads, kda::smem_raw,
                    [&] { kda::kda_chunk_prep_kernel<__nv_bfloat16, 64, 128>(a); });
   // The launch order of kda_fwd_launch.cuh (unsegmented: the output pass alone).
   a.state_segments = segments, a.segment_chunks = segments > 1 ? segment_chunks : 0;
@@ -367,10 +369,10 @@ void run_forward_case(int64_t T, int segments, int segment_chunks, uint64_t seed
 }
 
 // T 100: two chunks; T 600: ten, so the output pass's three stages and two u slots each wrap
-// around several times.
+// around several times (its prep in the reversed head-major order, kda_prep_order.h).
 TEST(KdaBackwardEmulated, ForwardKernelsAsOnTheGpu) {
   run_forward_case(100, 1, 0, 11);
-  run_forward_case(600, 1, 0, 21);
+  run_forward_case(600, 1, 0, 21, 0, flare::detail::kHeadMajorReversed);
 }
 
 // The segmented state pass (kda_state_segments.h): 4 segments of 1 chunk (two transitions),
@@ -380,7 +382,7 @@ TEST(KdaBackwardEmulated, SegmentedForwardStatePass) {
   run_forward_case(300, 3, 2, 15);
   run_forward_case(200, 2, 3, 14);
   // Segment 0 longer than the others (kda_segments_weighted): 3 chunks, then 1, 1 (a transition).
-  run_forward_case(300, 3, 1, 16, 3);
+  run_forward_case(300, 3, 1, 16, 3, flare::detail::kHeadMajor);
 }
 
 TEST(KdaBackwardEmulated, Kda) {
