@@ -282,6 +282,30 @@ __device__ __forceinline__ void segment_offsets(float (*gam)[LD], float (&offset
   __syncthreads();
 }
 
+// The cumulations' first step, unrolled: this thread's raw gate values loaded first (so no
+// shared load waits on a store), then each segment's running sums of log2_gate(x) * factor over
+// rows below len, in registers; each segment's last row stored for segment_offsets.
+template <int K, int kThreads, int LD, int kMine, typename Raw, typename Log2Gate>
+__device__ __forceinline__ void segment_running_sums(float (&run)[kMine][8], float (*gam)[LD], int len, Raw raw,
+                                                     Log2Gate log2_gate, float factor) {
+  constexpr int kSegRows = 8, kStep = kThreads / K;
+  const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
+  auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
+#pragma unroll
+  for (int m = 0; m < kMine; ++m)
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
+#pragma unroll
+  for (int m = 0; m < kMine; ++m)
+#pragma unroll
+    for (int r = 0; r < kSegRows; ++r) {
+      const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
+      run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
+    }
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
+}
+
 // The cumulative activated gate (log2 units) of one chunk, in place over gam's 64 rows: row i
 // holds the sum over rows j <= i, j < len (rows from len on hold the total). raw(i, c) is the gate
 // as stored (it may read gam itself; callers choose the stored format outside, so raw has no
@@ -298,19 +322,7 @@ __device__ __forceinline__ void cumulate_gate_as(float (*gam)[LD], int len, Raw 
   const int c = threadIdx.x % K, seg0 = threadIdx.x / K;
   auto row_of = [&](int m, int r) { return (seg0 + m * kStep) * kSegRows + r; };
   float run[kMine][kSegRows];  // segment m's running sums
-#pragma unroll
-  for (int m = 0; m < kMine; ++m)
-#pragma unroll
-    for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
-#pragma unroll
-  for (int m = 0; m < kMine; ++m)
-#pragma unroll
-    for (int r = 0; r < kSegRows; ++r) {
-      const float x = row_of(m, r) < len ? log2_gate(run[m][r]) : 0.f;
-      run[m][r] = fmaf(x, factor, r > 0 ? run[m][r - 1] : 0.f);
-    }
-#pragma unroll
-  for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
+  segment_running_sums<K, kThreads>(run, gam, len, raw, log2_gate, factor);
   float offset[kMine];
   segment_offsets<K, kThreads>(gam, offset);
 #pragma unroll
@@ -362,19 +374,7 @@ __device__ __forceinline__ void cumulate_gate_compact(float (*gam)[LD], const Kd
         gam[i][c] = sum[m];
       }
   } else {
-#pragma unroll
-    for (int m = 0; m < kMine; ++m)
-#pragma unroll
-      for (int r = 0; r < kSegRows; ++r) run[m][r] = raw(row_of(m, r), c);
-#pragma unroll
-    for (int m = 0; m < kMine; ++m)
-#pragma unroll
-      for (int r = 0; r < kSegRows; ++r) {
-        const float x = row_of(m, r) < len ? run[m][r] : 0.f;
-        run[m][r] = fmaf(x, kRcpLn2, r > 0 ? run[m][r - 1] : 0.f);
-      }
-#pragma unroll
-    for (int m = 0; m < kMine; ++m) gam[row_of(m, kSegRows - 1)][c] = run[m][kSegRows - 1];
+    segment_running_sums<K, kThreads>(run, gam, len, raw, [](float g) { return g; }, kRcpLn2);
   }
   float offset[kMine];
   segment_offsets<K, kThreads>(gam, offset);
