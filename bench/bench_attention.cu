@@ -38,10 +38,13 @@ struct Buffers {
   int64_t n;
 };
 
+// A [batch, seqlen, heads, head_dim] bf16 tensor of case c (q, k, v, out and their gradients).
+TensorView token_view(const Case& c, void* p) {
+  return TensorView::contiguous(p, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+}
+
 AttentionForwardParams make_params(const Case& c, const Buffers& b, Backend backend, void* out) {
-  auto view = [&](void* p) {
-    return TensorView::contiguous(p, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-  };
+  auto view = [&](void* p) { return token_view(c, p); };
   AttentionForwardParams p;
   p.q = view(b.q);
   p.k = view(b.k);
@@ -142,10 +145,10 @@ int run(int argc, char** argv) {
     grads.v = p.v;
     grads.out = p.out;
     grads.lse = p.lse;
-    grads.dout = TensorView::contiguous(b.dout, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-    grads.dq = TensorView::contiguous(b.dq, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-    grads.dk = TensorView::contiguous(b.dk, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
-    grads.dv = TensorView::contiguous(b.dv, DType::kBFloat16, {c.batch(), c.seqlen, c.heads(), c.head_dim});
+    grads.dout = token_view(c, b.dout);
+    grads.dq = token_view(c, b.dq);
+    grads.dk = token_view(c, b.dk);
+    grads.dv = token_view(c, b.dv);
     grads.mask = p.mask;
     grads.stream = stream;
     for (Backend backend : {Backend::kPortable, Backend::kHopper}) {

@@ -129,10 +129,10 @@ detail::KdaFwdArgs input_args(const Params& p, const detail::KdaShape& s, int64_
   a.key_dim = s.key_dim, a.value_dim = s.value_dim;
   a.chunks_per_row = static_cast<int>(chunks_per_row_of(s));
   a.max_chunks = static_cast<int>(max_chunks);
-  if (const char* order = std::getenv("FLARE_KDA_PREP_ORDER"))  // tuning (kda_prep_order.h)
-    a.prep_order = std::atoi(order) == 1 ? detail::kHeadMajor
-                   : std::atoi(order) == 2 ? detail::kHeadMajorReversed
-                                           : detail::kChunkMajor;
+  if (const char* env = std::getenv("FLARE_KDA_PREP_ORDER")) {  // tuning (kda_prep_order.h)
+    const int order = std::atoi(env);
+    a.prep_order = order == detail::kHeadMajor || order == detail::kHeadMajorReversed ? order : detail::kChunkMajor;
+  }
   a.varlen = s.varlen, a.scalar_gate = s.scalar_gate;
   a.scale = s.scale;
   const KdaOptions& o = p.options;

@@ -18,14 +18,24 @@ namespace flare::kda {
 // The finishing kernels (kda_bwd_finish.cu): dq, dk summed over value heads; dA_log, ddt_bias.
 cudaError_t launch_bwd_finish(const KdaBwdArgs& b, bool bf16, cudaStream_t stream);
 
+// The two state passes' dynamic shared memory at slice width BV.
+template <typename T, int K, int BV>
+constexpr size_t record_pass_smem() {
+  return RecordConfig<K, BV>::kStages * sizeof(RecordStage<T, K, BV>);
+}
+template <typename T, int K, int BV>
+constexpr size_t bwd_state_pass_smem() {
+  return BwdStateConfig<K, BV>::kStages * sizeof(BwdStateStage<T, K, BV>);
+}
+
 template <typename T, int K, int V, int BV>
 cudaError_t launch_state_passes(const KdaBwdArgs& b, cudaStream_t stream) {
   const dim3 grid(V / BV, b.fwd.heads_v, b.fwd.num_seqs);
   cudaError_t e = launch(kda_state_record_kernel<T, K, V, BV>, grid, RecordConfig<K, BV>::kThreads,
-                         RecordConfig<K, BV>::kStages * sizeof(RecordStage<T, K, BV>), stream, b);
+                         record_pass_smem<T, K, BV>(), stream, b);
   if (e != cudaSuccess) return e;
   return launch(kda_bwd_state_pass_kernel<T, K, V, BV>, grid, BwdStateConfig<K, BV>::kThreads,
-                BwdStateConfig<K, BV>::kStages * sizeof(BwdStateStage<T, K, BV>), stream, b);
+                bwd_state_pass_smem<T, K, BV>(), stream, b);
 }
 
 template <typename T, int K, int V>
@@ -35,10 +45,8 @@ Status launch_backward(const KdaBwdArgs& b, cudaStream_t stream) {
   constexpr int kWideBV = V < 64 ? V : 64;
   FLARE_RETURN_IF_ERROR(require_shared_memory(sizeof(PrepSmem<T, K, V>), "chunk prep"));
   FLARE_RETURN_IF_ERROR(require_shared_memory(sizeof(GradSmem<T, K, V>), "chunk gradient"));
-  FLARE_RETURN_IF_ERROR(require_shared_memory(
-      RecordConfig<K, kWideBV>::kStages * sizeof(RecordStage<T, K, kWideBV>), "state record pass"));
-  FLARE_RETURN_IF_ERROR(require_shared_memory(
-      BwdStateConfig<K, kWideBV>::kStages * sizeof(BwdStateStage<T, K, kWideBV>), "backward state pass"));
+  FLARE_RETURN_IF_ERROR(require_shared_memory(record_pass_smem<T, K, kWideBV>(), "state record pass"));
+  FLARE_RETURN_IF_ERROR(require_shared_memory(bwd_state_pass_smem<T, K, kWideBV>(), "backward state pass"));
   if (!b.prep_done) FLARE_RETURN_IF_ERROR((launch_chunk_prep<T, K, V>(a, stream)));
   // The passes are sequential along T like the forward's: the same value-slice width, at most 64.
   FLARE_CUDA_RETURN((with_state_slice_width<V, 64>(

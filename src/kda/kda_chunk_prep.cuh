@@ -99,45 +99,31 @@ __device__ __forceinline__ KdaChunk chunk_at(const KdaFwdArgs& a, int c) {
 }
 
 // Where row `row` of one of the prep's row inputs of chunk ch, value head hv, starts (which: 0 the
-// gate as stored, 1 q, 2 k, 3 v), and its bytes; none past the chunk's end or for a scalar gate.
+// gate as stored, 1 q, 2 k, 3 v), its bytes, and the distance in bytes to the next row; none past
+// the chunk's end or for a scalar gate.
 struct PrepRowSource {
   const void* src;
   uint32_t bytes;
+  int64_t stride_bytes;
 };
 template <typename T, int K, int V>
 __device__ __forceinline__ PrepRowSource prep_row_source(const KdaFwdArgs& a, const KdaChunk& ch, int hv, int which,
                                                          int row) {
-  if (row >= ch.len || (which == 0 && a.scalar_gate)) return {nullptr, 0};
+  if (row >= ch.len || (which == 0 && a.scalar_gate)) return {nullptr, 0, 0};
   const int64_t t = ch.t0 + row;
   auto at = [&](const detail::RowStrides& st, int head) { return ch.batch * st.batch + t * st.token + head * st.head; };
   const int h = hv / (a.heads_v / a.heads);
   constexpr uint32_t kSize = sizeof(T);
   switch (which) {
     case 0:
-      return a.g_fp32 ? PrepRowSource{static_cast<const float*>(a.g) + at(a.g_st, hv), K * 4u}
-                      : PrepRowSource{static_cast<const T*>(a.g) + at(a.g_st, hv), K * kSize};
+      return a.g_fp32 ? PrepRowSource{static_cast<const float*>(a.g) + at(a.g_st, hv), K * 4u, a.g_st.token * 4}
+                      : PrepRowSource{static_cast<const T*>(a.g) + at(a.g_st, hv), K * kSize, a.g_st.token * kSize};
     case 1:
-      return {static_cast<const T*>(a.q) + at(a.q_st, h), K * kSize};
+      return {static_cast<const T*>(a.q) + at(a.q_st, h), K * kSize, a.q_st.token * kSize};
     case 2:
-      return {static_cast<const T*>(a.k) + at(a.k_st, h), K * kSize};
+      return {static_cast<const T*>(a.k) + at(a.k_st, h), K * kSize, a.k_st.token * kSize};
     default:
-      return {static_cast<const T*>(a.v) + at(a.v_st, hv), V * kSize};
-  }
-}
-
-// The distance in bytes between consecutive rows of one of the prep's row inputs (which as in
-// prep_row_source; the gate's rows, when the gate is per channel).
-template <typename T>
-__device__ __forceinline__ int64_t prep_row_stride_bytes(const KdaFwdArgs& a, int which) {
-  switch (which) {
-    case 0:
-      return a.g_st.token * (a.g_fp32 ? 4 : int64_t{sizeof(T)});
-    case 1:
-      return a.q_st.token * int64_t{sizeof(T)};
-    case 2:
-      return a.k_st.token * int64_t{sizeof(T)};
-    default:
-      return a.v_st.token * int64_t{sizeof(T)};
+      return {static_cast<const T*>(a.v) + at(a.v_st, hv), V * kSize, a.v_st.token * kSize};
   }
 }
 
@@ -389,7 +375,6 @@ __device__ __forceinline__ void cumulate_gate_compact(float (*gam)[LD], const Kd
   __syncthreads();
 }
 
-
 // acc[0..3] += sum over k in [k0, k1) of x[k] y[k][0..3]: x a row of fp32 in smem, y fp32 rows of
 // LDY floats; k0 and k1 multiples of 4, all 16-byte aligned.
 template <int LDY>
@@ -458,7 +443,7 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
     s.scalar_gate[tid] = tid < ch.len ? load_scalar<T>(a.g, a.g_fp32, g_base + tid * a.g_st.token) : 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // sm_90: a bulk copy per row, completing on mbarriers. Warp w copies rows [32 (w % 2), + 32) of
-  // input w / 2 (0 the gate, on bar[0]; 1-3 q, k, v, on bar[1]), all issued by its first lane from
+  // input w / 2 (0 the gate, on bar[0]; 1-3 q, k, v, on bar[1]), all issued by one elected lane from
   // warp-uniform operands (a copy per thread took some 16 instructions to make its own operands
   // uniform: an eighth of the chunk prep's instructions). Rows past the chunk's end are zeros
   // (the gate's are not read).
@@ -488,10 +473,9 @@ __global__ void __launch_bounds__(PrepConfig<K, V>::kThreads, 2) kda_chunk_prep_
         *reinterpret_cast<uint4*>(dst + (rows + e / vecs) * dst_ld + (e % vecs) * 16) = make_uint4(0, 0, 0, 0);
     }
     __syncwarp();  // the zeros before the arrival that publishes them
-    const int64_t src_ld = prep_row_stride_bytes<T>(a, which);
     if (sm90::elect_one_lane()) sm90::mbar_arrive_expect_tx(bar, rows * first.bytes);
     const char* src = static_cast<const char*>(first.src);
-    for (int r = 0; r < rows; ++r, src += src_ld, dst += dst_ld)
+    for (int r = 0; r < rows; ++r, src += first.stride_bytes, dst += dst_ld)
       if (sm90::elect_one_lane()) sm90::bulk_copy_g2s(dst, src, first.bytes, bar);
   }
 #else

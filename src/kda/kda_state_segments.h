@@ -48,8 +48,8 @@ inline KdaStateSegments kda_segments_of(int64_t chunks_per_row, int count) {
 // are in the inverse ratio. At least a chunk in segment 0 and one in each later segment (the count
 // may come out lower); 100 or below 1: kda_segments_of.
 inline KdaStateSegments kda_segments_weighted(int64_t chunks_per_row, int count, int first_weight_pct) {
-  if (count <= 1 || chunks_per_row <= 1 || count > chunks_per_row) return kda_segments_of(chunks_per_row, count);
-  if (first_weight_pct == 100 || first_weight_pct < 1) return kda_segments_of(chunks_per_row, count);
+  if (count <= 1 || count > chunks_per_row || first_weight_pct == 100 || first_weight_pct < 1)
+    return kda_segments_of(chunks_per_row, count);
   const int64_t weights = int64_t{count - 1} * 100 + first_weight_pct;
   const int64_t first =
       std::clamp<int64_t>((chunks_per_row * first_weight_pct + weights / 2) / weights, 1, chunks_per_row - (count - 1));
