@@ -129,9 +129,10 @@ detail::KdaFwdArgs input_args(const Params& p, const detail::KdaShape& s, int64_
   a.key_dim = s.key_dim, a.value_dim = s.value_dim;
   a.chunks_per_row = static_cast<int>(chunks_per_row_of(s));
   a.max_chunks = static_cast<int>(max_chunks);
-  if (const char* env = std::getenv("FLARE_KDA_PREP_ORDER")) {  // tuning (kda_prep_order.h)
+  a.prep_order = detail::kHeadMajorReversed;  // measured best (kda_prep_order.h)
+  if (const char* env = std::getenv("FLARE_KDA_PREP_ORDER")) {  // tuning
     const int order = std::atoi(env);
-    a.prep_order = order == detail::kHeadMajor || order == detail::kHeadMajorReversed ? order : detail::kChunkMajor;
+    if (order == detail::kChunkMajor || order == detail::kHeadMajor || order == detail::kHeadMajorReversed) a.prep_order = order;
   }
   a.varlen = s.varlen, a.scalar_gate = s.scalar_gate;
   a.scale = s.scale;
