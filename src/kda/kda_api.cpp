@@ -9,6 +9,7 @@
 #include "src/kda/kda_bwd_params.h"
 #include "src/kda/kda_fwd_params.h"
 #include "src/kda/kda_prep_order.h"
+#include "src/kda/kda_state_forms.h"
 #include "src/kda/kda_state_segments.h"
 
 namespace flare {
@@ -63,7 +64,8 @@ detail::KdaStateSegments state_segments_of(const detail::KdaShape& s) {
   const char* env = std::getenv("FLARE_KDA_STATE_SEGMENT");
   const int forced = env != nullptr ? std::atoi(env) : 0;
   const char* weight_env = std::getenv("FLARE_KDA_SEGMENT0_WEIGHT");
-  const int weight = weight_env != nullptr ? std::atoi(weight_env) : 100;
+  const int weight =
+      weight_env != nullptr ? std::atoi(weight_env) : kda::default_segment0_weight(s.key_dim, s.value_dim);
   return detail::kda_state_segments(wide_ctas, chunks_per_row, s.varlen, detail::current_device_facts().num_sms,
                                     forced, weight);
 }

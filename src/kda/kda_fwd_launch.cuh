@@ -14,7 +14,11 @@
 #include "src/common/programmatic_launch.h"
 #include "src/kda/kda_chunk_prep.cuh"
 #include "src/kda/kda_fwd_params.h"
+#include "src/kda/kda_state_forms.h"
 #include "src/kda/kda_state_pass.cuh"
+#ifdef FLARE_WITH_HOPPER
+#include "src/kda/kda_state_gmma.h"
+#endif
 
 namespace flare::kda {
 
@@ -74,17 +78,32 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, int threads, size_t sme
   return launch_with(false, kernel, grid, threads, smem, stream, args...);
 }
 
-// launch, as a programmatic dependent on sm_90+ (plainly below).
-template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
-                             const Args&... args) {
-  return launch_with(detail::current_device_facts().cc_major >= 9, kernel, grid, threads, smem, stream, args...);
+// The output pass over `grid` (first_segment: kda_state_pass_kernel's), on wgmma where it can.
+template <typename T, int K, int V, int BV>
+cudaError_t launch_output_pass(const KdaFwdArgs& a, dim3 grid, int first_segment, bool programmatic,
+                               cudaStream_t stream) {
+#ifdef FLARE_WITH_HOPPER
+  if constexpr (BV % 64 == 0)
+    if (use_state_gmma()) return launch_output_pass_gmma<T, K, V, BV>(a, grid, first_segment, programmatic, stream);
+#endif
+  return launch_with(programmatic, kda_state_pass_kernel<T, K, V, BV>, grid, StateConfig<K, BV>::kThreads,
+                     sizeof(StateSmem<T, K, BV>), stream, a, first_segment);
+}
+
+// The segmented pass's transitions, on wgmma where it can.
+template <typename T, int K, int V>
+cudaError_t launch_transition_pass(const KdaFwdArgs& a, cudaStream_t stream) {
+#ifdef FLARE_WITH_HOPPER
+  if constexpr (transition_has_gmma(K, V))
+    if (use_state_gmma()) return launch_transition_gmma<T, K, V>(a, stream);
+#endif
+  return launch(kda_state_transition_kernel<T, K, V>, dim3(1, a.heads_v, a.num_seqs * (a.state_segments - 2)),
+                TransitionConfig<K, V>::kThreads, sizeof(TransitionSmem<T, K, V>), stream, a);
 }
 
 template <typename T, int K, int V, int BV>
 cudaError_t launch_state_pass(const KdaFwdArgs& a, cudaStream_t stream) {
-  return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs),
-                StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a, 0);
+  return launch_output_pass<T, K, V, BV>(a, dim3(V / BV, a.heads_v, a.num_seqs), 0, false, stream);
 }
 
 // The chunk table (varlen) and every chunk's preparation: the first stages of the forward and of
@@ -138,18 +157,14 @@ cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream
   const int transitions = a.state_segments - 2;
   cudaError_t e = cudaSuccess;
   if (transitions > 0) {
-    e = launch(kda_state_transition_kernel<T, K, V>, dim3(1, a.heads_v, a.num_seqs * transitions),
-               TransitionConfig<K, V>::kThreads, sizeof(TransitionSmem<T, K, V>), stream, a);
+    e = launch_transition_pass<T, K, V>(a, stream);
     if (e != cudaSuccess) return e;
   }
   e = with_width<V>(bv, [&](auto w) {
     constexpr int BV = decltype(w)::value;
-    const dim3 grid(V / BV, a.heads_v, a.num_seqs);
-    constexpr int kThreads = StateConfig<K, BV>::kThreads;
-    constexpr size_t kSmem = sizeof(StateSmem<T, K, BV>);
     // Without transitions the kernel ahead is the chunk prep, whose results it reads at once.
-    return transitions > 0 ? launch_dependent(kda_state_pass_kernel<T, K, V, BV>, grid, kThreads, kSmem, stream, a, 0)
-                           : launch(kda_state_pass_kernel<T, K, V, BV>, grid, kThreads, kSmem, stream, a, 0);
+    const bool programmatic = transitions > 0 && detail::current_device_facts().cc_major >= 9;
+    return launch_output_pass<T, K, V, BV>(a, dim3(V / BV, a.heads_v, a.num_seqs), 0, programmatic, stream);
   });
   if (e != cudaSuccess) return e;
   if (transitions > 0) {
@@ -159,8 +174,8 @@ cudaError_t launch_segmented_state_pass(const KdaFwdArgs& a, cudaStream_t stream
   }
   return with_width<V>(bv, [&](auto w) {
     constexpr int BV = decltype(w)::value;
-    return launch(kda_state_pass_kernel<T, K, V, BV>, dim3(V / BV, a.heads_v, a.num_seqs * (a.state_segments - 1)),
-                  StateConfig<K, BV>::kThreads, sizeof(StateSmem<T, K, BV>), stream, a, 1);
+    return launch_output_pass<T, K, V, BV>(a, dim3(V / BV, a.heads_v, a.num_seqs * (a.state_segments - 1)), 1, false,
+                                           stream);
   });
 }
 

@@ -15,6 +15,12 @@
 // The segmented pass's transition kernel runs the same step without the output (no qg, P) on
 // K x (V + K) columns, all in one CTA of (V + K) / 16 warps: value columns from a zero state,
 // identity columns with u = 0; its warps share each chunk's w and kg.
+//
+// Two forms of the step (kGmma). The portable one: each warp's m16n8k16 MMAs read every B operand
+// (w, qg, P, kg) from shared memory with ldmatrix, 8 warps 8 times over. The sm_90a one
+// (kda_gmma.cuh; instantiated by kda_state_gmma_*.sm90.cu): each warpgroup of 4 warps issues
+// m64nNk16 wgmma with the same register fragments as A and B read from 128-byte-swizzled tiles once
+// per warpgroup: a quarter of the shared-memory reads, and the tensor cores' full rate.
 #pragma once
 
 #include <type_traits>
@@ -22,6 +28,9 @@
 #include "src/common/grid_dependency.h"
 #include "src/kda/kda_chunk_prep.cuh"
 #include "src/kda/kda_fwd_params.h"
+#ifndef FLARE_CUDA_EMU  // the CPU emulation (tests/cpu/cuda_emu) runs the portable form only
+#include "src/kda/kda_gmma.cuh"
+#endif
 #include "src/kda/kda_tiles.cuh"
 
 namespace flare::kda {
@@ -71,23 +80,49 @@ struct StateStageOut {
   float decay[K];
 };
 
-template <typename T, int K, int BV, int BU, StatePass kPass>
-using StateStage = std::conditional_t<kPass == StatePass::kOutput, StateStageOut<T, K, BV>, StateStageCore<T, K, BV, BU>>;
+// The wgmma step's stages: w, kg, qg, P as 128-byte-swizzled tiles (kda_gmma.cuh), unpadded and
+// 1024-byte aligned; u as above (its reads are per-warp transposes, not MMA operands).
+template <typename T, int K>
+struct alignas(1024) GmmaStageOut {
+  T w[kKdaChunk * K];
+  T kg[kKdaChunk * K];
+  T qg[kKdaChunk * K];
+  T P[kKdaChunk * kKdaChunk];
+  float decay[K];
+};
+template <typename T, int K, int BV, int BU>
+struct alignas(1024) GmmaStageCore {
+  using C = StateConfig<K, BV, BU>;
+  T w[kKdaChunk * K];
+  T kg[kKdaChunk * K];
+  T u[kKdaChunk][C::kLdU];
+  float decay[K];
+};
+
+template <typename T, int K, int BV, int BU, StatePass kPass, bool kGmma = false>
+using StateStage = std::conditional_t<
+    kPass == StatePass::kOutput, std::conditional_t<kGmma, GmmaStageOut<T, K>, StateStageOut<T, K, BV>>,
+    std::conditional_t<kGmma, GmmaStageCore<T, K, BV, BU>, StateStageCore<T, K, BV, BU>>>;
 
 // The output pass's shared memory (BU = BV): the stages and u's slots.
-template <typename T, int K, int BV, int BU = BV, StatePass kPass = StatePass::kOutput>
+template <typename T, int K, int BV, int BU = BV, StatePass kPass = StatePass::kOutput, bool kGmma = false>
 struct StateSmem {
   using C = StateConfig<K, BV>;
-  StateStageOut<T, K, BV> stage[C::kStages];
+  StateStage<T, K, BV, BV, StatePass::kOutput, kGmma> stage[C::kStages];
   T u[C::kUSlots][kKdaChunk][C::kLdU];  // this CTA's value columns; then each warp's output tile
 };
 
 // The transition pass's shared memory.
-template <typename T, int K, int BV, int BU>
-struct StateSmem<T, K, BV, BU, StatePass::kTransition> {
+template <typename T, int K, int BV, int BU, bool kGmma>
+struct StateSmem<T, K, BV, BU, StatePass::kTransition, kGmma> {
   using C = StateConfig<K, BV, BU>;
-  StateStageCore<T, K, BV, BU> stage[C::kTransitionStages];
+  StateStage<T, K, BV, BU, StatePass::kTransition, kGmma> stage[C::kTransitionStages];
 };
+
+// The dynamic shared memory a state pass requests: the wgmma form aligns its base to 1024 bytes
+// itself (kda_state_pass's smem_base), so it asks for that much more.
+template <typename T, int K, int BV, int BU, StatePass kPass, bool kGmma>
+inline constexpr size_t kStateSmemBytes = sizeof(StateSmem<T, K, BV, BU, kPass, kGmma>) + (kGmma ? 1024 : 0);
 
 // The transition pass's configuration and shared memory: one CTA of all K x (V + K) columns.
 template <int K, int V>
@@ -110,8 +145,8 @@ inline constexpr int kStateLoaders = kCtaThreads & (kCtaThreads - 1) ? 256 : kCt
 
 // cp.async of chunk `chunk`'s w, kg, decay and, for the output pass, qg and P into one stage; the
 // transition pass's stage also takes u (value columns [v0, v0 + BU)).
-template <typename T, int K, int V, int BV, int BU, StatePass kPass>
-__device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass>& st, const KdaFwdArgs& a, int chunk,
+template <typename T, int K, int V, int BV, int BU, StatePass kPass, bool kGmma>
+__device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass, kGmma>& st, const KdaFwdArgs& a, int chunk,
                                            int hv, int v0) {
   using C = StateConfig<K, BV, BU>;
   constexpr int kThreads = kStateLoaders<C::kThreads>;
@@ -122,14 +157,26 @@ __device__ __forceinline__ void load_chunk(StateStage<T, K, BV, BU, kPass>& st, 
   const float* decay = a.decay + slot * K;
   for (int idx = threadIdx.x; idx < K / 4; idx += C::kThreads) cp_async_16(&st.decay[idx * 4], decay + idx * 4, true);
   if (threadIdx.x >= kThreads) return;
-  load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
-  if constexpr (kPass == StatePass::kOutput) {
-    const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
-    const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
-    load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
-    load_rows<T, kKdaChunk, C::kLdP, kThreads, true, true>(st.P, P, kKdaChunk);  // P: its lower blocks
+  const T* qg = static_cast<const T*>(a.qg) + slot * kKdaChunk * K;
+  const T* P = static_cast<const T*>(a.P) + slot * kKdaChunk * kKdaChunk;
+#ifndef FLARE_CUDA_EMU
+  if constexpr (kGmma) {
+    gmma::load_rows_sw128<T, K, kThreads>(st.w, w, K);
+    if constexpr (kPass == StatePass::kOutput) {
+      gmma::load_rows_sw128<T, K, kThreads>(st.qg, qg, K);
+      gmma::load_rows_sw128<T, kKdaChunk, kThreads, true>(st.P, P, kKdaChunk);  // P: its lower blocks
+    }
+    gmma::load_rows_sw128<T, K, kThreads>(st.kg, kg, K);
+  } else
+#endif
+  {
+    load_rows<T, K, C::kLdK, kThreads, true>(st.w, w, K);
+    if constexpr (kPass == StatePass::kOutput) {
+      load_rows<T, K, C::kLdK, kThreads, true>(st.qg, qg, K);
+      load_rows<T, kKdaChunk, C::kLdP, kThreads, true, true>(st.P, P, kKdaChunk);  // P: its lower blocks
+    }
+    load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
   }
-  load_rows<T, K, C::kLdK, kThreads, true>(st.kg, kg, K);
   if constexpr (kPass == StatePass::kTransition) load_chunk_u<T, V, BU, kThreads>(st.u, a, chunk, hv, v0);
 }
 
@@ -157,16 +204,11 @@ __device__ __forceinline__ void identity_state_frag(float (&S)[K / 8][4], int j0
   }
 }
 
-// O^T's tile of one chunk: O^T += vnew^T P^T, then through this warp's columns [uc, uc + 16) of the
-// chunk's u slot (stmatrix: O^T's fragments land as O's rows; the warp alone read those columns,
-// as vnew's start), 32 bytes per token, into out's columns [vc, vc + 16).
-template <typename T, int K, int V, int BV>
-__device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdU], int uc,
-                                             const StateStageOut<T, K, BV>& st,
-                                             float (&o)[kKdaChunk / 8][4], const uint32_t (&aV)[kKdaChunk / 16][4],
-                                             const KdaFwdArgs& a, int chunk, int hv, int vc, int lane) {
+// O^T += vnew^T P^T with the warp's MMAs (P is lower triangular: token block i sees blocks j <= i).
+template <typename T, int K, int BV>
+__device__ __forceinline__ void add_pv_product(float (&o)[kKdaChunk / 8][4], const uint32_t (&aV)[kKdaChunk / 16][4],
+                                               const StateStageOut<T, K, BV>& st) {
   using C = StateConfig<K, BV>;
-  // O^T += vnew^T P^T   (P is lower triangular: token block i sees blocks j <= i)
 #pragma unroll
   for (int jj = 0; jj < kKdaChunk / 16; ++jj)
 #pragma unroll
@@ -175,7 +217,14 @@ __device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdU], 
       load_b_rows(b, &st.P[0][0], C::kLdP, np * 16, jj * 16);
       mma_pair<T>(o[2 * np], o[2 * np + 1], aV[jj], b);
     }
+}
 
+// O^T's tile of one chunk through this warp's columns [uc, uc + 16) of the chunk's u slot (stmatrix:
+// O^T's fragments land as O's rows; the warp alone read those columns, as vnew's start), 32 bytes
+// per token, into out's columns [vc, vc + 16).
+template <typename T, int K, int BV>
+__device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdU], int uc, const float (&o)[kKdaChunk / 8][4],
+                                             const KdaFwdArgs& a, int chunk, int hv, int vc, int lane) {
   const KdaChunk ch = chunk_at(a, chunk);
   __syncwarp();  // every lane's reads of u are done
 #pragma unroll
@@ -198,18 +247,80 @@ __device__ __forceinline__ void write_output(T (*ot)[StateConfig<K, BV>::kLdU], 
   }
 }
 
+#ifndef FLARE_CUDA_EMU
+// One chunk step on wgmma (sm_90a), for the warp's rows of its warpgroup's 64 state columns:
+//   vnew^T = u^T - S^T w^T,  O^T = S^T qg^T      (vnew holds u^T, o zeros on entry)
+//   O^T += vnew^T P^T;  then `output(o)` while   S^T = S^T Diag(decay) + vnew^T kg   runs.
+// S^T's bf16 A fragments go in batches of kBatch k-steps (all of them for the output pass; 4 for the
+// transition pass, whose up to 384 threads have 170 registers each), each batch waited for before
+// its registers are reused.
+template <typename T, int K, int BV, bool kOut, typename Stage, typename Output>
+__device__ __forceinline__ void gmma_chunk_step(float (&S)[K / 8][4], float (&vnew)[kKdaChunk / 8][4],
+                                                float (&o)[kKdaChunk / 8][4], const Stage& st, int t, Output&& output) {
+  using gmma::Major;
+  constexpr int kKSteps = K / 16, kBatch = kOut ? kKSteps : (kKSteps < 4 ? kKSteps : 4);
+  gmma::fence(S), gmma::fence(vnew);
+  if constexpr (kOut) gmma::fence(o);
+#pragma unroll
+  for (int b0 = 0; b0 < kKSteps; b0 += kBatch) {
+    uint32_t s_a[kBatch][4];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) to_a<T>(s_a[i], S, b0 + i);
+    gmma::fence(s_a);
+    gmma::wg_arrive();
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      gmma::mma_rs<T, Major::K, gmma::ScaleIn::Neg>(vnew, s_a[i], gmma::desc_k(st.w, b0 + i));
+      if constexpr (kOut) gmma::mma_rs<T, Major::K>(o, s_a[i], gmma::desc_k(st.qg, b0 + i));
+    }
+    gmma::wg_commit();
+    gmma::wg_wait<0>();
+    gmma::fence(s_a), gmma::fence(vnew);
+    if constexpr (kOut) gmma::fence(o);
+  }
+  uint32_t aV[kKdaChunk / 16][4];
+#pragma unroll
+  for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
+  gmma::fence(aV);
+  if constexpr (kOut) {
+    gmma::wg_arrive();
+#pragma unroll
+    for (int jj = 0; jj < kKdaChunk / 16; ++jj) gmma::mma_rs<T, Major::K>(o, aV[jj], gmma::desc_k(st.P, jj));
+    gmma::wg_commit();
+  }
+  decay_state_frag<K>(S, st.decay, t);
+  gmma::fence(S);
+  gmma::wg_arrive();
+#pragma unroll
+  for (int jj = 0; jj < kKdaChunk / 16; ++jj) gmma::mma_rs<T, Major::MN>(S, aV[jj], gmma::desc_mn(st.kg, jj));
+  gmma::wg_commit();
+  if constexpr (kOut) {
+    gmma::wg_wait<1>();
+    gmma::fence(o);
+    output(o);
+  }
+  gmma::wg_wait<0>();
+  gmma::fence(S), gmma::fence(aV);
+}
+#endif
+
 // One CTA's pass over its chunks. The grids (kda_state_segments.h):
 //   unsegmented (state_segments 1): the output pass over every chunk, first_segment 0;
 //   segmented, output pass: segment 0 alone (first_segment 0: from the initial state, ending in
 //     segment 1's start), or segments 1 .. count-1 (first_segment 1: from the combine's starts,
 //     the last ending in the final state);
 //   segmented, transition pass: segments 1 .. count-2 (S0 | X each), all V + K columns in one CTA.
-template <typename T, int K, int V, int BV, int BU, StatePass kPass>
+template <typename T, int K, int V, int BV, int BU, StatePass kPass, bool kGmma>
 __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segment) {
   using C = StateConfig<K, BV, BU>;
   constexpr bool kOut = kPass == StatePass::kOutput;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<StateSmem<T, K, BV, BU, kPass>*>(smem_raw);
+  // The wgmma form's swizzled tiles need 1024-byte alignment (kStateSmemBytes leaves the room).
+  unsigned char* smem_base = smem_raw;
+#ifndef FLARE_CUDA_EMU
+  if constexpr (kGmma) smem_base += (1024 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % 1024) % 1024;
+#endif
+  auto& sm = *reinterpret_cast<StateSmem<T, K, BV, BU, kPass, kGmma>*>(smem_base);
 
   const int count = a.state_segments;
   const int in_grid = !kOut ? count - 2 : (count == 1 || first_segment == 0) ? 1 : count - 1;
@@ -252,7 +363,7 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
   constexpr int kInFlight = kOut ? 3 : kStages - 1;
   static_assert(!kOut || (C::kStages == 3 && C::kUSlots == 2), "the output pass's group order assumes 3 stages, 2 slots");
   auto load_main = [&](int j) {
-    if (begin + j < end) load_chunk<T, K, V, BV, BU, kPass>(sm.stage[j % kStages], a, begin + j, hv, v0);
+    if (begin + j < end) load_chunk<T, K, V, BV, BU, kPass, kGmma>(sm.stage[j % kStages], a, begin + j, hv, v0);
     cp_async_commit();
   };
   auto load_u = [&](int j) {
@@ -274,43 +385,55 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
 
   for (int chunk = begin; chunk < end; ++chunk) {
     const int j = chunk - begin;
-    const StateStage<T, K, BV, BU, kPass>& st = sm.stage[j % kStages];
+    const StateStage<T, K, BV, BU, kPass, kGmma>& st = sm.stage[j % kStages];
     cp_async_wait<kInFlight>();
     __syncthreads();
 
-    // vnew^T = u^T - S^T w^T  and  O^T = S^T qg^T, k-step by k-step: S^T (the state at the chunk
-    // start) becomes an A operand one k-step at a time, which keeps registers free for the
-    // loads in flight.
     float vnew[kKdaChunk / 8][4], o[kKdaChunk / 8][4];
     if (value_warp) load_frag_t<kKdaChunk>(vnew, u_of(j), vw, g, t);
     else zero(vnew);
     zero(o);
+#ifndef FLARE_CUDA_EMU
+    if constexpr (kGmma) {
+      gmma_chunk_step<T, K, BV, kOut>(S, vnew, o, st, t, [&](const float(&ot)[kKdaChunk / 8][4]) {
+        if constexpr (kOut) write_output<T, K, BV>(u_of(j), vw, ot, a, chunk, hv, v0 + vw, lane);
+      });
+    } else
+#endif
+    {
+      // vnew^T = u^T - S^T w^T  and  O^T = S^T qg^T, k-step by k-step: S^T (the state at the chunk
+      // start) becomes an A operand one k-step at a time, which keeps registers free for the
+      // loads in flight.
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      uint32_t s_a[4];
-      to_a<T>(s_a, S, kk);
-      const uint32_t neg_s[4] = {neg2(s_a[0]), neg2(s_a[1]), neg2(s_a[2]), neg2(s_a[3])};
+      for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t s_a[4];
+        to_a<T>(s_a, S, kk);
+        const uint32_t neg_s[4] = {neg2(s_a[0]), neg2(s_a[1]), neg2(s_a[2]), neg2(s_a[3])};
 #pragma unroll
-      for (int np = 0; np < kKdaChunk / 16; ++np) {
-        uint32_t bw[4];
-        load_b_rows(bw, &st.w[0][0], C::kLdK, np * 16, kk * 16);
-        mma_pair<T>(vnew[2 * np], vnew[2 * np + 1], neg_s, bw);
-        if constexpr (kOut) {
-          uint32_t bq[4];
-          load_b_rows(bq, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
-          mma_pair<T>(o[2 * np], o[2 * np + 1], s_a, bq);
+        for (int np = 0; np < kKdaChunk / 16; ++np) {
+          uint32_t bw[4];
+          load_b_rows(bw, &st.w[0][0], C::kLdK, np * 16, kk * 16);
+          mma_pair<T>(vnew[2 * np], vnew[2 * np + 1], neg_s, bw);
+          if constexpr (kOut) {
+            uint32_t bq[4];
+            load_b_rows(bq, &st.qg[0][0], C::kLdK, np * 16, kk * 16);
+            mma_pair<T>(o[2 * np], o[2 * np + 1], s_a, bq);
+          }
         }
       }
-    }
-    uint32_t aV[kKdaChunk / 16][4];
+      uint32_t aV[kKdaChunk / 16][4];
 #pragma unroll
-    for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
+      for (int jj = 0; jj < kKdaChunk / 16; ++jj) to_a<T>(aV[jj], vnew, jj);
 
-    if constexpr (kOut) write_output<T, K, V, BV>(u_of(j), vw, st, o, aV, a, chunk, hv, v0 + vw, lane);
+      if constexpr (kOut) {
+        add_pv_product<T, K, BV>(o, aV, st);
+        write_output<T, K, BV>(u_of(j), vw, o, a, chunk, hv, v0 + vw, lane);
+      }
 
-    // S^T <- S^T Diag(decay) + vnew^T kg
-    decay_state_frag<K>(S, st.decay, t);
-    add_chunk_product<T, K>(S, aV, &st.kg[0][0], C::kLdK);
+      // S^T <- S^T Diag(decay) + vnew^T kg
+      decay_state_frag<K>(S, st.decay, t);
+      add_chunk_product<T, K>(S, aV, &st.kg[0][0], C::kLdK);
+    }
 
     __syncthreads();  // every warp is done with this stage and u slot (and its output tile)
     if constexpr (kOut) {
@@ -335,16 +458,18 @@ __device__ __forceinline__ void state_pass(const KdaFwdArgs& a, int first_segmen
 }
 
 // The output pass: grid (V / BV, HV, N x segments in the grid); first_segment as in state_pass.
-template <typename T, int K, int V, int BV>
+// kGmma: the wgmma step (sm_90a only; BV a multiple of 64, a warpgroup's rows).
+template <typename T, int K, int V, int BV, bool kGmma = false>
 __global__ void __launch_bounds__(StateConfig<K, BV>::kThreads, 1)
     kda_state_pass_kernel(const KdaFwdArgs a, int first_segment) {
-  state_pass<T, K, V, BV, BV, StatePass::kOutput>(a, first_segment);
+  static_assert(!kGmma || BV % 64 == 0, "wgmma: whole warpgroups");
+  state_pass<T, K, V, BV, BV, StatePass::kOutput, kGmma>(a, first_segment);
 }
 
 // The segmented pass's transitions: grid (1, HV, N x (segments - 2)), (V + K) / 16 warps.
-template <typename T, int K, int V>
+template <typename T, int K, int V, bool kGmma = false>
 __global__ void __launch_bounds__(TransitionConfig<K, V>::kThreads) kda_state_transition_kernel(const KdaFwdArgs a) {
-  state_pass<T, K, V, V + K, V, StatePass::kTransition>(a, 1);
+  state_pass<T, K, V, V + K, V, StatePass::kTransition, kGmma>(a, 1);
 }
 
 inline constexpr int kSegmentCombineCols = 16;

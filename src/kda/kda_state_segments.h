@@ -64,8 +64,9 @@ inline KdaStateSegments kda_segments_weighted(int64_t chunks_per_row, int count,
 // below 3 segments the phases would walk the whole sequence one after the other, so no segments.
 // Varlen batches are not segmented (their sequences differ in length).
 // forced_chunks > 0 (FLARE_KDA_STATE_SEGMENT, tests and tuning) sets the segment length instead.
-// first_weight_pct (FLARE_KDA_SEGMENT0_WEIGHT, tuning): segment 0's length against the others'
-// (kda_segments_weighted); 100, equal lengths, until measured otherwise.
+// first_weight_pct: segment 0's length against the others' (kda_segments_weighted): the planner
+// passes kda::default_segment0_weight (kda_state_forms.h: 150 where the transitions are slower
+// than the output steps beside them, else 100) or FLARE_KDA_SEGMENT0_WEIGHT (tuning).
 inline KdaStateSegments kda_state_segments(int64_t wide_ctas, int64_t chunks_per_row, bool varlen, int num_sms,
                                               int forced_chunks = 0, int first_weight_pct = 100) {
   if (varlen || chunks_per_row <= 1 || wide_ctas <= 0) return {};

@@ -265,6 +265,31 @@ TEST(KdaForward, SegmentedStatePass) {
   unsetenv("FLARE_KDA_SEGMENT0_WEIGHT");
 }
 
+// Both forms of the state passes at the wide slices, where an sm_90 device takes the wgmma one (64-
+// and 128-column slices; the transitions but at K = V = 128) and FLARE_KDA_STATE_GMMA=0 the
+// portable (mma.sync) one: each head-dim pair at both widths, and the segmented pass.
+TEST(KdaForward, StatePassForms) {
+  FLARE_REQUIRE_GPU();
+  for (const char* gmma : {"1", "0"}) {
+    ASSERT_EQ(setenv("FLARE_KDA_STATE_GMMA", gmma, 1), 0);
+    const std::string form = gmma[0] == '1' ? "wgmma" : "portable";
+    for (int64_t K : {64, 128})
+      for (int64_t V : {64, 128})
+        with_each_state_slice_width({64, 128}, [&](int bv) {
+          if (bv > V) return;
+          Case c;
+          c.name = form + " K" + std::to_string(K) + " V" + std::to_string(V) + " BV " + std::to_string(bv);
+          c.K = K, c.V = V, c.T = 200, c.HV = 4, c.H = 2, c.initial_state = true;
+          run_case(c, 100 + K + V + bv);
+          ASSERT_EQ(setenv("FLARE_KDA_STATE_SEGMENT", "2", 1), 0);
+          c.name += ", segments of 2";
+          run_case(c, 101 + K + V + bv);
+          unsetenv("FLARE_KDA_STATE_SEGMENT");
+        });
+  }
+  unsetenv("FLARE_KDA_STATE_GMMA");
+}
+
 TEST(KdaForward, GroupedValueHeads) {
   FLARE_REQUIRE_GPU();
   Case c;

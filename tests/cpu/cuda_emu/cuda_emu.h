@@ -25,6 +25,7 @@
 #include <vector>
 
 #define __launch_bounds__(...)
+#define FLARE_CUDA_EMU 1  // kernel headers leave out what only the GPU compiles (wgmma)
 using std::max;
 using std::min;
 
