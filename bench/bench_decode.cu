@@ -3,8 +3,8 @@
 // caches (pages of 16 and 64, scattered by a random page table).
 //
 // Benchmark (default): for each shape, the plan decode_plan() gives with the tuning table (or the
-// heuristic when no table is found), run by --engine (default key_groups, the kernel under
-// development: in-kernel combine; head_warps (the library's default) and portable run with the
+// heuristic when no table is found), run by --engine (default: the library's, DecodePlan{}.engine,
+// head_warps; key_groups runs with its in-kernel combine, head_warps and portable with the
 // combine kernel),
 // timed under CUDA-graph replay and as plain launches: median, p10-p90 spread and standard
 // deviation after warm-up, L2 flushed before every sample; KV bytes per second against the
@@ -317,7 +317,7 @@ const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTa
 
 struct BenchOptions {
   std::string table_path, baseline_table_path;
-  DecodeEngine engine = DecodeEngine::kKeyGroups;
+  DecodeEngine engine = DecodePlan{}.engine;
   bool compare = false;
 };
 
@@ -480,7 +480,7 @@ bool take_flag(int* argc, char** argv, std::string_view name) {
 }
 
 DecodeEngine parse_engine(const std::string& name) {
-  if (name.empty()) return DecodeEngine::kKeyGroups;
+  if (name.empty()) return DecodePlan{}.engine;  // the library's default
   for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
     if (name == decode_engine_name(e)) return e;
   std::fprintf(stderr, "--engine: expected key_groups, head_warps or portable, got '%s'\n", name.c_str());

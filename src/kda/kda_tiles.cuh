@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "src/attention/portable/warp_mma.h"
+#include "src/common/quad_transpose.h"
 
 namespace flare::kda {
 
@@ -109,29 +110,14 @@ __device__ __forceinline__ void zero(float (&acc)[N8][4]) {
 }
 
 // A warp's 16 x 16 accumulator tile (acc[nt]: rows g and g + 8, columns 8 nt + 2 t, + 1) rounded
-// to T and stored into the row-major tile at `dst` (row stride ld elements, 16-byte aligned rows).
-// The four lanes of a quad transpose their packed words (two xor shuffles of 2 x 2 blocks, then
-// two of the off-diagonal blocks), so that lane t writes one 16-byte piece: row g + 8 (t / 2),
-// columns 8 (t % 2) .. + 7. One store of 16 bytes a lane instead of four of 4 (which filled half
-// of each 32-byte sector they touched).
+// to T and stored into the row-major tile at `dst` (row stride ld elements, 16-byte aligned rows):
+// lane t writes one 16-byte piece, row g + 8 (t / 2), columns 8 (t % 2) .. + 7 (quad_transpose16).
 template <typename T>
 __device__ __forceinline__ void store_tile16(T* dst, int ld, const float (&acc)[2][4], int g, int t) {
   uint32_t w[4];  // word q: rows g + 8 (q / 2), columns 8 (q % 2) + 2 t
 #pragma unroll
   for (int q = 0; q < 4; ++q) w[q] = pack2<T>(acc[q % 2][2 * (q / 2)], acc[q % 2][2 * (q / 2) + 1]);
-  const bool odd = t & 1, high = t & 2;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {  // 2 x 2 blocks: lane t takes the partner's word of the other parity
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * k] : w[2 * k + 1], 1);
-    if (odd) w[2 * k] = got; else w[2 * k + 1] = got;
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {  // the off-diagonal blocks
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[j] : w[2 + j], 2);
-    if (high) w[j] = got; else w[2 + j] = got;
-  }
-  // Lane t now holds word t of every lane of its quad, in lane order: columns 0..7 of its piece.
-  *reinterpret_cast<uint4*>(dst + (g + 8 * (t / 2)) * ld + 8 * (t % 2)) = make_uint4(w[0], w[1], w[2], w[3]);
+  *reinterpret_cast<uint4*>(dst + (g + 8 * (t / 2)) * ld + 8 * (t % 2)) = quad_transpose16(w, t);
 }
 
 // The transposed fragment x^T [16 columns x R rows] of rows [0, R) and columns [c0, c0 + 16) of a

@@ -36,6 +36,7 @@
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/common/quad_transpose.h"
 
 namespace flare::hopper {
 
@@ -422,22 +423,44 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     }
   }
 
-  // Epilogue: O / sum and the LSE, straight from the accumulator layout (element i = 4 j + 2 r + c
-  // at row quad_row + 8 r, column 8 j + quad_col + c).
+  // Epilogue: O / sum and the LSE from the accumulator layout (element i = 4 j + 2 r + c at row
+  // quad_row + 8 r, column 8 j + quad_col + c). Where the tile's rows are 16-byte aligned, each
+  // 16 x 16 block of a warp goes through the quad transpose (quad_transpose16): one 16-byte store
+  // a lane, whole 32-byte sectors, instead of four 4-byte stores filling half of each (the store
+  // phase took about 1.6 us of a 15 us CTA at d128 s1024: bench/RESULTS.md, session 17).
   const RowScale inv = softmax.finish();
   const bool varlen = p.cu_seqlens_q != nullptr;
   T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, varlen ? 0 : t.b, t.seq.q_start, t.h);
   float* lse = p.lse ? p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start : nullptr;
+  const bool rows16 = reinterpret_cast<uintptr_t>(out) % 16 == 0 && (p.out_str.row * sizeof(T)) % 16 == 0;
+  if (rows16) {
+    const int t4 = lane % 4, my_row = wg_row0 + quad_row + 8 * (t4 / 2), my_col = 8 * (t4 % 2);
+    T* out_row = out + static_cast<int64_t>(my_row) * p.out_str.row + my_col;
+    const bool row_ok = my_row < t.seq.seqlen_q;
+    CUTE_UNROLL
+    for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks: j = 2 b + q % 2, r = q / 2
+      uint32_t w[4];
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) {
+        const int i = 4 * (2 * b + q % 2) + 2 * (q / 2);
+        w[q] = portable::ElemTraits<T>::pack(o_acc(i) * inv.v[q / 2], o_acc(i + 1) * inv.v[q / 2]);
+      }
+      const uint4 v = quad_transpose16(w, t4);
+      if (row_ok && 16 * b + my_col < p.head_dim) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
+    }
+  }
   CUTE_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int row = wg_row0 + quad_row + 8 * r;
     if (row >= t.seq.seqlen_q) continue;
-    T* out_row = out + row * p.out_str.row;
-    CUTE_UNROLL
-    for (int j = 0; j < size(o_acc) / 4; ++j) {
-      const int col = 8 * j + quad_col;
-      if (col < p.head_dim)
-        *reinterpret_cast<uint32_t*>(out_row + col) = portable::ElemTraits<T>::pack(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
+    if (!rows16) {
+      T* out_row = out + row * p.out_str.row;
+      CUTE_UNROLL
+      for (int j = 0; j < size(o_acc) / 4; ++j) {
+        const int col = 8 * j + quad_col;
+        if (col < p.head_dim)
+          *reinterpret_cast<uint32_t*>(out_row + col) = portable::ElemTraits<T>::pack(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
+      }
     }
     if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
   }
