@@ -21,6 +21,7 @@
 #include "src/attention/portable/tile_copy.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/common/cuda_check.h"
+#include "src/common/quad_transpose.h"
 #include "src/common/turn_semaphore.h"
 
 namespace flare::portable {
@@ -299,8 +300,9 @@ __device__ __forceinline__ void bwd_add_dq(const BwdKernelParams& P, const detai
 }
 
 // dK (scaled) and dV of keys [col0, col0 + keys): written directly without GQA, else added into
-// fp32 accumulators.
-template <typename Cfg, typename T>
+// fp32 accumulators. kRows16: 16-byte stores through the quad transpose where the rows allow
+// (off for the block-sparse deterministic kernel, whose spills it tripled: 44 -> 148 bytes at d128).
+template <typename Cfg, typename T, bool kRows16 = true>
 __device__ __forceinline__ void bwd_store_dkv(const BwdKernelParams& P, const detail::SeqInfo& seq, int b, int hk,
                                               int col0, int keys, int kv_row, int dkv_col, int lane,
                                               const float (&dk)[Cfg::kDkvCols / 8][4],
@@ -308,6 +310,31 @@ __device__ __forceinline__ void bwd_store_dkv(const BwdKernelParams& P, const de
   const detail::FwdKernelParams& p = P.fwd;
   const bool gqa = p.group > 1;
   const int g = lane / 4, t = lane % 4;
+  if constexpr (kRows16 && Cfg::kDkvCols % 16 == 0) {
+    // Without GQA, where the rows are 16-byte aligned: each 16 x 16 block through the quad
+    // transpose, one 16-byte store a lane (row kv_row + g + 8 (t / 2), columns 8 (t % 2) ..).
+    T* dk0 = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0, hk);
+    T* dv0 = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, b, seq.k_start + col0, hk);
+    if (!gqa && (reinterpret_cast<uintptr_t>(dk0) | reinterpret_cast<uintptr_t>(dv0)) % 16 == 0 &&
+        (P.dk_str.row * sizeof(T)) % 16 == 0 && (P.dv_str.row * sizeof(T)) % 16 == 0) {
+      const int key = kv_row + g + 8 * (t / 2);
+      auto store = [&](T* dst, const float(&x)[Cfg::kDkvCols / 8][4], float scale) {  // dK, then dV
+#pragma unroll
+        for (int blk = 0; blk < Cfg::kDkvCols / 16; ++blk) {
+          uint32_t w[4];  // word q: row g + 8 (q / 2), columns 8 (q % 2) + 2 t of the block
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            w[q] = ElemTraits<T>::pack(x[2 * blk + q % 2][2 * (q / 2)] * scale, x[2 * blk + q % 2][2 * (q / 2) + 1] * scale);
+          const uint4 v = quad_transpose16(w, t);
+          const int col = dkv_col + 16 * blk + 8 * (t % 2);
+          if (key < keys && col < p.head_dim) *reinterpret_cast<uint4*>(dst + col) = v;
+        }
+      };
+      store(dk0 + static_cast<int64_t>(key) * P.dk_str.row, dk, p.scale);
+      store(dv0 + static_cast<int64_t>(key) * P.dv_str.row, dv, 1.f);
+      return;
+    }
+  }
 #pragma unroll
   for (int c = 0; c < Cfg::kDkvCols / 8; ++c)
 #pragma unroll
@@ -480,6 +507,23 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
   const int len = q_side ? seq.seqlen_q : seq.seqlen_k;
   const int64_t start = q_side ? seq.q_start : seq.k_start;
   const int max_len = q_side ? p.seqlen_q : p.seqlen_k;
+  // 8 elements a thread (two float4 loads, one 16-byte store) where the output's rows allow it:
+  // one element a thread left a d128 row's 128 threads a 2-byte store each and a CTA per row.
+  T* out0 = static_cast<T*>(out) + detail::row_offset(str, b, start, h);
+  if (p.head_dim % 8 == 0 && reinterpret_cast<uintptr_t>(out0) % 16 == 0 && (str.row * sizeof(T)) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(acc) % 16 == 0) {
+    const int vecs = p.head_dim / 8;
+    for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < int64_t{len} * vecs;
+         e += int64_t{gridDim.x} * blockDim.x) {
+      const int i = static_cast<int>(e / vecs), c = static_cast<int>(e % vecs) * 8;
+      const float* src = acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim + c;
+      const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+      *reinterpret_cast<uint4*>(out0 + int64_t{i} * str.row + c) =
+          make_uint4(ElemTraits<T>::pack(lo.x, lo.y), ElemTraits<T>::pack(lo.z, lo.w), ElemTraits<T>::pack(hi.x, hi.y),
+                     ElemTraits<T>::pack(hi.z, hi.w));
+    }
+    return;
+  }
   for (int i = blockIdx.x; i < len; i += gridDim.x) {
     const float* src = acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim;
     T* dst = static_cast<T*>(out) + detail::row_offset(str, b, start + i, h);
@@ -487,14 +531,17 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
   }
 }
 
+// bwd_convert_kernel's CTAs per (head, sequence) for `rows` rows: 8 rows each (the vector path's
+// 128 threads cover 8 rows of d128), at most 512 (the CTAs then loop).
+inline int bwd_convert_ctas(int rows) { return rows > 0 ? std::min((rows + 7) / 8, 512) : 1; }
+
 // GQA: dK and dV from their fp32 accumulators (summed over the q heads of a kv head) to the
 // output dtype; without GQA the kernels wrote them directly. Shared by every backward kernel.
 template <typename T>
 void launch_bwd_dkv_convert(const BwdKernelParams& P, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
   if (p.group <= 1) return;
-  const int rows_k = p.seqlen_k > 0 ? std::min(p.seqlen_k, 4096) : 1;
-  dim3 grid(rows_k, p.heads_kv, p.batch);
+  dim3 grid(bwd_convert_ctas(p.seqlen_k), p.heads_kv, p.batch);
   bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dk_accum, P.dk, P.dk_str, p, p.heads_kv, false);
   bwd_convert_kernel<T><<<grid, 128, 0, stream>>>(P.dv_accum, P.dv, P.dv_str, p, p.heads_kv, false);
 }
@@ -513,8 +560,8 @@ template <typename T>
 Status launch_bwd_finish(const BwdKernelParams& P, Stream stream) {
   const detail::FwdKernelParams& p = P.fwd;
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(launch_bwd_dsinks(P, stream));
-  const int rows_q = p.seqlen_q > 0 ? std::min(p.seqlen_q, 4096) : 1;
-  bwd_convert_kernel<T><<<dim3(rows_q, p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq, P.dq_str, p, p.heads, true);
+  bwd_convert_kernel<T><<<dim3(bwd_convert_ctas(p.seqlen_q), p.heads, p.batch), 128, 0, stream>>>(P.dq_accum, P.dq,
+                                                                                                    P.dq_str, p, p.heads, true);
   launch_bwd_dkv_convert<T>(P, stream);
   return Status::Ok();
 }

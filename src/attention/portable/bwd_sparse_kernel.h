@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 
   if (dkv_sem) wait_turn(dkv_sem, plan.dkv_turn(tile));
-  bwd_store_dkv<Cfg, T>(P, seq, b, hk, col0, keys, kv_row, dkv_col, lane, dk, dv);
+  bwd_store_dkv<Cfg, T, false>(P, seq, b, hk, col0, keys, kv_row, dkv_col, lane, dk, dv);
   if (dkv_sem) pass_turn(dkv_sem);
 }
 
