@@ -48,6 +48,7 @@ struct HopperFwdParams {
   typename L::TmaKV tma_k, tma_v;
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
+  int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
 #if FLARE_HOPPER_FWD_TIMELINE
   unsigned long long* timeline = nullptr;  // fwd_timeline.h
 #endif
@@ -94,10 +95,12 @@ struct PipePos {
   RingPos q, k, v;
 };
 
-// The persistent grid's next tile (fwd_launch_impl.h zeroes it before each launch): one per
-// translation unit, so launches of one head dim and dtype must not run concurrently on two
-// streams (the persistent grid is an experiment, not the library's default).
-static __device__ int hopper_fwd_next_tile;
+// The persistent grid's tile counters: each launch takes the next slot of the ring (host side,
+// fwd_launch_impl.h) and zeroes it on its stream before the kernel, so launches on different
+// streams count in different words (one per translation unit: 1024 launches of one head dim and
+// dtype would have to be in flight at once to meet again).
+inline constexpr int kHopperFwdCounterSlots = 1024;
+static __device__ int hopper_fwd_tile_counters[kHopperFwdCounterSlots];
 
 // The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, the key tiles of `kv`.
 template <typename Walk>
@@ -468,7 +471,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 }
 
 // kPersistent: one CTA per SM; its producer thread takes the next tile of the L2-grouped order
-// from a counter (hopper_fwd_next_tile: dynamic, so uneven tiles balance), writes it beside the
+// from a counter (hp.next_tile: dynamic, so uneven tiles balance), writes it beside the
 // tile's Q stage and loads Q and K/V while the consumers finish the current tile (two Q stages
 // where they fit); the consumers learn the tile from the stage once its Q has landed (the
 // barrier's arrival publishes the producer's write), and stop at the -1 of an empty one.
@@ -522,9 +525,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     if constexpr (kPersistent) {
       for (;;) {
         cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
-        int i = atomicAdd(&hopper_fwd_next_tile, 1);
+        int i = atomicAdd(hp.next_tile, 1);
         FwdTile<Walk> tile;
-        for (; i < p.order.num_tiles; i = atomicAdd(&hopper_fwd_next_tile, 1)) {  // tiles of no rows skipped
+        for (; i < p.order.num_tiles; i = atomicAdd(hp.next_tile, 1)) {  // tiles of no rows skipped
           tile = tile_at_order(i);
           if (tile.rows > 0) break;
         }

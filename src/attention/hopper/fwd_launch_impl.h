@@ -2,6 +2,7 @@
 // per-(head dim, dtype) translation units only.
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 
 #include <cute/tensor.hpp>
@@ -24,10 +25,9 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
 // kPersistent: a grid of one CTA per SM taking tiles of the L2-grouped order from a counter (two Q
 // stages where they fit), else one CTA per tile (longest first when masked). Measured on the H100
 // at seqlen 4096 (bench/RESULTS.md), the persistent grid's first version (static round-robin, one
-// Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal work, so the library
-// instantiates only the one-CTA-per-tile kernel; the tuning sweep and the block-sparse experiment
-// below keep the other selectable (the dynamic version is not measured yet). kSparse: the key
-// tiles of the block mask `bs`.
+// Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal work; the dynamic
+// version with two Q stages wins at d128 causal (hopper_fwd_persistent below), where the library
+// takes it. kSparse: the key tiles of the block mask `bs`.
 template <typename Cfg, typename T, bool kPersistent = false, bool kSparse = false>
 Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
                              const block_sparse::BlockSparseParams* bs = nullptr) {
@@ -69,18 +69,39 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
     hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
                                            dev.l2_bytes / 2);
     const dim3 grid(std::min(hp.p.order.num_tiles, dev.num_sms));  // one CTA fits an SM
-    void* next_tile = nullptr;  // the tile counter, from 0 (hopper_fwd_next_tile)
-    cudaError_t e = cudaGetSymbolAddress(&next_tile, hopper_fwd_next_tile);
-    if (e == cudaSuccess) e = cudaMemsetAsync(next_tile, 0, sizeof(int), stream);
+    static std::atomic<unsigned> next_slot{0};  // this launch's counter: the next slot of the ring
+    void* counters = nullptr;
+    cudaError_t e = cudaGetSymbolAddress(&counters, hopper_fwd_tile_counters);
+    hp.next_tile = static_cast<int*>(counters) + next_slot.fetch_add(1) % kHopperFwdCounterSlots;
+    if (e == cudaSuccess) e = cudaMemsetAsync(hp.next_tile, 0, sizeof(int), stream);
     if (e != cudaSuccess) return detail::cuda_status(e, "hopper forward: the persistent grid's tile counter");
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
 }
 
+// Whether a dense forward takes the persistent grid: at head dim 128, causal, batched (not
+// varlen), no window, up to 8k rows. There the one-CTA-per-tile grid's start (first loads) and end
+// (epilogue) are a third of a short tile's time, and the persistent producer loads the next tile
+// under the current one: on the H100 -5 to -10 % at 1k, -4 % at 4k, -3 to -7 % at 8k, but +2 to
+// +9 % at 16k (bench/RESULTS.md, session 17); elsewhere it measured slower (d64 and d256 spill in
+// it; uniform work gains nothing). FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either (tests, A/B).
+inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, int head_dim_instantiated) {
+  static const int forced = [] {
+    const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
+    return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
+  }();
+  if (forced >= 0) return forced == 1;
+  return head_dim_instantiated == 128 && p.causal && p.cu_seqlens_q == nullptr && p.window_left < 0 &&
+         p.window_right < 0 && p.seqlen_q <= 8192;
+}
+
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
-  return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream);
+  using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
+  if constexpr (kHeadDim == 128)
+    if (hopper_fwd_persistent(p, kHeadDim)) return launch_hopper_fwd_cfg<Cfg, T, true>(p, stream);
+  return launch_hopper_fwd_cfg<Cfg, T>(p, stream);
 }
 
 // The block-sparse forward's grid (an experiment, compile-time): 0 one CTA per tile (the default),
