@@ -111,15 +111,9 @@ __device__ __forceinline__ void wg_commit() { cute::warpgroup_commit_batch(); }
 template <int N>
 __device__ __forceinline__ void wg_wait() { cute::warpgroup_wait<N>(); }
 
-template <int N8>
-__device__ __forceinline__ void fence(float (&x)[N8][4]) {
-#pragma unroll
-  for (int i = 0; i < N8; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(x[i][j]);
-}
-template <int N>
-__device__ __forceinline__ void fence(uint32_t (&x)[N][4]) {
+// Accumulators (float) or A fragments (uint32_t).
+template <typename E, int N>
+__device__ __forceinline__ void fence(E (&x)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll

@@ -114,10 +114,8 @@ __device__ __forceinline__ void zero(float (&acc)[N8][4]) {
 // lane t writes one 16-byte piece, row g + 8 (t / 2), columns 8 (t % 2) .. + 7 (quad_transpose16).
 template <typename T>
 __device__ __forceinline__ void store_tile16(T* dst, int ld, const float (&acc)[2][4], int g, int t) {
-  uint32_t w[4];  // word q: rows g + 8 (q / 2), columns 8 (q % 2) + 2 t
-#pragma unroll
-  for (int q = 0; q < 4; ++q) w[q] = pack2<T>(acc[q % 2][2 * (q / 2)], acc[q % 2][2 * (q / 2) + 1]);
-  *reinterpret_cast<uint4*>(dst + (g + 8 * (t / 2)) * ld + 8 * (t % 2)) = quad_transpose16(w, t);
+  *reinterpret_cast<uint4*>(dst + (g + 8 * (t / 2)) * ld + 8 * (t % 2)) =
+      accumulator_piece<T>([&](int i) { return acc[i / 4][i % 4]; }, 0, 1.f, 1.f, t);
 }
 
 // The transposed fragment x^T [16 columns x R rows] of rows [0, R) and columns [c0, c0 + 16) of a

@@ -357,6 +357,21 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
+// Whether a thread's fragment, given by its coordinate tensor `coord` (row, column of each
+// element), lies as a warp's rows of a wgmma accumulator (element 4 j + 2 r + c at row row0 + 8 r,
+// column col0 + 8 j + c, with (row0, col0) = coord(0)), as accumulator_piece takes it: true only
+// where the whole warp's does (the quad transpose's shuffles need the whole warp).
+template <typename Coord>
+__device__ __forceinline__ bool warp_has_accumulator_rows(const Coord& coord, bool ok) {
+  using namespace cute;
+  const int row0 = get<0>(coord(0)), col0 = get<1>(coord(0));
+  ok = ok && size(coord) % 8 == 0;
+  CUTE_UNROLL
+  for (int i = 0; i < size(coord); i += 2)
+    ok = ok && get<0>(coord(i)) == row0 + 8 * ((i / 2) % 2) && get<1>(coord(i)) == col0 + 8 * (i / 4);
+  return __all_sync(0xffffffffu, ok);
+}
+
 // dK (scaled) and dV from the consumers' registers: stored, or added into the fp32 accumulators
 // under GQA (in q-head order, one turn per head of the group, when deterministic; a block mask's
 // plan gives the semaphore and turn). ct: the consumer thread (0..255); dkv_coord: the (key,
@@ -381,36 +396,22 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
     if (ct == 0) device_sync::wait_for_turn(sem, turn);
     consumers_sync();
   }
-  // Without GQA, where the rows are 16-byte aligned and the thread's elements lie as a warp's rows
-  // of a wgmma accumulator (element 4 j + 2 r + c at key k0 + 8 r, column c0 + 8 j + c: checked
-  // below, uniform), each 16 x 16 block leaves through the quad transpose, one 16-byte store a
-  // lane (as the forward's O: quad_transpose16); elsewhere in 4-byte pairs.
+  // Without GQA, where the rows are 16-byte aligned and the fragment has the accumulator's rows,
+  // each 16 x 16 block leaves through the quad transpose (accumulator_piece), one 16-byte store a
+  // lane; elsewhere in 4-byte pairs.
   bool stored = false;
   if (!gqa) {
     T* dk0 = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, t.b, t.seq.k_start + t.col0, hk);
     T* dv0 = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, t.b, t.seq.k_start + t.col0, hk);
-    bool rows16 = (reinterpret_cast<uintptr_t>(dk0) | reinterpret_cast<uintptr_t>(dv0)) % 16 == 0 &&
-                  (P.dk_str.row * sizeof(T)) % 16 == 0 && (P.dv_str.row * sizeof(T)) % 16 == 0 &&
-                  size(dk_acc) % 8 == 0;
-    const int key0 = get<0>(dkv_coord(0)), col0 = get<1>(dkv_coord(0));
-    CUTE_UNROLL
-    for (int i = 0; i < size(dk_acc); i += 2)
-      rows16 = rows16 && get<0>(dkv_coord(i)) == key0 + 8 * ((i / 2) % 2) && get<1>(dkv_coord(i)) == col0 + 8 * (i / 4);
-    if (__all_sync(0xffffffffu, rows16)) {  // (the shuffles need the whole warp)
-      const int t4 = ct % 4, my_key = key0 + 8 * (t4 / 2);
-      const int my_col = col0 - 2 * t4 + 8 * (t4 % 2);  // the quad's first column, then this lane's half
+    if (warp_has_accumulator_rows(dkv_coord, rows_16b_aligned(dk0, P.dk_str.row) && rows_16b_aligned(dv0, P.dv_str.row))) {
+      const int t4 = ct % 4, my_key = get<0>(dkv_coord(0)) + 8 * (t4 / 2);
+      const int my_col = get<1>(dkv_coord(0)) - 2 * t4 + 8 * (t4 % 2);  // the quad's first column, then this lane's half
       T* dkr = dk0 + static_cast<int64_t>(my_key) * P.dk_str.row;
       T* dvr = dv0 + static_cast<int64_t>(my_key) * P.dv_str.row;
       CUTE_UNROLL
-      for (int b = 0; b < size(dk_acc) / 8; ++b) {  // 16-column blocks: j = 2 b + q % 2, r = q / 2
-        uint32_t wk[4], wv[4];
-        CUTE_UNROLL
-        for (int q = 0; q < 4; ++q) {
-          const int i = 4 * (2 * b + q % 2) + 2 * (q / 2);
-          wk[q] = portable::ElemTraits<T>::pack(dk_acc(i) * p.scale, dk_acc(i + 1) * p.scale);
-          wv[q] = portable::ElemTraits<T>::pack(dv_acc(i), dv_acc(i + 1));
-        }
-        const uint4 vk = quad_transpose16(wk, t4), vv = quad_transpose16(wv, t4);
+      for (int b = 0; b < size(dk_acc) / 8; ++b) {  // 16-column blocks
+        const uint4 vk = accumulator_piece<T>([&](int i) { return dk_acc(i); }, b, p.scale, p.scale, t4);
+        const uint4 vv = accumulator_piece<T>([&](int i) { return dv_acc(i); }, b, 1.f, 1.f, t4);
         if (my_key < t.keys && my_col + 16 * b < p.head_dim) {
           *reinterpret_cast<uint4*>(dkr + my_col + 16 * b) = vk;
           *reinterpret_cast<uint4*>(dvr + my_col + 16 * b) = vv;
@@ -739,26 +740,20 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   Tensor dq_coord = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
   const float* tile = hopper_dq_tile<Cfg>(P, seq.q_start, b, h, m);
   if (tile == nullptr) return;
-  // As bwd_store_dkv: where dQ's rows are 16-byte aligned and the fragment is a warp's rows of a
-  // wgmma accumulator, 16 x 16 blocks through the quad transpose, one 16-byte store a lane.
+  // As bwd_store_dkv: where dQ's rows are 16-byte aligned and the fragment has the accumulator's
+  // rows, 16 x 16 blocks through the quad transpose (accumulator_piece), one 16-byte store a lane.
   T* dq0 = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + m * Cfg::kBlockM, h);
-  const int row0 = get<0>(dq_coord(0)), col0 = get<1>(dq_coord(0));
-  bool rows16 = reinterpret_cast<uintptr_t>(dq0) % 16 == 0 && (P.dq_str.row * sizeof(T)) % 16 == 0 &&
-                size(dq_coord) % 8 == 0;
-  CUTE_UNROLL
-  for (int i = 0; i < size(dq_coord); i += 2)
-    rows16 = rows16 && get<0>(dq_coord(i)) == row0 + 8 * ((i / 2) % 2) && get<1>(dq_coord(i)) == col0 + 8 * (i / 4);
-  if (__all_sync(0xffffffffu, rows16)) {
-    const int t4 = ct % 4, my_row = row0 + 8 * (t4 / 2), my_col = col0 - 2 * t4 + 8 * (t4 % 2);
+  if (warp_has_accumulator_rows(dq_coord, rows_16b_aligned(dq0, P.dq_str.row))) {
+    const int t4 = ct % 4, my_row = get<0>(dq_coord(0)) + 8 * (t4 / 2);
+    const int my_col = get<1>(dq_coord(0)) - 2 * t4 + 8 * (t4 % 2);
     T* dst = dq0 + static_cast<int64_t>(my_row) * P.dq_str.row + my_col;
     const bool row_ok = m * Cfg::kBlockM + my_row < seq.seqlen_q;
     CUTE_UNROLL
-    for (int blk = 0; blk < size(dq_coord) / 8; ++blk) {  // elements 8 blk .. + 7: j = 2 blk, 2 blk + 1
+    for (int blk = 0; blk < size(dq_coord) / 8; ++blk) {  // elements 8 blk .. 8 blk + 7, two float4
       const float4 lo = *reinterpret_cast<const float4*>(tile + Cfg::dq_tile_offset(ct, 8 * blk));
       const float4 hi = *reinterpret_cast<const float4*>(tile + Cfg::dq_tile_offset(ct, 8 * blk + 4));
-      uint32_t w[4] = {portable::ElemTraits<T>::pack(lo.x, lo.y), portable::ElemTraits<T>::pack(hi.x, hi.y),
-                       portable::ElemTraits<T>::pack(lo.z, lo.w), portable::ElemTraits<T>::pack(hi.z, hi.w)};
-      const uint4 v = quad_transpose16(w, t4);
+      const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, 1.f, 1.f, t4);
       if (row_ok && my_col + 16 * blk < p.head_dim) *reinterpret_cast<uint4*>(dst + 16 * blk) = v;
     }
     return;

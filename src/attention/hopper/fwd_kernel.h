@@ -435,20 +435,14 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   const bool varlen = p.cu_seqlens_q != nullptr;
   T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, varlen ? 0 : t.b, t.seq.q_start, t.h);
   float* lse = p.lse ? p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start : nullptr;
-  const bool rows16 = reinterpret_cast<uintptr_t>(out) % 16 == 0 && (p.out_str.row * sizeof(T)) % 16 == 0;
+  const bool rows16 = rows_16b_aligned(out, p.out_str.row);
   if (rows16) {
     const int t4 = lane % 4, my_row = wg_row0 + quad_row + 8 * (t4 / 2), my_col = 8 * (t4 % 2);
     T* out_row = out + static_cast<int64_t>(my_row) * p.out_str.row + my_col;
     const bool row_ok = my_row < t.seq.seqlen_q;
     CUTE_UNROLL
-    for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks: j = 2 b + q % 2, r = q / 2
-      uint32_t w[4];
-      CUTE_UNROLL
-      for (int q = 0; q < 4; ++q) {
-        const int i = 4 * (2 * b + q % 2) + 2 * (q / 2);
-        w[q] = portable::ElemTraits<T>::pack(o_acc(i) * inv.v[q / 2], o_acc(i + 1) * inv.v[q / 2]);
-      }
-      const uint4 v = quad_transpose16(w, t4);
+    for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks
+      const uint4 v = accumulator_piece<T>([&](int i) { return o_acc(i); }, b, inv.v[0], inv.v[1], t4);
       if (row_ok && 16 * b + my_col < p.head_dim) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
     }
   }

@@ -85,22 +85,22 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
 // (epilogue) are a third of a short tile's time, and the persistent producer loads the next tile
 // under the current one: on the H100 -5 to -10 % at 1k, -4 % at 4k, -3 to -7 % at 8k, but +2 to
 // +9 % at 16k (bench/RESULTS.md, session 17); elsewhere it measured slower (d64 and d256 spill in
-// it; uniform work gains nothing). FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either (tests, A/B).
-inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, int head_dim_instantiated) {
+// it; uniform work gains nothing). FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either at head dim 128
+// (tests, A/B); the other head dims are one CTA per tile whatever it says (launch_hopper_fwd).
+inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
   static const int forced = [] {
     const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
     return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
   }();
   if (forced >= 0) return forced == 1;
-  return head_dim_instantiated == 128 && p.causal && p.cu_seqlens_q == nullptr && p.window_left < 0 &&
-         p.window_right < 0 && p.seqlen_q <= 8192;
+  return p.causal && p.cu_seqlens_q == nullptr && p.window_left < 0 && p.window_right < 0 && p.seqlen_q <= 8192;
 }
 
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
   if constexpr (kHeadDim == 128)
-    if (hopper_fwd_persistent(p, kHeadDim)) return launch_hopper_fwd_cfg<Cfg, T, true>(p, stream);
+    if (hopper_fwd_persistent(p)) return launch_hopper_fwd_cfg<Cfg, T, true>(p, stream);
   return launch_hopper_fwd_cfg<Cfg, T>(p, stream);
 }
 

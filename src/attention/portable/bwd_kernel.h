@@ -315,17 +315,12 @@ __device__ __forceinline__ void bwd_store_dkv(const BwdKernelParams& P, const de
     // transpose, one 16-byte store a lane (row kv_row + g + 8 (t / 2), columns 8 (t % 2) ..).
     T* dk0 = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0, hk);
     T* dv0 = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, b, seq.k_start + col0, hk);
-    if (!gqa && (reinterpret_cast<uintptr_t>(dk0) | reinterpret_cast<uintptr_t>(dv0)) % 16 == 0 &&
-        (P.dk_str.row * sizeof(T)) % 16 == 0 && (P.dv_str.row * sizeof(T)) % 16 == 0) {
+    if (!gqa && rows_16b_aligned(dk0, P.dk_str.row) && rows_16b_aligned(dv0, P.dv_str.row)) {
       const int key = kv_row + g + 8 * (t / 2);
       auto store = [&](T* dst, const float(&x)[Cfg::kDkvCols / 8][4], float scale) {  // dK, then dV
 #pragma unroll
         for (int blk = 0; blk < Cfg::kDkvCols / 16; ++blk) {
-          uint32_t w[4];  // word q: row g + 8 (q / 2), columns 8 (q % 2) + 2 t of the block
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            w[q] = ElemTraits<T>::pack(x[2 * blk + q % 2][2 * (q / 2)] * scale, x[2 * blk + q % 2][2 * (q / 2) + 1] * scale);
-          const uint4 v = quad_transpose16(w, t);
+          const uint4 v = accumulator_piece<T>([&](int i) { return x[i / 4][i % 4]; }, blk, scale, scale, t);
           const int col = dkv_col + 16 * blk + 8 * (t % 2);
           if (key < keys && col < p.head_dim) *reinterpret_cast<uint4*>(dst + col) = v;
         }
@@ -510,8 +505,7 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
   // 8 elements a thread (two float4 loads, one 16-byte store) where the output's rows allow it:
   // one element a thread left a d128 row's 128 threads a 2-byte store each and a CTA per row.
   T* out0 = static_cast<T*>(out) + detail::row_offset(str, b, start, h);
-  if (p.head_dim % 8 == 0 && reinterpret_cast<uintptr_t>(out0) % 16 == 0 && (str.row * sizeof(T)) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(acc) % 16 == 0) {
+  if (p.head_dim % 8 == 0 && rows_16b_aligned(out0, str.row) && reinterpret_cast<uintptr_t>(acc) % 16 == 0) {
     const int vecs = p.head_dim / 8;
     for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < int64_t{len} * vecs;
          e += int64_t{gridDim.x} * blockDim.x) {
