@@ -25,9 +25,11 @@
 // and writes the winners as a DecodeTuningTable to PATH. A candidate within kTieFraction of the
 // fastest with fewer splits wins (less workspace, less combine work).
 //
-//   bench_decode [--table PATH] [--engine E] [--compare] [--baseline-table PATH] [--quick] [--json PATH]
-//                [--filter S] [--repeats N] [--warmup N]
-//   bench_decode --tune PATH [--engine E] [--quick]
+//   bench_decode [--table PATH] [--engine E] [--combine C] [--compare] [--baseline-table PATH] [--quick]
+//                [--json PATH] [--filter S] [--repeats N] [--warmup N]
+//   bench_decode --tune PATH [--engine E] [--combine C] [--quick]
+// --combine: the key-group engine's combine of split plans (in_kernel, separate_kernel,
+// in_kernel_prezeroed, cluster; default in_kernel).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -46,6 +48,7 @@
 #include "bench/common/bench_common.h"
 #include "flare/decode.h"
 #include "flare/decode_plan.h"
+#include "src/decode/decode_timeline.h"  // FLARE_DECODE_TIMELINE builds
 
 namespace flare::bench {
 namespace {
@@ -197,11 +200,14 @@ std::string plan_name(const DecodePlan& p) {
   return name;
 }
 
-// The plan as `engine` runs it: the key-group engine with its default combine (in the kernel),
-// the others with the combine kernel.
+// The key-group engine's combine for split plans (--combine; default in the kernel).
+DecodeCombine key_group_combine = DecodeCombine::kInKernel;
+
+// The plan as `engine` runs it: the key-group engine with key_group_combine, the others with the
+// combine kernel.
 DecodePlan with_engine(DecodePlan p, DecodeEngine engine) {
   p.engine = engine;
-  p.combine = engine == DecodeEngine::kKeyGroups ? DecodeCombine::kInKernel : DecodeCombine::kSeparateKernel;
+  p.combine = engine == DecodeEngine::kKeyGroups ? key_group_combine : DecodeCombine::kSeparateKernel;
   return p;
 }
 
@@ -377,6 +383,16 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
 
         const Timing tg = time_plan(data, plan, graph, stream);
         const Timing tp = time_plan(data, plan, plain, stream);
+#if FLARE_DECODE_TIMELINE
+        {  // one more launch, stamped (src/decode/decode_timeline.h), after an L2 flush like the timed ones
+          TimingOptions once = plain;
+          once.warmup = 0, once.repeats = 1;
+          decode::decode_timeline_reset(stream);
+          (void)time_plan(data, plan, once, stream);
+          std::printf("%s %s %s: %s", shape.c_str(), layout_name(page_size).c_str(), plan_name(plan).c_str(),
+                      decode::decode_timeline_summary().c_str());
+        }
+#endif
         const double us = 1e3 * tg.median_ms, gb_s = gbps(data.kv_bytes(), tg.median_ms);
         if (page_size == 0) contiguous_us = us;
         double heuristic_us = us;
@@ -424,9 +440,20 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
             row.push_back({"prezeroed us", Table::Cell(prezeroed_us, 2)});
             values["separate_combine_us"] = separate_us;
             values["prezeroed_us"] = prezeroed_us;
+            if (plan.num_splits <= kDecodeMaxClusterSplits) {
+              DecodePlan clustered = plan;
+              clustered.combine = DecodeCombine::kCluster;
+              check(clustered);
+              const double cluster_us = 1e3 * time_plan(data, clustered, graph, stream).median_ms;
+              row.push_back({"cluster us", Table::Cell(cluster_us, 2)});
+              values["cluster_combine_us"] = cluster_us;
+            } else {
+              row.push_back({"cluster us", "-"});
+            }
           } else {
             row.push_back({"comb.kernel us", "-"});
             row.push_back({"prezeroed us", "-"});
+            row.push_back({"cluster us", "-"});
           }
         }
         row.push_back({"check", row_ok ? "ok" : "FAIL"});
@@ -487,8 +514,19 @@ DecodeEngine parse_engine(const std::string& name) {
   std::exit(2);
 }
 
+DecodeCombine parse_combine(const std::string& name) {
+  if (name.empty()) return DecodeCombine::kInKernel;
+  for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed,
+                          DecodeCombine::kCluster})
+    if (name == decode_combine_name(c)) return c;
+  std::fprintf(stderr, "--combine: expected in_kernel, separate_kernel, in_kernel_prezeroed or cluster, got '%s'\n",
+               name.c_str());
+  std::exit(2);
+}
+
 int run(int argc, char** argv) {
   const std::string tune_path = take_path_option(&argc, argv, "--tune");
+  key_group_combine = parse_combine(take_path_option(&argc, argv, "--combine"));
   BenchOptions options;
   options.table_path = take_path_option(&argc, argv, "--table");
   options.baseline_table_path = take_path_option(&argc, argv, "--baseline-table");

@@ -126,8 +126,18 @@ enum class DecodeCombine : uint8_t {
   // call that completes leaves them 0 again (so CUDA-graph replays stay correct). A call that
   // starts with non-zero counters writes wrong outputs. For callers that own their workspace.
   kInKernelPrezeroed,
+  // Where the key-group engine runs a split plan of at most kDecodeMaxClusterSplits splits: the
+  // splits of one (sequence, head block) run as one thread-block cluster (sm_90). Each CTA keeps
+  // its partial state in shared memory; after a cluster barrier every CTA merges a slice of the
+  // rows' outputs, reading its peers' states through distributed shared memory. No counters, no
+  // global round trip, no second kernel; the workspace is not touched. More splits, or another
+  // engine: as kInKernel.
+  kCluster,
 };
-const char* decode_combine_name(DecodeCombine c);  // "in_kernel", "separate_kernel", "in_kernel_prezeroed"
+const char* decode_combine_name(DecodeCombine c);  // "in_kernel", "separate_kernel", "in_kernel_prezeroed", "cluster"
+
+// The most splits DecodeCombine::kCluster merges in a cluster (a non-portable cluster size on sm_90).
+inline constexpr int kDecodeMaxClusterSplits = 16;
 
 // KV heads per CTA of the sm_90 engines: at most this many (4 at head dim 256), a power of two
 // dividing heads_kv. 0 in a plan: the engine's own rule (see the launcher).

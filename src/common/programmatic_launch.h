@@ -1,5 +1,6 @@
-// Host side of programmatic dependent launch (src/common/grid_dependency.h has the device side):
-// a kernel launch whose grid may start before the kernel ahead of it on the stream has finished.
+// Host side of launches with attributes: programmatic dependent launch (src/common/grid_dependency.h
+// has the device side: a kernel launch whose grid may start before the kernel ahead of it on the
+// stream has finished) and thread-block clusters.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +27,29 @@ cudaError_t launch_maybe_programmatic(bool programmatic, void (*kernel)(Params..
   config.numAttrs = programmatic ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...);
   return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of cluster_x x 1 x 1 CTAs (sm_90+;
+// grid.x a multiple of cluster_x). Returns the launch's error, or the one cudaGetLastError
+// reports after it.
+template <typename... Params, typename... Args>
+cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, int cluster_x, size_t smem,
+                           cudaStream_t stream, const Args&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster_x);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...);
+  const cudaError_t last = cudaGetLastError();  // also clears a failed launch's error for later launches
+  return e != cudaSuccess ? e : last;
 }
 
 }  // namespace flare::detail

@@ -65,6 +65,10 @@ struct DecodeKernelParams {
   // Split-KV with the in-kernel combine (key-group kernel only): [batch, heads_kv] arrival counters,
   // 0 at the start of the call (decode_schedule.h); null: the combine is a separate kernel.
   int* counters = nullptr;
+  // Split-KV with the cluster combine (key-group kernel only, DecodeCombine::kCluster): the
+  // num_splits CTAs of a (sequence, head block) are one cluster and merge through shared memory.
+  bool cluster_combine = false;
+  unsigned long long* timeline = nullptr;  // FLARE_DECODE_TIMELINE builds (decode_timeline.h)
 
   int64_t q_stride_b = 0, q_stride_t = 0, q_stride_h = 0;
   int64_t out_stride_b = 0, out_stride_t = 0, out_stride_h = 0;

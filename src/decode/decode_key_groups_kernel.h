@@ -30,17 +30,40 @@
 // any CTA order works. The counters must be 0 when the call starts: the launcher runs a zeroing
 // kernel first, whose programmatic dependent this kernel is (its thread waits for it only just
 // before arriving), unless the caller zeroed them (DecodeCombine::kInKernelPrezeroed).
+//
+// Cluster combine (split-KV, p.cluster_combine: DecodeCombine::kCluster). The num_splits CTAs of a
+// (sequence, head block) are one thread-block cluster, rank = split. Each CTA leaves its partial
+// states (normalized O of its rows, fp32, and their LSE) in its own shared memory instead of the
+// workspace; after a cluster barrier every CTA merges a slice of the rows' 4-column pieces,
+// reading all splits' states of that piece through distributed shared memory, and writes out and
+// lse; a second barrier keeps every CTA's shared memory alive until its peers have read it. The
+// producer warp joins both barriers. No global round trip between the splits' last stores and
+// the merge, no counters, no second kernel.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "flare/decode_plan.h"
 #include "src/common/bulk_copy.h"
 #include "src/decode/decode_kernel.h"
 #include "src/decode/decode_subtile.h"
 #include "src/decode/decode_schedule.h"
+#include "src/decode/decode_timeline.h"
+
+#if FLARE_DECODE_TIMELINE
+#define FLARE_DECODE_MARK(cond, mark) \
+  do {                                \
+    if (cond) decode_mark(p.timeline, mark); \
+  } while (0)
+#else
+#define FLARE_DECODE_MARK(cond, mark) \
+  do {                                \
+  } while (0)
+#endif
 
 namespace flare::decode {
 
@@ -175,6 +198,57 @@ __device__ __forceinline__ void combine_splits(const DecodeKernelParams& p, int 
   }
 }
 
+// The cluster combine's merge (see the top of this file): called by every consumer thread of every
+// CTA of the cluster (the producer warps take the two cluster barriers alone), after each CTA's
+// consumers left their states in `states` (fp32 [hpc][16][stride]: head h_local's row r at
+// (h_local * 16 + r) * stride) and `state_lse` ([hpc][16], natural log, -inf for a split that saw
+// no key). Piece i (of hpc x rows x head_dim / 4) belongs to CTA rank i % num_splits, thread
+// i / num_splits (strided by `threads`). Merged as combine_splits merges (out 0 and lse +inf for a
+// row no split saw).
+template <int kHeadDim, typename T>
+__device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p, int b, int hk0, int hpc, const float* states,
+                                              int stride, const float* state_lse, int threads) {
+  namespace cg = cooperative_groups;
+  constexpr int kPieces = kHeadDim / 4;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's states are in its shared memory
+  const int S = p.num_splits, rank = static_cast<int>(cluster.block_rank());
+  const int total = hpc * p.rows * kPieces;
+  for (int idx = rank + S * static_cast<int>(threadIdx.x); idx < total; idx += S * threads) {
+    const int col = (idx % kPieces) * 4, head_row = idx / kPieces;
+    const int r = head_row % p.rows, h_local = head_row / p.rows;
+    const int slot = h_local * 16 + r;
+    // One pass, as online softmax: the running max m rescales the sums when a larger LSE comes.
+    float m = -INFINITY, sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kDecodeMaxClusterSplits; ++s) {
+      if (s >= S) break;
+      const float l = *cluster.map_shared_rank(state_lse + slot, s);
+      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(states + slot * stride + col, s));
+      if (l == -INFINITY) continue;  // a split that saw no key (its state is 0)
+      const float m_new = fmaxf(m, l);
+      const float c = __expf(m - m_new), w = __expf(l - m_new);  // c = 0 while m is -inf
+      m = m_new;
+      sum = fmaf(sum, c, w);
+      acc.x = fmaf(w, x.x, acc.x * c), acc.y = fmaf(w, x.y, acc.y * c);
+      acc.z = fmaf(w, x.z, acc.z * c), acc.w = fmaf(w, x.w, acc.w * c);
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int tq = r / p.group, h = (hk0 + h_local) * p.group + r % p.group;
+    uint2 packed;
+    packed.x = ElemTraits<T>::pack(acc.x * inv, acc.y * inv);
+    packed.y = ElemTraits<T>::pack(acc.z * inv, acc.w * inv);
+    T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + tq * p.out_stride_t + h * p.out_stride_h + col;
+    *reinterpret_cast<uint2*>(dst) = packed;
+    if (col == 0 && p.lse != nullptr) {
+      const int64_t qrow = (int64_t{b} * p.heads_q + h) * p.q_len + tq;
+      p.lse[qrow] = sum > 0.f ? m + logf(sum) : INFINITY;
+    }
+  }
+  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+}
+
 }  // namespace device
 
 // The zeroing kernel the in-kernel combine's counters need (DecodeCombine::kInKernel): lets its
@@ -201,8 +275,12 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   float* const merge_smem = reinterpret_cast<float*>(smem_raw);  // after the walk: [kWarps][16][kMergeStride]
   __shared__ __align__(8) uint64_t full_bar[kKeyGroupMaxStages], empty_bar[kKeyGroupMaxStages];
   __shared__ float warp_max[kWarps][16], warp_sum[kWarps][16];
+  __shared__ float state_lse[kDecodeMaxHeadsPerCta * 16];  // the cluster combine's LSE per (head, row)
   __shared__ int is_last_split;
 
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkStart);
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkStartNs);
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkSm);
   const bool in_kernel_combine = kSplit && p.counters != nullptr;
   if (kSplit && !in_kernel_combine) allow_dependent_launch();  // the combine kernel may start launching
 
@@ -268,6 +346,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       const int64_t cap = split_end < p.max_cache_len ? split_end : int64_t{p.max_cache_len};
       issue(i, static_cast<int>(split_begin), static_cast<int>(cap), contiguous);
     }
+    FLARE_DECODE_MARK(lane == 0, kDecodeMarkIssued);
     const KeyRange keys = key_range<kN, kSplit>(p, b, split);
     const int num_stages = key_group_walk_stages(keys.num_tiles, kgs);
     if (p.page_table == nullptr) {
@@ -289,6 +368,10 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
         });
         page = next_page;
       }
+    }
+    if (kSplit && p.cluster_combine) {  // the producer joins the merge's two cluster barriers, idle between them
+      cooperative_groups::this_cluster().sync();
+      cooperative_groups::this_cluster().sync();
     }
     return;
   }
@@ -324,6 +407,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   for (int it = 0; it < total_stages; ++it) {
     const int s = it % stages;
     mbar_wait(&full_bar[s], (it / stages) & 1);
+    FLARE_DECODE_MARK(it == 0 && threadIdx.x == 0, kDecodeMarkLanded);
     T* const k_chunk = kv_smem + s * lay.stage_elems + kN * kg * R + head * kHeadDim;
     T* const v_chunk = k_chunk + SK * R;
     const int key0 = key_group_sub_tile_key0(keys.tile_begin, it, SK, kg);
@@ -356,6 +440,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     if (lane == 0) mbar_arrive(&empty_bar[s]);  // this warp is done with the stage
   }
 
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkLoopDone);
   // ---- merge the key groups of each head: per row, M = the max over its key groups; each warp
   // writes O x exp2(m - M) of its real rows over the (now idle) stage buffers
 #pragma unroll
@@ -381,6 +466,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(o[dt][2 * i] * f, o[dt][2 * i + 1] * f);
   }
   consumer_sync(kConsumerThreads);
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkMerged);
 
   // ---- epilogue: all consumer threads, one (head, row, 8 columns) piece at a time; rows with no
   // visible key get O = 0 and LSE +inf (standard, as the oracle) or -inf (a partial state that
@@ -405,7 +491,14 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int tq = r / p.group, h = (hk0 + h_local) * p.group + r % p.group;
     const int64_t qrow = (int64_t{b} * p.heads_q + h) * p.q_len + tq;  // (b, h, t): LSE / partial order
-    if constexpr (kSplit) {
+    if (kSplit && p.cluster_combine) {
+      // The state stays here for the cluster merge: over key group 0's slot of this (head, row,
+      // columns), which only this thread reads (above).
+      float* dst = merge_smem + (h_local * 16 + r) * kMergeStride + col;
+      *reinterpret_cast<float4*>(dst) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+      if (col == 0) state_lse[h_local * 16 + r] = sum > 0.f ? (m + log2f(sum)) * kLn2 : -INFINITY;
+    } else if constexpr (kSplit) {
       const int64_t part = qrow * p.num_splits + split;
       float* dst = p.partial_out + part * kHeadDim + col;
       *reinterpret_cast<float4*>(dst) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
@@ -421,6 +514,14 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       *reinterpret_cast<uint4*>(dst) = packed;
       if (col == 0 && p.lse != nullptr) p.lse[qrow] = sum > 0.f ? (m + log2f(sum)) * kLn2 : INFINITY;
     }
+  }
+
+  // ---- cluster combine: every CTA of the cluster merges a slice of the rows
+  if (kSplit && p.cluster_combine) {
+    cluster_merge<kHeadDim, T>(p, b, hk0, hpc, merge_smem, kMergeStride, state_lse, kConsumerThreads);
+    FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEnd);
+    FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEndNs);
+    return;
   }
 
   // ---- in-kernel combine: the last CTA of (b, hb) to arrive merges every split of its rows
@@ -443,6 +544,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       if (is_last_split) combine_splits<kHeadDim, T, kWarps>(p, b, hk0, hpc, merge_smem);
     }
   }
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEnd);
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEndNs);
 #endif
 }
 

@@ -1,7 +1,8 @@
 // Which decode attention kernel runs a plan, and its launch. The plan names an engine and a
 // combine (flare/decode_plan.h); the engine runs where it applies, the portable kernel elsewhere:
 //   kKeyGroups  decode_key_groups_kernel.h (sm_90), with the in-kernel combine for split plans
-//               unless the plan asks for the separate combine kernel;
+//               unless the plan asks for the separate combine kernel or the cluster combine
+//               (up to kDecodeMaxClusterSplits splits where the device runs such clusters);
 //   kHeadWarps  decode_bulk_kernel.h (sm_90), the kernel of 2026-11-22 (kept for comparisons);
 //   kPortable   decode_kernel.h (sm_80+).
 // FLARE_DECODE_PORTABLE=1 forces the portable kernel; FLARE_DECODE_ENGINE=key_groups|head_warps|
@@ -65,6 +66,30 @@ bool device_runs_sm90_decode() {
   return ok;
 }
 
+// Whether `kernel` may run clusters of `splits` CTAs with the most shared memory a key-group CTA
+// takes (then any layout fits): sizes up to 8 are portable; larger ones need the non-portable
+// attribute and a device whose GPCs hold them, checked once.
+template <int kHeadDim, typename T, typename Kernel>
+bool key_group_cluster_ready(Kernel kernel, int splits) {  // a template per kernel: each sets its attribute
+  static const bool large_ok = [&] {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(kDecodeMaxClusterSplits);
+    config.blockDim = dim3(32 * (key_group_consumer_warps(128) + 1));
+    config.dynamicSmemBytes = kKeyGroupSmemBudget;
+    cudaLaunchAttribute attribute = {};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = kDecodeMaxClusterSplits, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0;
+    if (!ok) (void)cudaGetLastError();
+    return ok;
+  }();
+  return splits <= 8 || large_ok;
+}
+
 // The key-group kernel; *combined tells whether the split-KV states were merged in the kernel.
 template <int kHeadDim, typename T>
 Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch& how, cudaStream_t stream,
@@ -90,11 +115,24 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   const int64_t ctas = int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits;
   if (ctas > INT_MAX) return Status::NotSupported("decode: " + std::to_string(ctas) + " CTAs exceed the grid limit");
   const dim3 grid(static_cast<unsigned>(ctas)), block(32 * (lay.consumer_warps + 1));
+  DecodeKernelParams kp = p;
+#if FLARE_DECODE_TIMELINE
+  kp.timeline = decode_timeline_buffer();
+#endif
   if (p.num_splits == 1) {
-    standard<<<grid, block, lay.smem_bytes, stream>>>(p, lay);
+    standard<<<grid, block, lay.smem_bytes, stream>>>(kp, lay);
     return detail::cuda_status(cudaGetLastError(), "decode attention launch");
   }
-  DecodeKernelParams kp = p;
+  if (how.combine == DecodeCombine::kCluster && p.num_splits <= kDecodeMaxClusterSplits &&
+      key_group_cluster_ready<kHeadDim, T>(split_kv, p.num_splits)) {
+    kp.counters = nullptr;
+    kp.cluster_combine = true;
+    FLARE_RETURN_IF_ERROR(detail::cuda_status(
+        detail::launch_cluster(split_kv, grid, block, p.num_splits, static_cast<size_t>(lay.smem_bytes), stream, kp, lay),
+        "decode attention launch"));
+    *combined = true;
+    return Status::Ok();
+  }
   const bool in_kernel = how.combine != DecodeCombine::kSeparateKernel && p.counters != nullptr;
   if (!in_kernel || how.combine == DecodeCombine::kInKernelPrezeroed) {
     if (!in_kernel) kp.counters = nullptr;  // the kernel writes the states; the caller merges them

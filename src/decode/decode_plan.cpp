@@ -338,6 +338,7 @@ const char* decode_combine_name(DecodeCombine c) {
     case DecodeCombine::kInKernel: return "in_kernel";
     case DecodeCombine::kSeparateKernel: return "separate_kernel";
     case DecodeCombine::kInKernelPrezeroed: return "in_kernel_prezeroed";
+    case DecodeCombine::kCluster: return "cluster";
   }
   return "unknown";
 }
@@ -499,7 +500,7 @@ Status check_decode_plan(const DecodePlan& plan, const DecodeShapeKey& key) {
       plan.engine != DecodeEngine::kPortable)
     return Status::InvalidArgument("plan", "engine " + str(static_cast<int>(plan.engine)) + " is not a DecodeEngine");
   if (plan.combine != DecodeCombine::kInKernel && plan.combine != DecodeCombine::kSeparateKernel &&
-      plan.combine != DecodeCombine::kInKernelPrezeroed)
+      plan.combine != DecodeCombine::kInKernelPrezeroed && plan.combine != DecodeCombine::kCluster)
     return Status::InvalidArgument("plan", "combine " + str(static_cast<int>(plan.combine)) + " is not a DecodeCombine");
   if (std::string problem = heads_per_cta_problem(plan.heads_per_cta, key.heads_kv, key.head_dim); !problem.empty())
     return Status::InvalidArgument("plan", problem);

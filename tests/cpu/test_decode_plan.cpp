@@ -555,7 +555,8 @@ TEST(CheckDecodePlan, RejectsPlansForOtherShapesOrEdited) {
 
   // How it runs may be edited, to valid values only.
   for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
-    for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed})
+    for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed,
+                            DecodeCombine::kCluster})
       for (int h : {0, 1, 2, 4, 8}) {
         edited = plan;
         edited.engine = e;
@@ -592,6 +593,7 @@ TEST(DecodePlanNames, EnginesAndCombines) {
   EXPECT_STREQ(decode_combine_name(DecodeCombine::kInKernel), "in_kernel");
   EXPECT_STREQ(decode_combine_name(DecodeCombine::kSeparateKernel), "separate_kernel");
   EXPECT_STREQ(decode_combine_name(DecodeCombine::kInKernelPrezeroed), "in_kernel_prezeroed");
+  EXPECT_STREQ(decode_combine_name(DecodeCombine::kCluster), "cluster");
 }
 
 // ---------------------------------------------------------------------------------------------

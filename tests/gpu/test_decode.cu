@@ -4,9 +4,10 @@
 // counts and the heuristic's plan; batches of different cache lengths (1, 15, 16, 17, 4095,
 // page-crossing ends); large and odd query groups (several row blocks); non-causal rows with
 // empty caches; strided caches; a CUDA graph replayed with changing cache lengths; bad inputs.
-// Every plan runs on each engine (key groups with the in-kernel and the separate combine, head
-// warps, portable); the key-group kernel's heads per CTA, split counts up to 64 and the three
-// combines have their own test.
+// Every plan runs on each engine (key groups with the in-kernel, the separate and the cluster
+// combine, head warps, portable); the key-group kernel's heads per CTA, split counts up to 128
+// and the four combines have their own test (the cluster combine in clusters of 2, 7 and 16 CTAs,
+// the in-kernel combine past 16 splits).
 //
 // Outputs and the workspace are poisoned (NaN), cache rows past each sequence's length are NaN
 // and unused page-table entries point far outside the cache, so a kernel that writes too little
@@ -403,8 +404,8 @@ void run_plan(DecodeProblem& prob, const DecodePlan& plan) {
   prob.check(label);
 }
 
-// `plan` as each engine and combine runs it: the default (key groups, in-kernel combine), key
-// groups with the combine kernel, the head-warp kernel and the portable kernel (each with the
+// `plan` as each engine and combine runs it: key groups with the in-kernel combine, the combine
+// kernel and the cluster combine, the head-warp kernel and the portable kernel (each with the
 // combine kernel). Where the sm_90 engines do not apply (head dims other than 128, more than 16
 // packed rows, ...) all of them run the portable kernel.
 std::vector<DecodePlan> engine_variants(const DecodePlan& plan) {
@@ -416,7 +417,10 @@ std::vector<DecodePlan> engine_variants(const DecodePlan& plan) {
     plans.push_back(v);
   };
   add(DecodeEngine::kKeyGroups, DecodeCombine::kInKernel);
-  if (plan.kernel == DecodeKernel::kSplitKv) add(DecodeEngine::kKeyGroups, DecodeCombine::kSeparateKernel);
+  if (plan.kernel == DecodeKernel::kSplitKv) {
+    add(DecodeEngine::kKeyGroups, DecodeCombine::kSeparateKernel);
+    add(DecodeEngine::kKeyGroups, DecodeCombine::kCluster);  // as kInKernel past 16 splits
+  }
   add(DecodeEngine::kHeadWarps, DecodeCombine::kSeparateKernel);
   add(DecodeEngine::kPortable, DecodeCombine::kSeparateKernel);
   return plans;
@@ -594,9 +598,10 @@ TEST(Decode, KeyGroupsHeadBlocksAndInKernelCombine) {
           for (int heads : head_counts) {
             DecodePlan plan;
             ASSERT_TRUE(decode_plan_for_splits(key, splits, &plan).ok());
+            plan.engine = DecodeEngine::kKeyGroups;
             plan.heads_per_cta = heads;
-            for (DecodeCombine combine :
-                 {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed}) {
+            for (DecodeCombine combine : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel,
+                                          DecodeCombine::kInKernelPrezeroed, DecodeCombine::kCluster}) {
               if (plan.kernel == DecodeKernel::kStandard && combine != DecodeCombine::kInKernel) continue;
               plan.combine = combine;
               run_plan(prob, plan);
@@ -630,14 +635,15 @@ TEST(Decode, GraphReplayWithChangingLengths) {
       SCOPED_TRACE(c.name());
       DecodeProblem prob(c);
       const DecodeShapeKey key = prob.key();
-      for (int splits : reduced() ? std::vector<int>{7} : std::vector<int>{1, 7, 32})
-        for (DecodeCombine combine :
-             {DecodeCombine::kInKernel, DecodeCombine::kInKernelPrezeroed, DecodeCombine::kSeparateKernel}) {
+      for (int splits : reduced() ? std::vector<int>{7} : std::vector<int>{1, 7, 16, 32})
+        for (DecodeCombine combine : {DecodeCombine::kInKernel, DecodeCombine::kInKernelPrezeroed,
+                                      DecodeCombine::kSeparateKernel, DecodeCombine::kCluster}) {
           DecodePlan plan;
           ASSERT_TRUE(decode_plan_for_splits(key, splits, &plan).ok());
           if (plan.kernel == DecodeKernel::kStandard && combine != DecodeCombine::kInKernel) continue;
           plan.combine = combine;
-          if (combine == DecodeCombine::kSeparateKernel) plan.engine = DecodeEngine::kHeadWarps;  // the old path
+          plan.engine = combine == DecodeCombine::kSeparateKernel ? DecodeEngine::kHeadWarps  // the old path
+                                                                  : DecodeEngine::kKeyGroups;
           SCOPED_TRACE(plan_label(plan));
           const bool prezeroed = combine == DecodeCombine::kInKernelPrezeroed;
           DeviceBuffer workspace(plan.workspace_bytes);
