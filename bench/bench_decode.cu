@@ -4,8 +4,8 @@
 //
 // Benchmark (default): for each shape, the plan decode_plan() gives with the tuning table (or the
 // heuristic when no table is found), run by --engine (default: the library's, DecodePlan{}.engine,
-// head_warps; key_groups runs with its in-kernel combine, head_warps and portable with the
-// combine kernel),
+// key_groups; key_groups runs with --combine, default the library's cluster combine; head_warps
+// and portable with the combine kernel),
 // timed under CUDA-graph replay and as plain launches: median, p10-p90 spread and standard
 // deviation after warm-up, L2 flushed before every sample; KV bytes per second against the
 // measured copy bandwidth. Where the heuristic picks another split count its time is printed too.
@@ -165,8 +165,9 @@ class DecodeData {
     reserve_workspace(plan.workspace_bytes);
     check_ok(decode_run(plan, params(out != nullptr ? out : out_, stream), workspace_, workspace_bytes_), "decode_run");
   }
-  // Zeroed when (re)allocated: DecodeCombine::kInKernelPrezeroed needs its counters at 0, and
-  // every complete call of any plan leaves them so.
+  // Zeroed when (re)allocated. DecodeCombine::kInKernelPrezeroed needs its counters at 0: every
+  // complete in-kernel-combine call leaves them so, but another plan's partial states may lie
+  // where this plan's counters are (their offset depends on the split count): zero_counters.
   void reserve_workspace(std::size_t bytes) {
     if (bytes <= workspace_bytes_) return;
     FLARE_BENCH_CHECK(cudaStreamSynchronize(stream_));
@@ -174,6 +175,14 @@ class DecodeData {
     FLARE_BENCH_CHECK(cudaMalloc(&workspace_, bytes));
     FLARE_BENCH_CHECK(cudaMemset(workspace_, 0, bytes));
     workspace_bytes_ = bytes;
+  }
+
+  // Zeroes `plan`'s arrival counters (on the stream, outside any timed region).
+  void zero_counters(const DecodePlan& plan, cudaStream_t stream) {
+    if (plan.kernel != DecodeKernel::kSplitKv) return;
+    reserve_workspace(plan.workspace_bytes);
+    FLARE_BENCH_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + plan.counters_offset, 0,
+                                      plan.workspace_bytes - plan.counters_offset, stream));
   }
 
   double kv_bytes() const { return 2.0 * static_cast<double>(cache_elems()) * kElemBytes; }
@@ -200,8 +209,8 @@ std::string plan_name(const DecodePlan& p) {
   return name;
 }
 
-// The key-group engine's combine for split plans (--combine; default in the kernel).
-DecodeCombine key_group_combine = DecodeCombine::kInKernel;
+// The key-group engine's combine for split plans (--combine; default the library's).
+DecodeCombine key_group_combine = DecodePlan{}.combine;
 
 // The plan as `engine` runs it: the key-group engine with key_group_combine, the others with the
 // combine kernel.
@@ -217,6 +226,7 @@ bool same_launch(const DecodePlan& a, const DecodePlan& b) {
 
 Timing time_plan(DecodeData& data, const DecodePlan& plan, TimingOptions options, cudaStream_t stream) {
   data.reserve_workspace(plan.workspace_bytes);  // allocated before, never inside, a capture
+  data.zero_counters(plan, stream);
   return time_kernel([&](cudaStream_t s) { data.run(plan, s); }, options, stream);
 }
 
@@ -370,11 +380,13 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
         bool row_ok = true;
         auto check = [&](const DecodePlan& p) {
           FLARE_BENCH_CHECK(cudaMemsetAsync(data.out(), 0xFF, data.out_elems() * kElemBytes, stream));
+          data.zero_counters(p, stream);
           data.run(p, stream);
           const ErrorStats err = compare_bf16(data.out(), data.reference_out(), data.out_elems(), stream);
           const bool ok = err.rel_l2 < kMaxRelError && std::isfinite(err.max_abs);
-          if (!ok) std::printf("CHECK FAILED: %s %s %s %s: rel err %g\n", shape.c_str(), layout_name(page_size).c_str(),
-                               plan_name(p).c_str(), decode_engine_name(p.engine), err.rel_l2);
+          if (!ok)
+            std::printf("CHECK FAILED: %s %s %s %s %s: rel err %g\n", shape.c_str(), layout_name(page_size).c_str(),
+                        plan_name(p).c_str(), decode_engine_name(p.engine), decode_combine_name(p.combine), err.rel_l2);
           all_ok &= ok;
           row_ok &= ok;
           return err.rel_l2;
@@ -515,7 +527,7 @@ DecodeEngine parse_engine(const std::string& name) {
 }
 
 DecodeCombine parse_combine(const std::string& name) {
-  if (name.empty()) return DecodeCombine::kInKernel;
+  if (name.empty()) return DecodePlan{}.combine;
   for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed,
                           DecodeCombine::kCluster})
     if (name == decode_combine_name(c)) return c;

@@ -175,10 +175,11 @@ struct DecodePlan {
   std::size_t counters_offset = 0;     // byte offset of the arrival counters in the workspace
   DecodePlanSource source = DecodePlanSource::kHeuristic;
   // How it runs; may be edited after planning (check_decode_plan accepts any valid value).
-  // The head-warp engine by default: the key-group engine (with the in-kernel combine) measured
-  // 0.74-0.99x its speed on the H100 before tuning (bench/RESULTS.md, decode, session 4).
-  DecodeEngine engine = DecodeEngine::kHeadWarps;
-  DecodeCombine combine = DecodeCombine::kSeparateKernel;
+  // The key-group engine with the cluster combine by default: with its cache loads as TMA tensor
+  // boxes it runs 0.9-1.1x the head-warp engine's time at batch 1 and 1.05-1.14x faster at
+  // batch 8 (bench/RESULTS.md, decode, session 18).
+  DecodeEngine engine = DecodeEngine::kKeyGroups;
+  DecodeCombine combine = DecodeCombine::kCluster;
   int heads_per_cta = 0;         // sm_90 engines: 0 (their rule) or a power of two dividing heads_kv
   DecodeShapeKey shape;          // the shape planned for; the run checks its params against it
 };

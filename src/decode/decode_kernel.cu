@@ -301,6 +301,8 @@ DecodeKernelParams make_kernel_params(const DecodeParams& p, const detail::Decod
   k.out_stride_b = p.out.stride[0], k.out_stride_t = p.out.stride[1], k.out_stride_h = p.out.stride[2];
   k.k_stride_0 = p.k_cache.stride[0], k.k_stride_tok = p.k_cache.stride[1], k.k_stride_h = p.k_cache.stride[2];
   k.v_stride_0 = p.v_cache.stride[0], k.v_stride_tok = p.v_cache.stride[1], k.v_stride_h = p.v_cache.stride[2];
+  k.k_extent_0 = p.k_cache.shape[0], k.k_extent_1 = p.k_cache.shape[1];
+  k.v_extent_0 = p.v_cache.shape[0], k.v_extent_1 = p.v_cache.shape[1];
   k.page_table_stride = s.paged ? p.page_table.stride[0] : 0;
   k.seqlens_stride = p.cache_seqlens.stride[0];
 

@@ -69,6 +69,8 @@ struct DecodeKernelParams {
   // num_splits CTAs of a (sequence, head block) are one cluster and merge through shared memory.
   bool cluster_combine = false;
   unsigned long long* timeline = nullptr;  // FLARE_DECODE_TIMELINE builds (decode_timeline.h)
+  // The caches' first two extents: (batch, max_cache_len) contiguous, (num_pages, page_size) paged.
+  int64_t k_extent_0 = 0, k_extent_1 = 0, v_extent_0 = 0, v_extent_1 = 0;
 
   int64_t q_stride_b = 0, q_stride_t = 0, q_stride_h = 0;
   int64_t out_stride_b = 0, out_stride_t = 0, out_stride_h = 0;

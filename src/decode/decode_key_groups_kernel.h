@@ -51,6 +51,7 @@
 #include "src/common/bulk_copy.h"
 #include "src/decode/decode_kernel.h"
 #include "src/decode/decode_subtile.h"
+#include "src/decode/decode_tensor_maps.h"
 #include "src/decode/decode_schedule.h"
 #include "src/decode/decode_timeline.h"
 
@@ -198,6 +199,32 @@ __device__ __forceinline__ void combine_splits(const DecodeKernelParams& p, int 
   }
 }
 
+// Offset (elements) of 8-column chunk c of a row at 128-byte line `line` of a stage's K or V, past
+// the line's start: its 64-column block, then the chunk within the line as TMA's 128-byte swizzle
+// placed it (j ^ (line % 8); the stage is 1024-byte aligned, block_elems a multiple of 512).
+__device__ __forceinline__ int swizzled_chunk(int c, int line, int block_elems) {
+  return (c >> 3) * block_elems + (((c & 7) ^ (line & 7)) << 3);
+}
+
+// Starts fetching a tensor map's descriptor (a __grid_constant__ parameter) into the TMA unit's cache.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#endif
+}
+
+// One TMA box of a 4-D tensor map into shared memory, completing on `bar` (sm_90).
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
+          sm90::smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(sm90::smem_u32(bar))
+      : "memory");
+#endif
+}
+
 // The cluster combine's merge (see the top of this file): called by every consumer thread of every
 // CTA of the cluster (the producer warps take the two cluster barriers alone), after each CTA's
 // consumers left their states in `states` (fp32 [hpc][16][stride]: head h_local's row r at
@@ -262,7 +289,8 @@ __global__ void __launch_bounds__(256) zero_arrival_counters_kernel(int* counter
 
 template <int kHeadDim, typename T, bool kSplit>
 __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
-    decode_key_groups_kernel(const DecodeKernelParams p, const KeyGroupLayout lay) {
+    decode_key_groups_kernel(const DecodeKernelParams p, const KeyGroupLayout lay, const __grid_constant__ CUtensorMap tmap_k,
+                             const __grid_constant__ CUtensorMap tmap_v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace device;
   using namespace sm90;
@@ -270,8 +298,11 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   constexpr int kWarps = key_group_consumer_warps(kHeadDim), kConsumerThreads = 32 * kWarps;
   constexpr int kMergeStride = kHeadDim + kKeyGroupMergePad;
   static_assert(kKSteps % 2 == 0, "S runs as two chains over the halves of the head dim");
+  constexpr int kColBlocks = kHeadDim / kCacheBoxCols;  // 64-column blocks of a row (TMA boxes)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* const kv_smem = reinterpret_cast<T*>(smem_raw);             // [stages][K | V][stage_keys][row_elems]
+  // [stages][K | V][column block][stage_keys][heads_per_cta][64], 128-byte swizzled: 1024-aligned
+  T* const kv_smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + kKeyGroupSmemAlign - 1) &
+                                          ~uintptr_t{kKeyGroupSmemAlign - 1});
   float* const merge_smem = reinterpret_cast<float*>(smem_raw);  // after the walk: [kWarps][16][kMergeStride]
   __shared__ __align__(8) uint64_t full_bar[kKeyGroupMaxStages], empty_bar[kKeyGroupMaxStages];
   __shared__ float warp_max[kWarps][16], warp_sum[kWarps][16];
@@ -284,7 +315,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   const bool in_kernel_combine = kSplit && p.counters != nullptr;
   if (kSplit && !in_kernel_combine) allow_dependent_launch();  // the combine kernel may start launching
 
-  const int hpc = lay.heads_per_cta, kgs = lay.key_groups, R = lay.row_elems, SK = lay.stage_keys;
+  const int hpc = lay.heads_per_cta, kgs = lay.key_groups, SK = lay.stage_keys;
+  const int block_elems = SK * hpc * kCacheBoxCols;  // one column block of K or V in a stage
   const int stages = lay.stages;
   // blockIdx.x = (b * head_blocks + hb) * num_splits + split
   const int head_blocks = p.heads_kv / hpc;
@@ -296,6 +328,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
+    prefetch_tensor_map(&tmap_k);  // the first loads need the descriptors: fetch them under the setup
+    prefetch_tensor_map(&tmap_v);
     for (int s = 0; s < stages; ++s) {
       mbar_init(&full_bar[s], 1);
       mbar_init(&empty_bar[s], kWarps);
@@ -311,30 +345,30 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
 
   if (warp == kWarps) {
     // ================= producer warp
-    const int row_bytes = hpc * kHeadDim * int(sizeof(T));
-    const T* const k_base = static_cast<const T*>(p.k) + int64_t{hk0} * kHeadDim;
-    const T* const v_base = static_cast<const T*>(p.v) + int64_t{hk0} * kHeadDim;
-    const int copies_per_lane = 2 * SK / 32;  // K and V rows of the stage's keys
-    // Issues stage i of a walk from walk_begin for the keys below `end`; locate(key_in_stage,
-    // &slot, &tok) gives a key's cache row (called by every lane: it may shuffle).
+    // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
+    const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
+    // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
+    // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
+    // &tok) gives a key's cache coordinates (called by every lane: it may shuffle). The boxes are
+    // whole (keys past the cache are zero-filled, keys past `end` inside it are loaded and masked),
+    // so the stage's bytes are boxes x box_bytes.
     auto issue = [&](int i, int walk_begin, int end, auto&& locate) {
       const int s = i % stages;
       if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
       const int key0 = key_group_stage_key0(walk_begin, i, SK);
-      const int valid = min(SK, end - key0);
-      if (lane == 0) mbar_arrive_expect_tx(&full_bar[s], 2u * valid * row_bytes);
+      const int subs = min(kgs, (end - key0 + kN - 1) / kN);
+      int64_t slot = 0, tok = 0;
+      locate(key0, kN * (lane % kgs), &slot, &tok);
+      if (lane == 0) mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * subs * box_bytes);
       __syncwarp();
-      T* const stage = kv_smem + s * lay.stage_elems;
-      for (int j = 0; j < copies_per_lane; ++j) {
-        const int c = lane + 32 * j;  // copy c: K of key c, or V of key c - SK
-        const bool is_v = c >= SK;
-        const int key_in = is_v ? c - SK : c;
-        int64_t slot = 0, tok = 0;
-        locate(key0, key_in, &slot, &tok);
-        if (key_in < valid) {
-          const T* src = is_v ? v_base + slot * p.v_stride_0 + tok * p.v_stride_tok
-                              : k_base + slot * p.k_stride_0 + tok * p.k_stride_tok;
-          bulk_copy_g2s(stage + (is_v ? SK * R : 0) + key_in * R, src, row_bytes, &full_bar[s]);
+      if (lane < subs) {
+        T* const k_dst = kv_smem + s * lay.stage_elems + lane * kN * hpc * kCacheBoxCols;
+#pragma unroll
+        for (int cb = 0; cb < kColBlocks; ++cb) {
+          tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, static_cast<int>(tok),
+                      static_cast<int>(slot), &full_bar[s]);
+          tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0,
+                      static_cast<int>(tok), static_cast<int>(slot), &full_bar[s]);
         }
       }
     };
@@ -401,6 +435,12 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
+  // This lane's ldmatrix rows in a stage (128-byte lines: key-major, then head): K (non-transposed,
+  // keys lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
+  // lane % 8 + 8 ((lane / 8) % 2)).
+  const int k_line = (kN * kg + lane % 8 + (lane / 16) * 8) * hpc + head, k_hi = (lane / 8) % 2;
+  const int v_line = (kN * kg + lane % 8 + ((lane / 8) % 2) * 8) * hpc + head;
+
   // Every issued stage is waited for (speculative ones past a short sequence too: no copy may
   // still be writing shared memory when the buffers are reused for the merge or the CTA exits).
   const int total_stages = max(num_stages, spec_stages);
@@ -408,23 +448,33 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     const int s = it % stages;
     mbar_wait(&full_bar[s], (it / stages) & 1);
     FLARE_DECODE_MARK(it == 0 && threadIdx.x == 0, kDecodeMarkLanded);
-    T* const k_chunk = kv_smem + s * lay.stage_elems + kN * kg * R + head * kHeadDim;
-    T* const v_chunk = k_chunk + SK * R;
+    const T* const k_stage = kv_smem + s * lay.stage_elems;
+    const T* const v_stage = k_stage + kColBlocks * block_elems;
     const int key0 = key_group_sub_tile_key0(keys.tile_begin, it, SK, kg);
     const bool visible =
         it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
-      zero_v_rows_past_end<kHeadDim, kN>(v_chunk, R, key0, keys.kv_end, lane);
+      if (key0 + kN > keys.kv_end) {  // V rows past the end hold stale or garbage values: zeroed
+        T* const v_rows = const_cast<T*>(v_stage);
+        for (int idx = lane; idx < (key0 + kN - keys.kv_end) * (kHeadDim / 8); idx += 32) {
+          const int r = keys.kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
+          const int line = (kN * kg + r) * hpc + head;  // whole 128-byte lines: the swizzle does not matter
+          *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async_shared();  // before a later TMA load refills the stage
+        __syncwarp();
+      }
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
       // S = Q K^T: keys 0-7 and 8-15 (j), head-dim halves a and b: four independent chains.
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       float sd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const T* const k_lane = k_chunk + (lane % 8 + (lane / 16) * 8) * R + ((lane / 8) % 2) * 8;
+      const T* const k_row = k_stage + k_line * kCacheBoxCols;
 #pragma unroll
       for (int ks = 0; ks < kHalf; ++ks) {
         uint32_t ba[4], bb[4];
-        ldmatrix_x4(ba, k_lane + 16 * ks);
-        ldmatrix_x4(bb, k_lane + 16 * (ks + kHalf));
+        ldmatrix_x4(ba, k_row + swizzled_chunk(2 * ks + k_hi, k_line, block_elems));
+        ldmatrix_x4(bb, k_row + swizzled_chunk(2 * (ks + kHalf) + k_hi, k_line, block_elems));
         mma_16x8x16<T>(sc[0], qa[ks], ba[0], ba[1]);
         mma_16x8x16<T>(sc[1], qa[ks], ba[2], ba[3]);
         mma_16x8x16<T>(sd[0], qa[ks + kHalf], bb[0], bb[1]);
@@ -434,7 +484,10 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[j][e] += sd[j][e];
-      softmax_pv_step<kDTiles>(sc, full, key0, t, rows, p.scale_log2, row_max, row_sum, o, v_chunk, R, lane);
+      const T* const v_row = v_stage + v_line * kCacheBoxCols;
+      softmax_pv_step<kDTiles, T>(sc, full, key0, t, rows, p.scale_log2, row_max, row_sum, o, [&](int dp) {
+        return v_row + swizzled_chunk(2 * dp + lane / 16, v_line, block_elems);
+      });
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty_bar[s]);  // this warp is done with the stage

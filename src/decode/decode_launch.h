@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "flare/decode_plan.h"
 #include "src/common/cuda_check.h"
@@ -115,12 +116,26 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   const int64_t ctas = int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits;
   if (ctas > INT_MAX) return Status::NotSupported("decode: " + std::to_string(ctas) + " CTAs exceed the grid limit");
   const dim3 grid(static_cast<unsigned>(ctas)), block(32 * (lay.consumer_warps + 1));
+  // The caches' TMA maps (decode_tensor_maps.h): boxes of heads_per_cta heads; the head-warp
+  // kernel runs where the driver refuses them.
+  CUtensorMap tmap_k, tmap_v;
+  auto key_of = [&](const void* base, int64_t e0, int64_t e1, int64_t s0, int64_t s_tok, int64_t s_h) {
+    CacheMapKey k;
+    k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
+    k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
+    k.box_heads = heads_per_cta, k.elem_bytes = static_cast<int>(sizeof(T));
+    k.bf16 = std::is_same_v<T, __nv_bfloat16>;
+    return k;
+  };
+  if (!cache_tensor_map(key_of(p.k, p.k_extent_0, p.k_extent_1, p.k_stride_0, p.k_stride_tok, p.k_stride_h), &tmap_k) ||
+      !cache_tensor_map(key_of(p.v, p.v_extent_0, p.v_extent_1, p.v_stride_0, p.v_stride_tok, p.v_stride_h), &tmap_v))
+    return launch_decode_head_warps<kHeadDim, T>(p, stream);
   DecodeKernelParams kp = p;
 #if FLARE_DECODE_TIMELINE
   kp.timeline = decode_timeline_buffer();
 #endif
   if (p.num_splits == 1) {
-    standard<<<grid, block, lay.smem_bytes, stream>>>(kp, lay);
+    standard<<<grid, block, lay.smem_bytes, stream>>>(kp, lay, tmap_k, tmap_v);
     return detail::cuda_status(cudaGetLastError(), "decode attention launch");
   }
   if (how.combine == DecodeCombine::kCluster && p.num_splits <= kDecodeMaxClusterSplits &&
@@ -128,7 +143,8 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     kp.counters = nullptr;
     kp.cluster_combine = true;
     FLARE_RETURN_IF_ERROR(detail::cuda_status(
-        detail::launch_cluster(split_kv, grid, block, p.num_splits, static_cast<size_t>(lay.smem_bytes), stream, kp, lay),
+        detail::launch_cluster(split_kv, grid, block, p.num_splits, static_cast<size_t>(lay.smem_bytes), stream, kp, lay,
+                               tmap_k, tmap_v),
         "decode attention launch"));
     *combined = true;
     return Status::Ok();
@@ -136,7 +152,7 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   const bool in_kernel = how.combine != DecodeCombine::kSeparateKernel && p.counters != nullptr;
   if (!in_kernel || how.combine == DecodeCombine::kInKernelPrezeroed) {
     if (!in_kernel) kp.counters = nullptr;  // the kernel writes the states; the caller merges them
-    split_kv<<<grid, block, lay.smem_bytes, stream>>>(kp, lay);
+    split_kv<<<grid, block, lay.smem_bytes, stream>>>(kp, lay, tmap_k, tmap_v);
     FLARE_RETURN_IF_ERROR(detail::cuda_status(cudaGetLastError(), "decode attention launch"));
     *combined = in_kernel;
     return Status::Ok();
@@ -146,7 +162,8 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   zero_arrival_counters_kernel<T><<<1, 256, 0, stream>>>(kp.counters, int64_t{p.batch} * p.heads_kv);
   FLARE_RETURN_IF_ERROR(detail::cuda_status(cudaGetLastError(), "decode counter reset launch"));
   const cudaError_t e = detail::launch_maybe_programmatic(true, split_kv, grid, block,
-                                                         static_cast<size_t>(lay.smem_bytes), stream, kp, lay);
+                                                         static_cast<size_t>(lay.smem_bytes), stream, kp, lay, tmap_k,
+                                                         tmap_v);
   FLARE_RETURN_IF_ERROR(detail::cuda_status(e, "decode attention launch"));
   *combined = true;
   return Status::Ok();

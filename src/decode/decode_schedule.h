@@ -30,7 +30,12 @@ inline constexpr int kKeyGroupMaxStages = 8;
 // Dynamic shared memory for the stages: an H100 block may take 227 KB, the rest is static
 // (barriers, per-warp row statistics). Three stages of the widest rows fit.
 inline constexpr int kKeyGroupSmemBudget = 224 * 1024;
-inline constexpr int kKeyGroupRowPad = 8;        // elements (16 bytes): ldmatrix rows hit distinct banks
+// No row padding: the stages are TMA boxes in 128-byte swizzled lines (decode_tensor_maps.h), which
+// is what keeps ldmatrix's rows on distinct banks.
+inline constexpr int kKeyGroupRowPad = 0;
+// The stages' alignment (the 128-byte swizzle repeats every 1024 bytes): the dynamic shared
+// memory holds this much slack in front of them.
+inline constexpr int kKeyGroupSmemAlign = 1024;
 inline constexpr int kKeyGroupMergePad = 8;      // floats per merge row: float2 stores at most 2-way conflicted
 // The in-kernel combine's most states per row (kMaxDecodeSplits: checked where both are seen).
 inline constexpr int kCombineMaxStates = 128;
@@ -41,11 +46,11 @@ struct KeyGroupLayout {
   int heads_per_cta = 0;
   int key_groups = 0;      // consumer warps per head
   int consumer_warps = 0;  // heads_per_cta x key_groups
-  int row_elems = 0;       // shared row stride in elements: heads_per_cta x head_dim + kKeyGroupRowPad
+  int row_elems = 0;       // one key's K (or V) row of the CTA's heads, in elements: heads_per_cta x head_dim
   int stage_keys = 0;      // kSubTileKeys x key_groups
   int stages = 0;
-  int stage_elems = 0;     // 2 x stage_keys x row_elems (K rows, then V rows)
-  int smem_bytes = 0;      // dynamic shared memory: the stages, or the merge buffer where larger
+  int stage_elems = 0;     // 2 x stage_keys x row_elems (K, then V; each in 64-column blocks of 128-byte lines)
+  int smem_bytes = 0;      // dynamic shared memory: the stages, or the merge buffer where larger, + kKeyGroupSmemAlign
 };
 
 // Bytes of the buffer the key groups merge through after the walk: fp32 [consumer_warps][16][head_dim + pad].
@@ -75,12 +80,12 @@ FLARE_HD KeyGroupLayout key_group_layout(int head_dim, int elem_bytes, int heads
   const int stage_bytes = l.stage_elems * elem_bytes;
   const int64_t tiles = (max_keys + kSubTileKeys - 1) / kSubTileKeys;
   const int64_t needed = (tiles + l.key_groups - 1) / l.key_groups;
-  int stages = kKeyGroupSmemBudget / stage_bytes;
+  int stages = (kKeyGroupSmemBudget - kKeyGroupSmemAlign) / stage_bytes;
   if (stages > kKeyGroupMaxStages) stages = kKeyGroupMaxStages;
   if (stages > needed) stages = static_cast<int>(needed);
   l.stages = stages < 1 ? 1 : stages;
   const int merge = key_group_merge_bytes(head_dim);
-  l.smem_bytes = l.stages * stage_bytes > merge ? l.stages * stage_bytes : merge;
+  l.smem_bytes = (l.stages * stage_bytes > merge ? l.stages * stage_bytes : merge) + kKeyGroupSmemAlign;
   return l;
 }
 

@@ -26,13 +26,24 @@ __device__ __forceinline__ void zero_v_rows_past_end(T* v_chunk, int R, int key0
   __syncwarp();
 }
 
+// v_at of softmax_pv_step for V rows at v_chunk with a row stride of R elements.
+template <typename T>
+struct StridedRows {
+  const T* lane_row;  // this lane's row and column offset
+  __device__ __forceinline__ StridedRows(const T* v_chunk, int R, int lane)
+      : lane_row(v_chunk + (lane % 8 + ((lane / 8) % 2) * 8) * R + (lane / 16) * 8) {}
+  __device__ __forceinline__ const T* operator()(int dp) const { return lane_row + 16 * dp; }
+};
+
 // S (sc: keys 0-7 and 8-15 of the sub-tile starting at key0) masked to each row's visible keys
 // unless the sub-tile is `full`, folded into the rows' running max (log2 units) and sum, O
-// rescaled where the max moved, and O += P V with V's 16 rows at v_chunk (stride R).
-template <int kDTiles, typename T>
+// rescaled where the max moved, and O += P V with V's 16 rows read by ldmatrix.trans: v_at(dp) is
+// this lane's address for columns [16 dp, 16 dp + 16) (its row lane % 8 + 8 ((lane / 8) % 2),
+// its 8 columns from 16 dp + 8 (lane / 16)).
+template <int kDTiles, typename T, typename VAt>
 __device__ __forceinline__ void softmax_pv_step(float (&sc)[2][4], bool full, int key0, int t, const RowBounds& rows,
                                                 float scale_log2, float (&row_max)[2], float (&row_sum)[2],
-                                                float (&o)[kDTiles][4], const T* v_chunk, int R, int lane) {
+                                                float (&o)[kDTiles][4], VAt&& v_at) {
   if (!full) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -72,7 +83,7 @@ __device__ __forceinline__ void softmax_pv_step(float (&sc)[2][4], bool full, in
 #pragma unroll
   for (int dp = 0; dp < kDTiles / 2; ++dp) {
     uint32_t bv[4];
-    ldmatrix_x4_trans(bv, v_chunk + (lane % 8 + ((lane / 8) % 2) * 8) * R + 16 * dp + (lane / 16) * 8);
+    ldmatrix_x4_trans(bv, v_at(dp));
     mma_16x8x16<T>(o[2 * dp], pa, bv[0], bv[1]);
     mma_16x8x16<T>(o[2 * dp + 1], pa, bv[2], bv[3]);
   }

@@ -137,8 +137,8 @@ void expect_consistent_plan(const DecodePlan& p, const DecodeShapeKey& key) {
   EXPECT_EQ(p.partial_lse_offset % 256, 0u);
   EXPECT_EQ(p.counters_offset, p.num_splits == 1 ? 0 : p.partial_lse_offset + padded_lse_bytes);
   EXPECT_EQ(p.counters_offset % 16, 0u);
-  EXPECT_EQ(p.engine, DecodeEngine::kHeadWarps);
-  EXPECT_EQ(p.combine, DecodeCombine::kSeparateKernel);
+  EXPECT_EQ(p.engine, DecodeEngine::kKeyGroups);
+  EXPECT_EQ(p.combine, DecodeCombine::kCluster);
 
   Status s = check_decode_plan(p, key);
   EXPECT_TRUE(s.ok()) << s.message();

@@ -39,12 +39,14 @@ TEST(KeyGroupLayout, FitsTheSharedMemoryAndFeedsEveryWarp) {
         EXPECT_EQ(l.stage_keys, kSubTileKeys * l.key_groups);
         EXPECT_EQ(l.row_elems, heads * head_dim + kKeyGroupRowPad);
         EXPECT_EQ(l.stage_elems, 2 * l.stage_keys * l.row_elems);
-        EXPECT_EQ(l.row_elems * 2 % 16, 0) << "bulk copies and ldmatrix rows need 16-byte row strides";
-        EXPECT_EQ(heads * head_dim * 2 % 16, 0) << "a copy is a multiple of 16 bytes";
+        EXPECT_EQ(l.row_elems * 2 % 128, 0) << "rows are whole 128-byte lines (64-column TMA boxes)";
         EXPECT_GE(l.stages, 1);
         EXPECT_LE(l.stages, kKeyGroupMaxStages);
         const int stage_bytes = l.stage_elems * 2;
-        EXPECT_GE(l.smem_bytes, l.stages * stage_bytes);
+        EXPECT_EQ(stage_bytes % kKeyGroupSmemAlign, 0) << "every stage starts on a swizzle atom";
+        EXPECT_EQ(l.stage_keys * l.row_elems / (head_dim / 64) * 2 % kKeyGroupSmemAlign, 0)
+            << "so does every 64-column block of a stage's K or V";
+        EXPECT_GE(l.smem_bytes, l.stages * stage_bytes + kKeyGroupSmemAlign);
         EXPECT_GE(l.smem_bytes, key_group_merge_bytes(head_dim));
         EXPECT_GE(key_group_merge_bytes(head_dim), key_group_combine_bytes(head_dim));
         EXPECT_LE(l.smem_bytes, kKeyGroupSmemBudget);

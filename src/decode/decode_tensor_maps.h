@@ -1,0 +1,90 @@
+// Host side of the key-group decode kernel's cache loads: TMA tensor maps of the K and V caches.
+//
+// A cache, contiguous [batch, max_cache_len, heads_kv, d] or paged [num_pages, page_size,
+// heads_kv, d], is a 4-D tensor (d, heads_kv, token, batch or page) to the TMA unit; one load is a
+// box of 64 columns x heads_per_cta heads x 16 tokens of one sequence or page, written to shared
+// memory as 16 x heads_per_cta rows of 128 bytes, 128-byte swizzled (the 16-byte chunk j of row
+// r lands at chunk j ^ (r % 8), so ldmatrix's eight rows of one column chunk hit eight bank
+// groups). One such load replaces 16 x heads_per_cta row copies: the TMA unit took about 30 ns per
+// bulk copy of a 256-512 byte row, which capped a CTA of one or two heads at about 17 GB/s and
+// made its first stage land 5 us after its start (bench/RESULTS.md, session 18).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+#include <mutex>
+
+namespace flare::decode {
+
+inline constexpr int kCacheBoxCols = 64;   // columns per load: 128 bytes, the swizzle's span
+inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile
+
+// The driver's encoder (through the runtime: no -lcuda), or null.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// What a cache's map depends on (strides in elements).
+struct CacheMapKey {
+  const void* base = nullptr;
+  int64_t head_dim = 0, heads = 0, extent_1 = 0, extent_0 = 0;
+  int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
+  int box_heads = 0, elem_bytes = 0;
+  bool bf16 = false;
+  bool operator==(const CacheMapKey& o) const {
+    return base == o.base && head_dim == o.head_dim && heads == o.heads && extent_1 == o.extent_1 &&
+           extent_0 == o.extent_0 && stride_h == o.stride_h && stride_tok == o.stride_tok && stride_0 == o.stride_0 &&
+           box_heads == o.box_heads && elem_bytes == o.elem_bytes && bf16 == o.bf16;
+  }
+};
+
+// Encodes the map of `key` into *map (false where the driver refuses it). The last few maps are
+// kept, so a decode loop over a few layers' caches encodes each once.
+inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
+  constexpr int kKept = 8;
+  static std::mutex mutex;
+  static CacheMapKey keys[kKept];
+  static CUtensorMap maps[kKept];
+  static int next = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (int i = 0; i < kKept; ++i)
+    if (keys[i].base != nullptr && keys[i] == key) {
+      *map = maps[i];
+      return true;
+    }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const int64_t eb = key.elem_bytes;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(key.head_dim), static_cast<cuuint64_t>(key.heads),
+                              static_cast<cuuint64_t>(key.extent_1), static_cast<cuuint64_t>(key.extent_0)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(key.stride_h * eb), static_cast<cuuint64_t>(key.stride_tok * eb),
+                                 static_cast<cuuint64_t>(key.stride_0 * eb)};
+  const cuuint32_t box[4] = {kCacheBoxCols, static_cast<cuuint32_t>(key.box_heads), kCacheBoxTokens, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  CUtensorMap m;
+  const CUresult r = encode(&m, key.bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                            const_cast<void*>(key.base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;
+  keys[next] = key;
+  maps[next] = m;
+  next = (next + 1) % kKept;
+  *map = m;
+  return true;
+}
+
+}  // namespace flare::decode
