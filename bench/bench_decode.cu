@@ -27,7 +27,10 @@
 //
 //   bench_decode [--table PATH] [--engine E] [--combine C] [--compare] [--baseline-table PATH] [--quick]
 //                [--json PATH] [--filter S] [--repeats N] [--warmup N]
-//   bench_decode --tune PATH [--engine E] [--combine C] [--quick]
+//   bench_decode --tune PATH [--engine E | --all-engines] [--combine C] [--quick]
+// --all-engines: the tuner times the key-group engine's candidates (with --combine) and the
+// head-warp engine's (with the combine kernel) for every shape; the table records each winner's
+// engine and combine, and the benchmark runs them (without --engine).
 // --combine: the key-group engine's combine of split plans (in_kernel, separate_kernel,
 // in_kernel_prezeroed, cluster; default in_kernel).
 #include <cuda_bf16.h>
@@ -40,6 +43,7 @@
 #include <filesystem>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -206,6 +210,7 @@ std::string layout_name(int page_size) { return page_size == 0 ? "contiguous" : 
 std::string plan_name(const DecodePlan& p) {
   std::string name = p.kernel == DecodeKernel::kStandard ? std::string("standard") : "split x" + std::to_string(p.num_splits);
   if (p.heads_per_cta != 0) name += " h" + std::to_string(p.heads_per_cta);
+  if (p.engine != DecodePlan{}.engine) name += std::string(" ") + decode_engine_name(p.engine);
   return name;
 }
 
@@ -221,7 +226,8 @@ DecodePlan with_engine(DecodePlan p, DecodeEngine engine) {
 }
 
 bool same_launch(const DecodePlan& a, const DecodePlan& b) {
-  return a.num_splits == b.num_splits && a.heads_per_cta == b.heads_per_cta;
+  return a.num_splits == b.num_splits && a.heads_per_cta == b.heads_per_cta && a.engine == b.engine &&
+         a.combine == b.combine;
 }
 
 Timing time_plan(DecodeData& data, const DecodePlan& plan, TimingOptions options, cudaStream_t stream) {
@@ -255,7 +261,10 @@ const Scored& pick_winner(const std::vector<Scored>& scored) {
   return *chosen;
 }
 
-int tune(const Args& args, const std::string& path, DecodeEngine engine, cudaStream_t stream) {
+// engines: the engines whose candidates compete (each with its combine, see with_engine); the
+// table records each winner's engine and combine.
+int tune(const Args& args, const std::string& path, const std::vector<DecodeEngine>& engines, cudaStream_t stream) {
+  const DecodeEngine engine = engines.front();  // the heuristic's plan runs on the first
   const int sms = num_sms();
   const std::vector<int> batches = args.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 2, 4, 8, 16, 32, 64};
   const std::vector<int> lens = args.quick ? std::vector<int>{1024, 16384} : cache_lengths(256, 65536);
@@ -271,12 +280,14 @@ int tune(const Args& args, const std::string& path, DecodeEngine engine, cudaStr
         data.use_layout(page_size);
         const DecodeShapeKey key = data.key();
         std::vector<Scored> scored;
-        const std::vector<DecodePlan> candidates = engine == DecodeEngine::kKeyGroups
-                                                       ? decode_candidates_with_heads_per_cta(key, sms)
-                                                       : decode_candidates(key, sms);
-        for (const DecodePlan& candidate : candidates) {
-          const DecodePlan plan = with_engine(candidate, engine);
-          scored.push_back({plan, 1e3 * time_plan(data, plan, first_pass, stream).median_ms});
+        for (DecodeEngine e : engines) {
+          const std::vector<DecodePlan> candidates = e == DecodeEngine::kKeyGroups
+                                                         ? decode_candidates_with_heads_per_cta(key, sms)
+                                                         : decode_candidates(key, sms);
+          for (const DecodePlan& candidate : candidates) {
+            const DecodePlan plan = with_engine(candidate, e);
+            scored.push_back({plan, 1e3 * time_plan(data, plan, first_pass, stream).median_ms});
+          }
         }
         std::sort(scored.begin(), scored.end(), [](const Scored& a, const Scored& b) { return a.us < b.us; });
         DecodePlan heuristic;
@@ -291,10 +302,13 @@ int tune(const Args& args, const std::string& path, DecodeEngine engine, cudaStr
         const double heuristic_us =
             std::find_if(finalists.begin(), finalists.end(),
                          [&](const Scored& s) { return same_launch(s.plan, heuristic); })->us;
-        check_ok(table.insert(key, {winner.plan.kernel, winner.plan.num_splits, winner.plan.heads_per_cta}),
-                 "table insert");
+        DecodeTuningEntry entry{winner.plan.kernel, winner.plan.num_splits, winner.plan.heads_per_cta};
+        entry.engine = winner.plan.engine;
+        entry.combine = winner.plan.combine;
+        check_ok(table.insert(key, entry), "table insert");
         report.add_row({{"batch", batch}, {"cache", len}, {"layout", layout_name(page_size)},
-                        {"candidates", static_cast<int>(scored.size())}, {"winner", plan_name(winner.plan)},
+                        {"candidates", static_cast<int>(scored.size())},
+                        {"winner", plan_name(winner.plan) + " " + decode_engine_name(winner.plan.engine)},
                         {"us", Table::Cell(winner.us, 2)}, {"heuristic", plan_name(heuristic)},
                         {"heuristic us", Table::Cell(heuristic_us, 2)},
                         {"gain", Table::Cell(heuristic_us / winner.us, 2)}});
@@ -302,7 +316,7 @@ int tune(const Args& args, const std::string& path, DecodeEngine engine, cudaStr
       }
     }
   report.print();
-  std::printf("engine: %s\n", decode_engine_name(engine));
+  for (DecodeEngine e : engines) std::printf("engine: %s\n", decode_engine_name(e));
   check_ok(table.save(path), "saving the tuning table");
   std::printf("wrote %zu entries to %s\n", table.size(), path.c_str());
   return 0;
@@ -333,7 +347,7 @@ const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTa
 
 struct BenchOptions {
   std::string table_path, baseline_table_path;
-  DecodeEngine engine = DecodePlan{}.engine;
+  std::optional<DecodeEngine> engine;  // --engine; unset: as the plan says (its table entry or the defaults)
   bool compare = false;
 };
 
@@ -341,7 +355,7 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
   const int sms = num_sms();
   const double copy_gbps = measure_copy_bandwidth_gbps(stream);
   std::printf("measured copy bandwidth: %.0f GB/s (read + write)\n", copy_gbps);
-  std::printf("engine: %s\n", decode_engine_name(options.engine));
+  std::printf("engine: %s\n", options.engine ? decode_engine_name(*options.engine) : "the plan's");
   DecodeTuningTable storage, baseline_storage;
   const DecodeTuningTable* table = load_table(options.table_path, &storage);
   const DecodeTuningTable* baseline_table =
@@ -371,8 +385,10 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
         check_ok(decode_plan(key, table, sms, &plan), "decode_plan");
         check_ok(decode_plan(key, nullptr, sms, &heuristic), "decode_plan");
         check_ok(decode_plan_for_splits(key, 1, &standard), "decode_plan_for_splits");
-        plan = with_engine(plan, options.engine);
-        heuristic = with_engine(heuristic, options.engine);
+        if (options.engine) {
+          plan = with_engine(plan, *options.engine);
+          heuristic = with_engine(heuristic, *options.engine);
+        }
         standard = with_engine(standard, DecodeEngine::kPortable);  // the reference: an independent kernel
 
         // Checks: the portable standard kernel on contiguous caches is the reference of this shape.
@@ -542,13 +558,20 @@ int run(int argc, char** argv) {
   BenchOptions options;
   options.table_path = take_path_option(&argc, argv, "--table");
   options.baseline_table_path = take_path_option(&argc, argv, "--baseline-table");
-  options.engine = parse_engine(take_path_option(&argc, argv, "--engine"));
+  const std::string engine_name = take_path_option(&argc, argv, "--engine");
+  if (!engine_name.empty()) options.engine = parse_engine(engine_name);
+  const bool all_engines = take_flag(&argc, argv, "--all-engines");
   options.compare = take_flag(&argc, argv, "--compare");
   const Args args = parse_args_or_exit(argc, argv);
   require_cuda_device_or_exit();
   cudaStream_t stream;
   FLARE_BENCH_CHECK(cudaStreamCreate(&stream));
-  return tune_path.empty() ? benchmark(args, options, stream) : tune(args, tune_path, options.engine, stream);
+  if (!tune_path.empty()) {
+    std::vector<DecodeEngine> engines = {options.engine.value_or(DecodePlan{}.engine)};
+    if (all_engines) engines = {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps};
+    return tune(args, tune_path, engines, stream);
+  }
+  return benchmark(args, options, stream);
 }
 
 }  // namespace

@@ -206,11 +206,14 @@ struct DecodeShapeClass {
 DecodeShapeClass decode_shape_class(const DecodeShapeKey& key);
 
 // A measured winner: the standard kernel (num_splits 1) or split-KV with 2..kMaxDecodeSplits,
-// and the KV heads per CTA it was timed with (0: the engine's rule).
+// the KV heads per CTA it was timed with (0: the engine's rule), and the engine and combine it
+// ran on (unset: DecodePlan's defaults).
 struct DecodeTuningEntry {
   DecodeKernel kernel = DecodeKernel::kStandard;
   int num_splits = 1;
   int heads_per_cta = 0;
+  std::optional<DecodeEngine> engine;
+  std::optional<DecodeCombine> combine;
   friend bool operator==(const DecodeTuningEntry&, const DecodeTuningEntry&) = default;
 };
 
@@ -222,10 +225,11 @@ struct DecodeTuningEntry {
 //
 // Line 1 names the format and its version. Each other line is one class and its winner, every
 // field exactly once in any order: batch and kv_len are bucket values (powers of two), layout is
-// contiguous or paged, kernel is standard (splits=1) or split_kv (splits 2..128). One optional
-// field, heads_per_cta=N (a power of two up to kDecodeMaxHeadsPerCta that divides heads_kv;
-// absent: 0, the engine's rule), is written only when it is not 0, so files without it (tuned
-// before it existed) still load. A malformed file gives InvalidArgument
+// contiguous or paged, kernel is standard (splits=1) or split_kv (splits 2..128). Optional
+// fields, written only when set, so files without them (tuned before they existed) still load:
+// heads_per_cta=N (a power of two up to kDecodeMaxHeadsPerCta that divides heads_kv; absent: 0,
+// the engine's rule), engine=key_groups|head_warps|portable and combine=in_kernel|separate_kernel|
+// cluster (absent: DecodePlan's defaults). A malformed file gives InvalidArgument
 // "<source>:<line>: <what is wrong>", and the table is left unchanged.
 class DecodeTuningTable {
  public:

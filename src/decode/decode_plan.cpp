@@ -210,10 +210,14 @@ class EntryLine {
 
  private:
   // The required fields, then the optional ones.
-  enum Field { kBatch, kHeadsKv, kGroup, kHeadDim, kQLen, kKvLen, kLayout, kKernel, kSplits, kHeadsPerCta, kNumFields };
+  enum Field {
+    kBatch, kHeadsKv, kGroup, kHeadDim, kQLen, kKvLen, kLayout, kKernel, kSplits, kHeadsPerCta, kEngine, kCombine,
+    kNumFields
+  };
   static constexpr int kNumRequiredFields = kHeadsPerCta;
-  static constexpr const char* kFieldNames[kNumFields] = {"batch",  "heads_kv", "group",  "head_dim", "q_len",
-                                                          "kv_len", "layout",   "kernel", "splits",   "heads_per_cta"};
+  static constexpr const char* kFieldNames[kNumFields] = {"batch",  "heads_kv", "group",         "head_dim",
+                                                          "q_len",  "kv_len",   "layout",        "kernel",
+                                                          "splits", "heads_per_cta", "engine", "combine"};
 
   static int field_index(std::string_view name) {
     for (int f = 0; f < kNumFields; ++f)
@@ -283,6 +287,23 @@ class EntryLine {
         FLARE_RETURN_IF_ERROR(parse_int(word, value, 0, kDecodeMaxHeadsPerCta, &x));
         e->heads_per_cta = static_cast<int>(x);
         return Status::Ok();
+      case kEngine:
+        for (DecodeEngine v : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
+          if (value == decode_engine_name(v)) {
+            e->engine = v;
+            return Status::Ok();
+          }
+        return error("'" + word + "': engine must be key_groups, head_warps or portable");
+      case kCombine:
+        for (DecodeCombine v : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel,
+                                DecodeCombine::kInKernelPrezeroed, DecodeCombine::kCluster})
+          if (value == decode_combine_name(v)) {
+            if (v == DecodeCombine::kInKernelPrezeroed)  // its counters are the caller's duty: never from a table
+              return error("'" + word + "': a table may not choose in_kernel_prezeroed");
+            e->combine = v;
+            return Status::Ok();
+          }
+        return error("'" + word + "': combine must be in_kernel, separate_kernel or cluster");
     }
     return error("internal: unhandled field");
   }
@@ -388,6 +409,8 @@ Status DecodeTuningTable::insert(const DecodeShapeKey& key, const DecodeTuningEn
   FLARE_RETURN_IF_ERROR(check_split_count("winner", winner.kernel, winner.num_splits));
   if (std::string problem = heads_per_cta_problem(winner.heads_per_cta, key.heads_kv, key.head_dim); !problem.empty())
     return Status::InvalidArgument("winner", problem);
+  if (winner.combine == DecodeCombine::kInKernelPrezeroed)
+    return Status::InvalidArgument("winner", "a table may not choose in_kernel_prezeroed (its counters are the caller's)");
   entries_[decode_shape_class(key)] = winner;
   return Status::Ok();
 }
@@ -401,6 +424,8 @@ void DecodeTuningTable::write(std::ostream& out) const {
         << " layout=" << layout_name(c.paged) << " kernel=" << decode_kernel_name(e.kernel)
         << " splits=" << e.num_splits;
     if (e.heads_per_cta != 0) out << " heads_per_cta=" << e.heads_per_cta;
+    if (e.engine) out << " engine=" << decode_engine_name(*e.engine);
+    if (e.combine) out << " combine=" << decode_combine_name(*e.combine);
     out << '\n';
   }
 }
@@ -449,6 +474,8 @@ Status decode_plan(const DecodeShapeKey& key, const DecodeTuningTable* table, in
   if (table != nullptr) {
     if (const std::optional<DecodeTuningEntry> winner = table->lookup(key)) {
       *plan = make_plan(key, winner->num_splits, DecodePlanSource::kTuningTable, winner->heads_per_cta);
+      if (winner->engine) plan->engine = *winner->engine;
+      if (winner->combine) plan->combine = *winner->combine;
       return Status::Ok();
     }
   }

@@ -769,6 +769,42 @@ TEST(DecodeTuningTable, HeadsPerCtaIsAnOptionalField) {
   EXPECT_TRUE(table.insert(wide, {DecodeKernel::kSplitKv, 4, 4}).ok());
 }
 
+// engine and combine are optional: written only when set, read back into the plan; absent, the
+// plan keeps DecodePlan's defaults.
+TEST(DecodeTuningTable, EngineAndCombineAreOptionalFields) {
+  std::istringstream text(
+      "flare-decode-tuning 1\n"
+      "batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=2048 layout=contiguous kernel=split_kv splits=32 "
+      "engine=head_warps combine=separate_kernel\n"
+      "batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=contiguous kernel=split_kv splits=8 "
+      "heads_per_cta=1 combine=in_kernel\n"
+      "batch=8 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1\n");
+  DecodeTuningTable table;
+  Status s = table.read(text, "inline");
+  ASSERT_TRUE(s.ok()) << s.message();
+  const DecodePlan a = plan_or_fail(bench_key(1, 2048), &table);
+  EXPECT_EQ(a.engine, DecodeEngine::kHeadWarps);
+  EXPECT_EQ(a.combine, DecodeCombine::kSeparateKernel);
+  EXPECT_EQ(a.num_splits, 32);
+  const DecodePlan b = plan_or_fail(bench_key(1, 4096), &table);
+  EXPECT_EQ(b.engine, DecodePlan{}.engine);
+  EXPECT_EQ(b.combine, DecodeCombine::kInKernel);
+  const DecodePlan c = plan_or_fail(bench_key(8, 4096, 16), &table);
+  EXPECT_EQ(c.engine, DecodePlan{}.engine);
+  EXPECT_EQ(c.combine, DecodePlan{}.combine);
+  for (const DecodePlan& p : {a, b}) EXPECT_TRUE(check_decode_plan(p, p.shape).ok());
+
+  std::ostringstream out;
+  table.write(out);
+  EXPECT_NE(out.str().find("splits=32 engine=head_warps combine=separate_kernel\n"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("splits=8 heads_per_cta=1 combine=in_kernel\n"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("kernel=standard splits=1\n"), std::string::npos) << out.str();
+
+  DecodeTuningEntry prezeroed{DecodeKernel::kSplitKv, 4};
+  prezeroed.combine = DecodeCombine::kInKernelPrezeroed;
+  EXPECT_FALSE(table.insert(bench_key(1, 4096), prezeroed).ok());
+}
+
 TEST(DecodeTuningTable, MalformedFilesNameTheLine) {
   const std::string version = "flare-decode-tuning 1\n";
   const std::string good = "batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=contiguous ";
@@ -804,6 +840,11 @@ TEST(DecodeTuningTable, MalformedFilesNameTheLine) {
        "t:4: the same shape class as line 2"},
       {version + good + "kernel=split_kv splits=4 heads_per_cta=3\n", "t:2: heads_per_cta must be 0 or a power of two"},
       {version + good + "kernel=split_kv splits=4 heads_per_cta=16\n", "t:2: 'heads_per_cta=16': must be in [0, 8]"},
+      {version + good + "kernel=split_kv splits=4 engine=warp_heads\n",
+       "t:2: 'engine=warp_heads': engine must be key_groups, head_warps or portable"},
+      {version + good + "kernel=split_kv splits=4 combine=in_kernel_prezeroed\n",
+       "t:2: 'combine=in_kernel_prezeroed': a table may not choose in_kernel_prezeroed"},
+      {version + good + "kernel=split_kv splits=4 engine=portable engine=portable\n", "t:2: field 'engine' given twice"},
       {version + "batch=1 heads_kv=2 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1 "
                  "heads_per_cta=4\n",
        "t:2: heads_per_cta must be 0 or a power of two up to 8 (head dim 128) dividing heads_kv 2, got 4"},
