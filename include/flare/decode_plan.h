@@ -40,9 +40,10 @@
 // FLARE_DECODE_ENGINE=key_groups|head_warps|portable overrides every plan's engine (both read once
 // per process).
 //
-// Choosing the plan. A tuning table hit wins (its split count is measured on the device, see
-// DecodeTuningTable; `bench_decode --tune PATH` times every decode_candidates() plan of a grid of
-// shapes under CUDA-graph replay with L2 flushed and writes the winners; data/decode_tuning_h100.txt
+// Choosing the plan. A tuning table hit wins (its split count, heads per CTA, engine and combine
+// measured on the device, see DecodeTuningTable; `bench_decode --tune PATH --all-engines` times
+// every decode_candidates() plan of a grid of shapes on both sm_90 engines under CUDA-graph replay
+// with L2 flushed and writes the winners; data/decode_tuning_h100.txt
 // is its H100 table for head dim 128, heads_kv 8, group 4, one query token, batches 1-64, caches
 // 256-65536, contiguous and paged). Otherwise the fallback heuristic, "wave efficiency":
 //   n = batch * heads_kv CTAs per split; a grid of n * s CTAs on num_sms SMs has wave efficiency
@@ -98,12 +99,14 @@ const char* decode_kernel_name(DecodeKernel k);  // "standard", "split_kv"
 
 // The kernel family of a plan (see "How a plan runs" above).
 enum class DecodeEngine : uint8_t {
-  // sm_90: a CTA streams whole cache rows of heads_per_cta KV heads by cp.async.bulk, and its 8
-  // consumer warps split them as heads x key groups: each head's 16-key sub-tiles are dealt to
-  // 8 / heads_per_cta warps, merged at the end by their LSE (head dim 256: 4 warps).
+  // sm_90, the default: a CTA loads 16-key x heads_per_cta-head boxes of the caches by TMA
+  // (tensor maps encoded per launch; the head-warp engine runs where the driver refuses them),
+  // and its 8 consumer warps split them as heads x key groups: each head's 16-key sub-tiles are
+  // dealt to 8 / heads_per_cta warps, merged at the end by their LSE (head dim 256: 4 warps).
   kKeyGroups,
-  // sm_90, the kernel of 2026-11-22: the same copies, one consumer warp per KV head (CTAs of 1-2
-  // heads with long splits run the portable kernel). Kept for comparisons.
+  // sm_90, the kernel of 2026-11-22: whole cache rows by cp.async.bulk, one consumer warp per KV
+  // head (CTAs of 1-2 heads with long splits run the portable kernel). A tuning table may still
+  // choose it (it wins at batch 1-2 with 1-4k keys on the H100).
   kHeadWarps,
   // mma.sync (sm_80+): one CTA of 4 warps per KV head.
   kPortable,
