@@ -345,6 +345,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
 
   if (warp == kWarps) {
     // ================= producer warp
+    FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
     // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
     const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
     // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
@@ -358,18 +359,24 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       const int key0 = key_group_stage_key0(walk_begin, i, SK);
       const int subs = min(kgs, (end - key0 + kN - 1) / kN);
       int64_t slot = 0, tok = 0;
-      locate(key0, kN * (lane % kgs), &slot, &tok);
-      if (lane == 0) mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * subs * box_bytes);
-      __syncwarp();
-      if (lane < subs) {
-        T* const k_dst = kv_smem + s * lay.stage_elems + lane * kN * hpc * kCacheBoxCols;
+      locate(key0, kN * (lane % kgs), &slot, &tok);  // lane g: sub-tile g's coordinates
+      const bool leader = elect_one_lane();
+      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * subs * box_bytes);
+      // One lane issues every box, sub-tile by sub-tile (a warp-uniform loop, so the operands sit
+      // in uniform registers as TMA wants them, with no per-lane loop around each load).
+      for (int g = 0; g < subs; ++g) {
+        const int g_tok = __shfl_sync(0xffffffffu, static_cast<int>(tok), g);
+        const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), g);
+        if (leader) {
+          T* const k_dst = kv_smem + s * lay.stage_elems + g * kN * hpc * kCacheBoxCols;
 #pragma unroll
-        for (int cb = 0; cb < kColBlocks; ++cb) {
-          tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, static_cast<int>(tok),
-                      static_cast<int>(slot), &full_bar[s]);
-          tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0,
-                      static_cast<int>(tok), static_cast<int>(slot), &full_bar[s]);
+          for (int cb = 0; cb < kColBlocks; ++cb) {
+            tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, g_tok, g_slot, &full_bar[s]);
+            tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, g_tok, g_slot,
+                        &full_bar[s]);
+          }
         }
+        __syncwarp();
       }
     };
     auto contiguous = [&](int key0, int key_in, int64_t* slot, int64_t* tok) {

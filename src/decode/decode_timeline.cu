@@ -45,12 +45,13 @@ std::string decode_timeline_summary() {
   (void)cudaGetDevice(&device);
   (void)cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
   const double cycles_per_us = khz > 0 ? khz / 1000.0 : 1.0;
-  std::vector<double> issued, landed, loop, merge, tail, total, start_ns, end_ns;
+  std::vector<double> setup, issued, landed, loop, merge, tail, total, start_ns, end_ns;
   for (int c = 0; c < kDecodeTimelineCtas; ++c) {
     const unsigned long long* m = &h[static_cast<size_t>(c) * kDecodeMarks];
     if (m[kDecodeMarkStart] == 0 || m[kDecodeMarkEnd] == 0) continue;
     auto d = [&](int a, int z) { return m[a] && m[z] ? (static_cast<double>(m[z]) - static_cast<double>(m[a])) / cycles_per_us : -1; };
     auto push = [](std::vector<double>& v, double x) { if (x >= 0) v.push_back(x); };
+    push(setup, d(kDecodeMarkStart, kDecodeMarkSetup));
     push(issued, d(kDecodeMarkStart, kDecodeMarkIssued));
     push(landed, d(kDecodeMarkStart, kDecodeMarkLanded));
     push(loop, d(kDecodeMarkLanded, kDecodeMarkLoopDone));
@@ -67,9 +68,9 @@ std::string decode_timeline_summary() {
   for (double x : end_ns) ends.push_back((x - t0) / 1e3);
   char line[640];
   std::snprintf(line, sizeof line,
-                "timeline (%zu CTAs, us, medians; clock %.0f MHz): first stage issued %.2f, landed %.2f, walk %.2f, "
+                "timeline (%zu CTAs, us, medians; clock %.0f MHz): setup %.2f, first stage issued %.2f, landed %.2f, walk %.2f, "
                 "merge %.2f, epilogue+combine %.2f, CTA %.2f | starts: median %.2f max %.2f; ends: median %.2f max %.2f\n",
-                total.size(), cycles_per_us, median_of(issued), median_of(landed), median_of(loop), median_of(merge),
+                total.size(), cycles_per_us, median_of(setup), median_of(issued), median_of(landed), median_of(loop), median_of(merge),
                 median_of(tail), median_of(total), median_of(starts), *std::max_element(starts.begin(), starts.end()),
                 median_of(ends), *std::max_element(ends.begin(), ends.end()));
   return line;

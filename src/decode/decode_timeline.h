@@ -19,6 +19,7 @@ namespace flare::decode {
 
 enum DecodeMark : int {
   kDecodeMarkStart,       // clock64 at the CTA's start
+  kDecodeMarkSetup,       // the producer is past the barrier setup (__syncthreads)
   kDecodeMarkIssued,      // the producer has issued its first stage
   kDecodeMarkLanded,      // consumer warp 0 sees its first stage
   kDecodeMarkLoopDone,    // consumer warp 0 has walked its keys
