@@ -46,25 +46,31 @@
 // with L2 flushed and writes the winners; data/decode_tuning_h100.txt
 // is its H100 table for head dim 128, heads_kv 8, group 4, one query token, batches 1-64, caches
 // 256-65536, contiguous and paged). Otherwise the fallback heuristic, "wave efficiency":
-//   n = batch * heads_kv CTAs per split; a grid of n * s CTAs on num_sms SMs has wave efficiency
-//     eff(s) = n * s / (ceil(n * s / num_sms) * num_sms),
-//   the fraction of the launched waves' SM slots that do work. Decode streams K/V, so its time
-//   goes as (waves x keys per CTA), i.e. as 1 / eff(s).
+//   n = batch * heads_kv CTAs per split (the engines' rule gives small grids one KV head per
+//   CTA); a grid of n * s CTAs on `slots` CTA slots has wave efficiency
+//     eff(s) = n * s / (ceil(n * s / slots) * slots),
+//   the fraction of the launched waves' slots that do work. Decode streams K/V, so its time goes
+//   as (waves x keys per CTA), i.e. as 1 / eff(s). slots = max(1, num_sms / 2): a CTA of the
+//   key-group engine (one per SM, its loads as TMA boxes) streams fast enough that half the SMs
+//   saturate the memory system, and the tuner's winners on the H100 are grids of about half a
+//   wave (batch 1: 6-8 splits, batch 2: 3-4, batch 4: 2, batch 8: 1-2; bench/RESULTS.md, session
+//   18); a full wave only adds splits and their fixed costs.
 //   Split counts are fitted to the span first: kv_chunk = ceil(span / s) rounded up to kv_align,
 //   then s = ceil(span / kv_chunk) (so no split is empty; span = the keys a sequence attends,
 //   max_cache_len without a window). Candidates: s = 1 (standard), and fitted s up to
 //     kMaxDecodeSplits = 128 whose splits average at least kDecodeMinKvPerSplit = 256 keys
 //     (below that a split's fixed costs, its pipeline fill, partial write and combine read, are
 //     no longer small against its K/V stream) and whose grid is at most kDecodeMaxWaves = 8
-//     waves (past 8 full waves the last partial wave costs under 1/9 of the run anyway).
+//     waves of num_sms CTAs (past 8 full waves the last partial wave costs under 1/9 of the run).
 //   Choice: the fewest splits whose efficiency is within kDecodeWaveEfficiencySlack = 0.05 of the
 //     best candidate's ("ties"): every extra split costs the fixed costs above, which the wave
 //     model does not count.
-// Examples on an H100 (num_sms = 132), heads_q 32, heads_kv 8, head dim 128, q_len 1, contiguous:
-//   batch 1,  cache   1024: 4 splits (256 keys each, eff 0.24: the cache is too short to fill more)
-//   batch 1,  cache   4096: 16 splits of 256 keys, eff 0.97
-//   batch 1,  cache  65536: 16 splits of 4096 keys, eff 0.97
-//   batch 8,  cache   4096: 2 splits of 2048 keys, eff 0.97 (unsplit, 64 CTAs fill 0.48 of a wave)
+// Examples on an H100 (num_sms = 132, 66 slots), heads_q 32, heads_kv 8, head dim 128, q_len 1,
+// contiguous:
+//   batch 1,  cache   1024: 4 splits (256 keys each, eff 0.48: the cache is too short to fill more)
+//   batch 1,  cache   4096: 8 splits of 512 keys, eff 0.97
+//   batch 1,  cache  65536: 8 splits of 8192 keys, eff 0.97
+//   batch 8,  cache   4096: standard (64 CTAs fill 0.97 of the slots)
 //   batch 64, cache  65536: standard (512 CTAs, eff 0.97)
 //   any batch, cache < 512: standard (two splits would average under 256 keys)
 #pragma once
@@ -286,5 +292,7 @@ Status decode_run(const DecodePlan& plan, const DecodeParams& params, void* work
 
 // n / (ceil(n / num_sms) * num_sms): the fraction of the launched waves' SM slots in use.
 double decode_wave_efficiency(int64_t num_ctas, int num_sms);
+// The CTA slots the heuristic's wave efficiency counts on num_sms SMs: max(1, num_sms / 2).
+int decode_heuristic_slots(int num_sms);
 
 }  // namespace flare

@@ -115,14 +115,15 @@ void for_each_split_count(const DecodeShapeKey& k, int num_sms, Visit&& visit) {
 // split counts whose splits average kDecodeMinKvPerSplit keys.
 int heuristic_split_count(const DecodeShapeKey& k, int num_sms) {
   const int64_t span = planned_span(k), n = kv_ctas_per_split(k);
+  const int slots = decode_heuristic_slots(num_sms);
   auto eligible = [&](int s) { return s == 1 || span >= int64_t{s} * kDecodeMinKvPerSplit; };
   double best = 0.0;
   for_each_split_count(k, num_sms, [&](int s) {
-    if (eligible(s) && decode_wave_efficiency(n * s, num_sms) > best) best = decode_wave_efficiency(n * s, num_sms);
+    if (eligible(s) && decode_wave_efficiency(n * s, slots) > best) best = decode_wave_efficiency(n * s, slots);
   });
   int chosen = 0;
   for_each_split_count(k, num_sms, [&](int s) {
-    if (chosen == 0 && eligible(s) && decode_wave_efficiency(n * s, num_sms) >= best - kDecodeWaveEfficiencySlack)
+    if (chosen == 0 && eligible(s) && decode_wave_efficiency(n * s, slots) >= best - kDecodeWaveEfficiencySlack)
       chosen = s;
   });
   return chosen;
@@ -363,6 +364,8 @@ const char* decode_combine_name(DecodeCombine c) {
   }
   return "unknown";
 }
+
+int decode_heuristic_slots(int num_sms) { return num_sms / 2 > 1 ? num_sms / 2 : 1; }
 
 double decode_wave_efficiency(int64_t num_ctas, int num_sms) {
   if (num_ctas < 1 || num_sms < 1) return 0.0;

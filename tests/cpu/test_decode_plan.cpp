@@ -98,10 +98,11 @@ int brute_force_heuristic(const DecodeShapeKey& k, int num_sms) {
   std::vector<int> eligible;
   for (int s : brute_force_candidates(k, num_sms))
     if (s == 1 || expected_span(k) >= int64_t{s} * kDecodeMinKvPerSplit) eligible.push_back(s);
+  const int slots = std::max(1, num_sms / 2);  // half the SMs: the key-group engine's grids
   double best = 0;
-  for (int s : eligible) best = std::max(best, decode_wave_efficiency(ctas_per_split * s, num_sms));
+  for (int s : eligible) best = std::max(best, decode_wave_efficiency(ctas_per_split * s, slots));
   for (int s : eligible)  // ascending: the fewest splits within the slack
-    if (decode_wave_efficiency(ctas_per_split * s, num_sms) >= best - kDecodeWaveEfficiencySlack) return s;
+    if (decode_wave_efficiency(ctas_per_split * s, slots) >= best - kDecodeWaveEfficiencySlack) return s;
   return 0;
 }
 
@@ -152,8 +153,8 @@ TEST(DecodeHeuristic, OneSequenceWithALongCacheIsSplit) {
     const DecodePlan p = plan_or_fail(bench_key(1, cache_len));
     EXPECT_EQ(p.kernel, DecodeKernel::kSplitKv) << cache_len;
     EXPECT_EQ(p.source, DecodePlanSource::kHeuristic);
-    // 8 CTAs unsplit on 132 SMs: splitting into 16 fills 128 of them.
-    EXPECT_EQ(p.num_splits, 16) << cache_len;
+    // 8 CTAs unsplit on 132 SMs (66 slots): splitting into 8 fills 64 of the slots.
+    EXPECT_EQ(p.num_splits, 8) << cache_len;
   }
 }
 
@@ -189,15 +190,20 @@ TEST(DecodeHeuristic, DocumentedExamples) {
     int64_t cache_len;
     int num_splits, kv_chunk;
   };
-  for (const Example& e : {Example{1, 1024, 4, 256}, Example{1, 4096, 16, 256}, Example{1, 65536, 16, 4096},
-                           Example{8, 4096, 2, 2048}, Example{64, 65536, 1, 65536}, Example{8, 511, 1, 512}}) {
+  for (const Example& e : {Example{1, 1024, 4, 256}, Example{1, 4096, 8, 512}, Example{1, 65536, 8, 8192},
+                           Example{8, 4096, 1, 4096}, Example{64, 65536, 1, 65536}, Example{8, 511, 1, 512}}) {
     const DecodePlan p = plan_or_fail(bench_key(e.batch, e.cache_len));
     EXPECT_EQ(p.num_splits, e.num_splits) << "batch " << e.batch << ", cache " << e.cache_len;
     EXPECT_EQ(p.kv_chunk, e.kv_chunk) << "batch " << e.batch << ", cache " << e.cache_len;
   }
-  EXPECT_NEAR(decode_wave_efficiency(8 * 16, kH100Sms), 0.97, 0.005);
-  EXPECT_NEAR(decode_wave_efficiency(8 * 4, kH100Sms), 0.24, 0.005);
-  EXPECT_NEAR(decode_wave_efficiency(512, kH100Sms), 0.97, 0.005);
+  const int slots = decode_heuristic_slots(kH100Sms);
+  EXPECT_EQ(slots, 66);
+  EXPECT_NEAR(decode_wave_efficiency(8 * 8, slots), 0.97, 0.005);
+  EXPECT_NEAR(decode_wave_efficiency(8 * 4, slots), 0.48, 0.005);
+  EXPECT_NEAR(decode_wave_efficiency(64, slots), 0.97, 0.005);
+  EXPECT_NEAR(decode_wave_efficiency(512, slots), 0.97, 0.005);
+  EXPECT_EQ(decode_heuristic_slots(1), 1);
+  EXPECT_EQ(decode_heuristic_slots(0), 1);
 }
 
 TEST(DecodeHeuristic, WaveEfficiency) {
