@@ -339,15 +339,16 @@ int num_sms(int device) {
   return cached[device];
 }
 
-// num_splits > 0 forces that split count (1: the standard kernel); 0 asks the planner.
+// num_splits > 0 forces that split count (1: the standard kernel); 0 asks the planner. A forced
+// count that is the planner's own choice takes the planner's whole plan (its engine, combine and
+// heads per CTA from the tuning table), so plan_kvcache() followed by num_splits=plan.num_splits
+// runs exactly the planned kernel.
 flare::DecodePlan plan_for(const flare::DecodeShapeKey& key, int64_t num_splits, int device) {
   flare::DecodePlan plan;
-  if (num_splits > 0) {
+  const auto table = tuning_table();
+  throw_if_error(flare::decode_plan(key, table.get(), num_sms(device), &plan), {});
+  if (num_splits > 0 && plan.num_splits != num_splits)
     throw_if_error(flare::decode_plan_for_splits(key, static_cast<int>(num_splits), &plan), {});
-  } else {
-    const auto table = tuning_table();
-    throw_if_error(flare::decode_plan(key, table.get(), num_sms(device), &plan), {});
-  }
   return plan;
 }
 
