@@ -220,7 +220,8 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
         mma_16x8x16<T>(sc[0], qa[ks], bk[0], bk[1]);
         mma_16x8x16<T>(sc[1], qa[ks], bk[2], bk[3]);
       }
-      softmax_pv_step<kDTiles, T>(sc, full, key0, t, rows, p.scale_log2, row_max, row_sum, o, StridedRows<T>(v_chunk, R, lane));
+      softmax_pv_step<kDTiles, T>(sc, full, key0, t, rows, p.scale_log2, row_max, row_sum, o,
+                                  StridedRows<T>(v_chunk, R, lane));
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty_bar[s]);  // this warp is done with the stage

@@ -218,8 +218,8 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, i
                                             uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(
-          sm90::smem_u32(dst)),
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(sm90::smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(sm90::smem_u32(bar))
       : "memory");
 #endif
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(256) zero_arrival_counters_kernel(int* counter
 
 template <int kHeadDim, typename T, bool kSplit>
 __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
-    decode_key_groups_kernel(const DecodeKernelParams p, const KeyGroupLayout lay, const __grid_constant__ CUtensorMap tmap_k,
-                             const __grid_constant__ CUtensorMap tmap_v) {
+    decode_key_groups_kernel(const DecodeKernelParams p, const KeyGroupLayout lay,
+                             const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using namespace device;
   using namespace sm90;

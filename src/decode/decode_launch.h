@@ -79,7 +79,8 @@ bool key_group_cluster_ready(Kernel kernel, int splits) {  // a template per ker
     config.dynamicSmemBytes = kKeyGroupSmemBudget;
     cudaLaunchAttribute attribute = {};
     attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kDecodeMaxClusterSplits, attribute.val.clusterDim.y = 1, attribute.val.clusterDim.z = 1;
+    attribute.val.clusterDim.x = kDecodeMaxClusterSplits;
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
@@ -143,8 +144,8 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     kp.counters = nullptr;
     kp.cluster_combine = true;
     FLARE_RETURN_IF_ERROR(detail::cuda_status(
-        detail::launch_cluster(split_kv, grid, block, p.num_splits, static_cast<size_t>(lay.smem_bytes), stream, kp, lay,
-                               tmap_k, tmap_v),
+        detail::launch_cluster(split_kv, grid, block, p.num_splits, static_cast<size_t>(lay.smem_bytes), stream, kp,
+                               lay, tmap_k, tmap_v),
         "decode attention launch"));
     *combined = true;
     return Status::Ok();

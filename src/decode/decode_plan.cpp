@@ -413,7 +413,8 @@ Status DecodeTuningTable::insert(const DecodeShapeKey& key, const DecodeTuningEn
   if (std::string problem = heads_per_cta_problem(winner.heads_per_cta, key.heads_kv, key.head_dim); !problem.empty())
     return Status::InvalidArgument("winner", problem);
   if (winner.combine == DecodeCombine::kInKernelPrezeroed)
-    return Status::InvalidArgument("winner", "a table may not choose in_kernel_prezeroed (its counters are the caller's)");
+    return Status::InvalidArgument("winner",
+                                   "a table may not choose in_kernel_prezeroed (its counters are the caller's)");
   entries_[decode_shape_class(key)] = winner;
   return Status::Ok();
 }

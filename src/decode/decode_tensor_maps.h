@@ -70,7 +70,8 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   const int64_t eb = key.elem_bytes;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(key.head_dim), static_cast<cuuint64_t>(key.heads),
                               static_cast<cuuint64_t>(key.extent_1), static_cast<cuuint64_t>(key.extent_0)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(key.stride_h * eb), static_cast<cuuint64_t>(key.stride_tok * eb),
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(key.stride_h * eb),
+                                 static_cast<cuuint64_t>(key.stride_tok * eb),
                                  static_cast<cuuint64_t>(key.stride_0 * eb)};
   const cuuint32_t box[4] = {kCacheBoxCols, static_cast<cuuint32_t>(key.box_heads), kCacheBoxTokens, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};

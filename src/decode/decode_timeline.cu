@@ -7,50 +7,38 @@
 #include <cstdio>
 #include <vector>
 
+#include "src/common/stamp_buffer.h"
+
 namespace flare::decode {
 namespace {
 
-constexpr size_t kBufferBytes = sizeof(unsigned long long) * kDecodeTimelineCtas * kDecodeMarks;
+using detail::median_of;
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+detail::StampBuffer& stamps() {
+  static detail::StampBuffer buffer(static_cast<std::size_t>(kDecodeTimelineCtas) * kDecodeMarks, "decode timeline");
+  return buffer;
 }
 
 }  // namespace
 
-unsigned long long* decode_timeline_buffer() {
-  static unsigned long long* buffer = [] {
-    void* p = nullptr;
-    if (cudaMalloc(&p, kBufferBytes) != cudaSuccess || cudaMemset(p, 0, kBufferBytes) != cudaSuccess) {
-      std::fprintf(stderr, "decode timeline: no buffer\n");
-      return static_cast<unsigned long long*>(nullptr);
-    }
-    return static_cast<unsigned long long*>(p);
-  }();
-  return buffer;
-}
+unsigned long long* decode_timeline_buffer() { return stamps().get(); }
 
-void decode_timeline_reset(cudaStream_t stream) {
-  if (unsigned long long* b = decode_timeline_buffer()) (void)cudaMemsetAsync(b, 0, kBufferBytes, stream);
-}
+void decode_timeline_reset(cudaStream_t stream) { stamps().reset(stream); }
 
 std::string decode_timeline_summary() {
-  unsigned long long* b = decode_timeline_buffer();
-  if (b == nullptr || cudaDeviceSynchronize() != cudaSuccess) return "decode timeline: unavailable\n";
-  std::vector<unsigned long long> h(static_cast<size_t>(kDecodeTimelineCtas) * kDecodeMarks);
-  if (cudaMemcpy(h.data(), b, kBufferBytes, cudaMemcpyDeviceToHost) != cudaSuccess) return "decode timeline: copy failed\n";
-  int device = 0, khz = 0;
-  (void)cudaGetDevice(&device);
-  (void)cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
-  const double cycles_per_us = khz > 0 ? khz / 1000.0 : 1.0;
+  std::vector<unsigned long long> h;
+  if (!stamps().read(&h)) return "decode timeline: unavailable\n";
+  const double cycles_per_us = detail::device_cycles_per_us();
   std::vector<double> setup, issued, landed, loop, merge, tail, total, start_ns, end_ns;
   for (int c = 0; c < kDecodeTimelineCtas; ++c) {
     const unsigned long long* m = &h[static_cast<size_t>(c) * kDecodeMarks];
     if (m[kDecodeMarkStart] == 0 || m[kDecodeMarkEnd] == 0) continue;
-    auto d = [&](int a, int z) { return m[a] && m[z] ? (static_cast<double>(m[z]) - static_cast<double>(m[a])) / cycles_per_us : -1; };
-    auto push = [](std::vector<double>& v, double x) { if (x >= 0) v.push_back(x); };
+    auto d = [&](int a, int z) {
+      return m[a] && m[z] ? (static_cast<double>(m[z]) - static_cast<double>(m[a])) / cycles_per_us : -1.0;
+    };
+    auto push = [](std::vector<double>& v, double x) {
+      if (x >= 0) v.push_back(x);
+    };
     push(setup, d(kDecodeMarkStart, kDecodeMarkSetup));
     push(issued, d(kDecodeMarkStart, kDecodeMarkIssued));
     push(landed, d(kDecodeMarkStart, kDecodeMarkLanded));
@@ -68,11 +56,13 @@ std::string decode_timeline_summary() {
   for (double x : end_ns) ends.push_back((x - t0) / 1e3);
   char line[640];
   std::snprintf(line, sizeof line,
-                "timeline (%zu CTAs, us, medians; clock %.0f MHz): setup %.2f, first stage issued %.2f, landed %.2f, walk %.2f, "
-                "merge %.2f, epilogue+combine %.2f, CTA %.2f | starts: median %.2f max %.2f; ends: median %.2f max %.2f\n",
-                total.size(), cycles_per_us, median_of(setup), median_of(issued), median_of(landed), median_of(loop), median_of(merge),
-                median_of(tail), median_of(total), median_of(starts), *std::max_element(starts.begin(), starts.end()),
-                median_of(ends), *std::max_element(ends.begin(), ends.end()));
+                "timeline (%zu CTAs, us, medians; clock %.0f MHz): setup %.2f, first stage issued %.2f, "
+                "landed %.2f, walk %.2f, merge %.2f, epilogue+combine %.2f, CTA %.2f | starts: median %.2f "
+                "max %.2f; ends: median %.2f max %.2f\n",
+                total.size(), cycles_per_us, median_of(setup), median_of(issued), median_of(landed), median_of(loop),
+                median_of(merge), median_of(tail), median_of(total), median_of(starts),
+                *std::max_element(starts.begin(), starts.end()), median_of(ends),
+                *std::max_element(ends.begin(), ends.end()));
   return line;
 }
 

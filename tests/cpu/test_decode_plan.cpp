@@ -850,7 +850,8 @@ TEST(DecodeTuningTable, MalformedFilesNameTheLine) {
        "t:2: 'engine=warp_heads': engine must be key_groups, head_warps or portable"},
       {version + good + "kernel=split_kv splits=4 combine=in_kernel_prezeroed\n",
        "t:2: 'combine=in_kernel_prezeroed': a table may not choose in_kernel_prezeroed"},
-      {version + good + "kernel=split_kv splits=4 engine=portable engine=portable\n", "t:2: field 'engine' given twice"},
+      {version + good + "kernel=split_kv splits=4 engine=portable engine=portable\n",
+       "t:2: field 'engine' given twice"},
       {version + "batch=1 heads_kv=2 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1 "
                  "heads_per_cta=4\n",
        "t:2: heads_per_cta must be 0 or a power of two up to 8 (head dim 128) dividing heads_kv 2, got 4"},

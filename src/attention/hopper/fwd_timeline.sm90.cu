@@ -8,49 +8,29 @@
 #include <map>
 #include <vector>
 
+#include "src/common/stamp_buffer.h"
+
 namespace flare::hopper {
 namespace {
 
-constexpr size_t kBufferBytes = sizeof(unsigned long long) * kTimelineCtas * kMarks;
+using detail::mean_of;
+using detail::median_of;
 
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-double mean_of(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return v.empty() ? 0 : s / static_cast<double>(v.size());
+detail::StampBuffer& stamps() {
+  static detail::StampBuffer buffer(static_cast<std::size_t>(kTimelineCtas) * kMarks, "fwd timeline");
+  return buffer;
 }
 
 }  // namespace
 
-unsigned long long* fwd_timeline_buffer() {
-  static unsigned long long* buffer = [] {
-    void* p = nullptr;
-    if (cudaMalloc(&p, kBufferBytes) != cudaSuccess || cudaMemset(p, 0, kBufferBytes) != cudaSuccess) {
-      std::fprintf(stderr, "fwd timeline: no buffer\n");
-      return static_cast<unsigned long long*>(nullptr);
-    }
-    return static_cast<unsigned long long*>(p);
-  }();
-  return buffer;
-}
+unsigned long long* fwd_timeline_buffer() { return stamps().get(); }
 
-void fwd_timeline_reset(cudaStream_t stream) {
-  if (unsigned long long* b = fwd_timeline_buffer()) (void)cudaMemsetAsync(b, 0, kBufferBytes, stream);
-}
+void fwd_timeline_reset(cudaStream_t stream) { stamps().reset(stream); }
 
 std::string fwd_timeline_summary() {
-  unsigned long long* b = fwd_timeline_buffer();
-  if (b == nullptr || cudaDeviceSynchronize() != cudaSuccess) return "fwd timeline: unavailable\n";
-  std::vector<unsigned long long> h(static_cast<size_t>(kTimelineCtas) * kMarks);
-  if (cudaMemcpy(h.data(), b, kBufferBytes, cudaMemcpyDeviceToHost) != cudaSuccess) return "fwd timeline: copy failed\n";
-  int device = 0, khz = 0;
-  (void)cudaGetDevice(&device);
-  (void)cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
-  const double cycles_per_us = khz > 0 ? khz / 1000.0 : 1.0;
+  std::vector<unsigned long long> h;
+  if (!stamps().read(&h)) return "fwd timeline: unavailable\n";
+  const double cycles_per_us = detail::device_cycles_per_us();
 
   // Phases per CTA (cycles from its start), and each SM's CTAs by start for the gaps.
   const char* names[] = {"Q issued", "first K issued", "Q landed", "first K landed", "main loop", "epilogue",
