@@ -48,6 +48,8 @@ std::map<std::string, std::string> device_tags();
 
 // Overwrites a device buffer twice the size of the current device's L2 on `stream`, so data a
 // kernel reads next comes from HBM. The buffer is allocated on first use and kept.
+// FLARE_BENCH_FLUSH=read reads the buffer instead, leaving L2 full of clean lines (the peers'
+// bench/peers/cuda_timing.py follows the same variable).
 void flush_l2(cudaStream_t stream);
 
 // A device buffer that only grows: reserve(need) makes it at least `need` bytes (the old one freed)

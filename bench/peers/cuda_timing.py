@@ -8,16 +8,24 @@ import statistics
 
 class L2Flush:
     """Rewrites a buffer of twice the device's L2 (a different byte each time, so no rewrite is a
-    no-op): nothing of the previous sample stays in L2."""
+    no-op): nothing of the previous sample stays in L2. FLARE_BENCH_FLUSH=read reads it instead
+    (L2 left full of clean lines), as the C++ harness does under the same variable."""
 
     def __init__(self):
+        import os
+
         import torch
 
         l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-        self.buf = torch.empty(2 * max(l2, 1 << 20), dtype=torch.uint8, device="cuda")
+        self.buf = torch.zeros(2 * max(l2, 1 << 20), dtype=torch.uint8, device="cuda")
+        self.words = self.buf.view(torch.int32)
+        self.read = os.environ.get("FLARE_BENCH_FLUSH") == "read"
         self.value = 0
 
     def __call__(self):
+        if self.read:
+            self.words.max()  # reads every byte; the one-element result is dropped
+            return
         self.value ^= 1
         self.buf.fill_(self.value)
 
