@@ -1,7 +1,8 @@
-// Decode attention on sm_90+, key groups (DecodeEngine::kKeyGroups): bulk copies of whole cache
-// rows of heads_per_cta KV heads (as decode_bulk_kernel.h), computed by 8 consumer warps whatever
+// Decode attention on sm_90+, key groups (DecodeEngine::kKeyGroups): TMA boxes of 16 keys of
+// heads_per_cta KV heads (decode_tensor_maps.h), computed by 8 consumer warps whatever
 // heads_per_cta is. Serves both plans (standard and split-KV, same key ranges and workspace
-// layout as decode_kernel.h) and merges the splits in the kernel (DecodeCombine::kInKernel).
+// layout as decode_kernel.h) and merges the splits in the kernel (DecodeCombine::kInKernel or,
+// in a thread-block cluster, kCluster).
 //
 // Why. The head-warp kernel (decode_bulk_kernel.h) gives each KV head one warp, so a CTA of 1, 2
 // or 4 heads, which small batches need to cover the SMs, has 1, 2 or 4 warps walking its keys, and
@@ -16,11 +17,13 @@
 // latency per sub-tile, for 8 more accumulator registers.
 //
 // Producer. The last warp issues stage i into buffer i % stages once every consumer warp released
-// it (empty barrier, count = consumer warps): 2 x stage_keys row copies (K and V of each key), 1
-// to 8 per lane, completing on the stage's full barrier. Paged caches: a sub-tile's 16 keys lie in
+// it (empty barrier, count = consumer warps): per sub-tile holding keys of the stage's range, a
+// box of K and one of V per 64 columns, issued by one lane, completing on the stage's full
+// barrier. A stage is [K | V][64-column block][key][head][64 columns], 128-byte swizzled (the
+// consumers' ldmatrix addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
 // one page (pages are >= 16 keys and sub-tiles 16-aligned), so lane g < key_groups reads the page
-// of sub-tile g one stage ahead, and the copies take it by a shuffle. Contiguous caches without a
-// window issue their first stages before reading cache_seqlens (speculative; see
+// of sub-tile g one stage ahead, and the issuing lane takes it by a shuffle. Contiguous caches
+// without a window issue their first stages before reading cache_seqlens (speculative; see
 // decode_bulk_kernel.h): keys past the sequence's end are zeroed in V and masked in S.
 //
 // In-kernel combine (split-KV, p.counters set). Each CTA writes its partial states, fences, and
