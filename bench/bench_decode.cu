@@ -32,7 +32,7 @@
 // head-warp engine's (with the combine kernel) for every shape; the table records each winner's
 // engine and combine, and the benchmark runs them (without --engine).
 // --combine: the key-group engine's combine of split plans (in_kernel, separate_kernel,
-// in_kernel_prezeroed, cluster; default in_kernel).
+// in_kernel_prezeroed, cluster; default the library's, cluster).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -308,7 +308,7 @@ int tune(const Args& args, const std::string& path, const std::vector<DecodeEngi
         check_ok(table.insert(key, entry), "table insert");
         report.add_row({{"batch", batch}, {"cache", len}, {"layout", layout_name(page_size)},
                         {"candidates", static_cast<int>(scored.size())},
-                        {"winner", plan_name(winner.plan) + " " + decode_engine_name(winner.plan.engine)},
+                        {"winner", plan_name(winner.plan)},  // names the engine where not the default
                         {"us", Table::Cell(winner.us, 2)}, {"heuristic", plan_name(heuristic)},
                         {"heuristic us", Table::Cell(heuristic_us, 2)},
                         {"gain", Table::Cell(heuristic_us / winner.us, 2)}});
@@ -536,17 +536,14 @@ bool take_flag(int* argc, char** argv, std::string_view name) {
 
 DecodeEngine parse_engine(const std::string& name) {
   if (name.empty()) return DecodePlan{}.engine;  // the library's default
-  for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
-    if (name == decode_engine_name(e)) return e;
+  if (const std::optional<DecodeEngine> e = decode_engine_from_name(name)) return *e;
   std::fprintf(stderr, "--engine: expected key_groups, head_warps or portable, got '%s'\n", name.c_str());
   std::exit(2);
 }
 
 DecodeCombine parse_combine(const std::string& name) {
   if (name.empty()) return DecodePlan{}.combine;
-  for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed,
-                          DecodeCombine::kCluster})
-    if (name == decode_combine_name(c)) return c;
+  if (const std::optional<DecodeCombine> c = decode_combine_from_name(name)) return *c;
   std::fprintf(stderr, "--combine: expected in_kernel, separate_kernel, in_kernel_prezeroed or cluster, got '%s'\n",
                name.c_str());
   std::exit(2);

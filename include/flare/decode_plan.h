@@ -82,6 +82,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "flare/decode.h"
@@ -118,6 +119,8 @@ enum class DecodeEngine : uint8_t {
   kPortable,
 };
 const char* decode_engine_name(DecodeEngine e);  // "key_groups", "head_warps", "portable"
+// The engine of that name, or none.
+std::optional<DecodeEngine> decode_engine_from_name(std::string_view name);
 
 // How split-KV partial states are merged.
 enum class DecodeCombine : uint8_t {
@@ -144,6 +147,8 @@ enum class DecodeCombine : uint8_t {
   kCluster,
 };
 const char* decode_combine_name(DecodeCombine c);  // "in_kernel", "separate_kernel", "in_kernel_prezeroed", "cluster"
+// The combine of that name, or none.
+std::optional<DecodeCombine> decode_combine_from_name(std::string_view name);
 
 // The most splits DecodeCombine::kCluster merges in a cluster (a non-portable cluster size on sm_90).
 inline constexpr int kDecodeMaxClusterSplits = 16;

@@ -1,9 +1,10 @@
-// sm_90 bulk-copy primitives (the non-tensor TMA path) and the mbarriers they complete on: global ->
-// shared copies completing as transaction bytes, shared -> global fp32 reductions in bulk groups,
-// and the proxy fences between generic writes and bulk reads. No-ops below sm_90 (callers choose
-// the sm_90 path at dispatch).
+// sm_90 bulk-copy primitives (the non-tensor TMA path, and 4-D tensor-map loads) and the
+// mbarriers they complete on: global -> shared copies completing as transaction bytes, shared ->
+// global fp32 reductions in bulk groups, and the proxy fences between generic writes and bulk
+// reads. No-ops below sm_90 (callers choose the sm_90 path at dispatch).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -103,6 +104,25 @@ __device__ __forceinline__ void bulk_wait_read_all() {
 __device__ __forceinline__ void bulk_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Starts fetching a tensor map's descriptor (a __grid_constant__ parameter) into the TMA unit's cache.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#endif
+}
+
+// One TMA box of a 4-D tensor map into shared memory, completing on `bar` (sm_90).
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
 #endif
 }
 

@@ -38,16 +38,22 @@ cudaError_t launch_maybe_programmatic(bool programmatic, void (*kernel)(Params..
   return launch_with_attributes(kernel, grid, block, smem, stream, &attribute, programmatic ? 1u : 0u, args...);
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...) in clusters of cluster_x x 1 x 1 CTAs (sm_90+;
-// grid.x a multiple of cluster_x).
-template <typename... Params, typename... Args>
-cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, int cluster_x, size_t smem,
-                           cudaStream_t stream, const Args&... args) {
+// The launch attribute of clusters of cluster_x x 1 x 1 CTAs (for launches and occupancy queries).
+inline cudaLaunchAttribute cluster_attribute(int cluster_x) {
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = static_cast<unsigned>(cluster_x);
   attribute.val.clusterDim.y = 1;
   attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of cluster_x x 1 x 1 CTAs (sm_90+;
+// grid.x a multiple of cluster_x).
+template <typename... Params, typename... Args>
+cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, int cluster_x, size_t smem,
+                           cudaStream_t stream, const Args&... args) {
+  cudaLaunchAttribute attribute = cluster_attribute(cluster_x);
   return launch_with_attributes(kernel, grid, block, smem, stream, &attribute, 1u, args...);
 }
 

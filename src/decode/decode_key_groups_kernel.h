@@ -209,23 +209,23 @@ __device__ __forceinline__ int swizzled_chunk(int c, int line, int block_elems) 
   return (c >> 3) * block_elems + (((c & 7) ^ (line & 7)) << 3);
 }
 
-// Starts fetching a tensor map's descriptor (a __grid_constant__ parameter) into the TMA unit's cache.
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-#endif
-}
-
-// One TMA box of a 4-D tensor map into shared memory, completing on `bar` (sm_90).
-__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                                            uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(sm90::smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(sm90::smem_u32(bar))
-      : "memory");
-#endif
+// V rows of this warp's sub-tile (key group kg, head `head`) at keys [kv_end, key0 + kN) hold stale
+// or garbage values (loaded past the sequence, or left by an earlier stage): zeroed, so that P = 0
+// multiplies zeros. Whole 128-byte lines, so the swizzle does not matter. As zero_v_rows_past_end
+// (decode_subtile.h) for the TMA stage layout.
+template <int kHeadDim, int kN, typename T>
+__device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int block_elems, int kg, int hpc, int head,
+                                                      int key0, int kv_end, int lane) {
+  if (key0 + kN <= kv_end) return;
+  T* const v_rows = const_cast<T*>(v_stage);
+  for (int idx = lane; idx < (key0 + kN - kv_end) * (kHeadDim / 8); idx += 32) {
+    const int r = kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
+    const int line = (kN * kg + r) * hpc + head;
+    *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
+        make_uint4(0, 0, 0, 0);
+  }
+  sm90::fence_proxy_async_shared();  // before a later TMA load refills the stage
+  __syncwarp();
 }
 
 // The cluster combine's merge (see the top of this file): called by every consumer thread of every
@@ -464,17 +464,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     const bool visible =
         it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
-      if (key0 + kN > keys.kv_end) {  // V rows past the end hold stale or garbage values: zeroed
-        T* const v_rows = const_cast<T*>(v_stage);
-        for (int idx = lane; idx < (key0 + kN - keys.kv_end) * (kHeadDim / 8); idx += 32) {
-          const int r = keys.kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
-          const int line = (kN * kg + r) * hpc + head;  // whole 128-byte lines: the swizzle does not matter
-          *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
-              make_uint4(0, 0, 0, 0);
-        }
-        fence_proxy_async_shared();  // before a later TMA load refills the stage
-        __syncwarp();
-      }
+      zero_v_lines_past_end<kHeadDim, kN>(v_stage, block_elems, kg, hpc, head, key0, keys.kv_end, lane);
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
       // S = Q K^T: keys 0-7 and 8-15 (j), head-dim halves a and b: four independent chains.
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

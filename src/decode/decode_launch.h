@@ -16,7 +16,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -47,9 +47,8 @@ inline int decode_engine_override() {
     if (portable != nullptr && portable[0] == '1') return static_cast<int>(DecodeEngine::kPortable);
     const char* name = std::getenv("FLARE_DECODE_ENGINE");
     if (name == nullptr) return -1;
-    for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
-      if (std::strcmp(name, decode_engine_name(e)) == 0) return static_cast<int>(e);
-    return -1;
+    const std::optional<DecodeEngine> e = decode_engine_from_name(name);
+    return e ? static_cast<int>(*e) : -1;
   }();
   return value;
 }
@@ -75,12 +74,9 @@ bool key_group_cluster_ready(Kernel kernel, int splits) {  // a template per ker
   static const bool large_ok = [&] {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(kDecodeMaxClusterSplits);
-    config.blockDim = dim3(32 * (key_group_consumer_warps(128) + 1));
+    config.blockDim = dim3(32 * (key_group_consumer_warps(kHeadDim) + 1));
     config.dynamicSmemBytes = kKeyGroupSmemBudget;
-    cudaLaunchAttribute attribute = {};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kDecodeMaxClusterSplits;
-    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    cudaLaunchAttribute attribute = detail::cluster_attribute(kDecodeMaxClusterSplits);
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;

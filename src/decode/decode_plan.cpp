@@ -289,22 +289,15 @@ class EntryLine {
         e->heads_per_cta = static_cast<int>(x);
         return Status::Ok();
       case kEngine:
-        for (DecodeEngine v : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
-          if (value == decode_engine_name(v)) {
-            e->engine = v;
-            return Status::Ok();
-          }
-        return error("'" + word + "': engine must be key_groups, head_warps or portable");
+        e->engine = decode_engine_from_name(value);
+        if (!e->engine) return error("'" + word + "': engine must be key_groups, head_warps or portable");
+        return Status::Ok();
       case kCombine:
-        for (DecodeCombine v : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel,
-                                DecodeCombine::kInKernelPrezeroed, DecodeCombine::kCluster})
-          if (value == decode_combine_name(v)) {
-            if (v == DecodeCombine::kInKernelPrezeroed)  // its counters are the caller's duty: never from a table
-              return error("'" + word + "': a table may not choose in_kernel_prezeroed");
-            e->combine = v;
-            return Status::Ok();
-          }
-        return error("'" + word + "': combine must be in_kernel, separate_kernel or cluster");
+        e->combine = decode_combine_from_name(value);
+        if (!e->combine) return error("'" + word + "': combine must be in_kernel, separate_kernel or cluster");
+        if (e->combine == DecodeCombine::kInKernelPrezeroed)  // its counters are the caller's duty: never from a table
+          return error("'" + word + "': a table may not choose in_kernel_prezeroed");
+        return Status::Ok();
     }
     return error("internal: unhandled field");
   }
@@ -353,6 +346,19 @@ const char* decode_engine_name(DecodeEngine e) {
     case DecodeEngine::kPortable: return "portable";
   }
   return "unknown";
+}
+
+std::optional<DecodeEngine> decode_engine_from_name(std::string_view name) {
+  for (DecodeEngine e : {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps, DecodeEngine::kPortable})
+    if (name == decode_engine_name(e)) return e;
+  return std::nullopt;
+}
+
+std::optional<DecodeCombine> decode_combine_from_name(std::string_view name) {
+  for (DecodeCombine c : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel, DecodeCombine::kInKernelPrezeroed,
+                          DecodeCombine::kCluster})
+    if (name == decode_combine_name(c)) return c;
+  return std::nullopt;
 }
 
 const char* decode_combine_name(DecodeCombine c) {

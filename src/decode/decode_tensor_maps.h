@@ -44,11 +44,7 @@ struct CacheMapKey {
   int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
   int box_heads = 0, elem_bytes = 0;
   bool bf16 = false;
-  bool operator==(const CacheMapKey& o) const {
-    return base == o.base && head_dim == o.head_dim && heads == o.heads && extent_1 == o.extent_1 &&
-           extent_0 == o.extent_0 && stride_h == o.stride_h && stride_tok == o.stride_tok && stride_0 == o.stride_0 &&
-           box_heads == o.box_heads && elem_bytes == o.elem_bytes && bf16 == o.bf16;
-  }
+  bool operator==(const CacheMapKey&) const = default;
 };
 
 // Encodes the map of `key` into *map (false where the driver refuses it). The last few maps are
