@@ -102,4 +102,17 @@ FLARE_HD TileKind classify_tile(const Band& band, int r0, int r1, int c0, int c1
   return full ? TileKind::kFull : TileKind::kPartial;
 }
 
+// Key blocks [first, last) that classify_tile calls FULL for rows [r0, r1), for blocks of
+// kv_block columns: contiguous, since a row's visible window only moves right as the row grows
+// (FULL: the last row's first key at or before the block, the first row's end at or after it).
+// Empty (first >= last) when no block is. Lets a kernel that walks many blocks of one row range
+// test a block with two compares instead of classifying it.
+FLARE_HD BlockRange full_kv_blocks(const Band& band, int r0, int r1, int seqlen_k, int kv_block) {
+  BlockRange r;
+  if (r0 >= r1 || seqlen_k <= 0) return r;
+  r.first = (band.row_lo(r1 - 1) + kv_block - 1) / kv_block;
+  r.last = band.row_hi(r0, seqlen_k) / kv_block;
+  return r;
+}
+
 }  // namespace flare::sched

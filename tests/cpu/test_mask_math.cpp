@@ -60,6 +60,17 @@ TEST(Band, TileClassificationAndBlockRangesMatchBruteForce) {
                   last = c0 / bk + 1;
                 }
               }
+              // The FULL blocks as one range, past the sequence's blocks too (never FULL there), for
+              // the clipped rows and for a whole block of rows running past the sequence (as a
+              // kernel's last row tile asks).
+              for (int rows_end : {r1, r0 + bq}) {
+                const BlockRange full = full_kv_blocks(band, r0, rows_end, sk, bk);
+                for (int n = 0; n * bk < sk + 2 * bk; ++n)
+                  ASSERT_EQ(n >= full.first && n < full.last,
+                            classify_tile(band, r0, rows_end, n * bk, (n + 1) * bk, sk) == TileKind::kFull)
+                      << "sq=" << sq << " sk=" << sk << " rows " << r0 << "-" << rows_end << " block " << n
+                      << " causal=" << c.causal << " l=" << c.left << " r=" << c.right;
+              }
               BlockRange r = kv_block_range(band, r0, r1, sk, bk);
               if (first < 0) {
                 EXPECT_GE(r.first, r.last);

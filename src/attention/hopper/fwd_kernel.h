@@ -211,23 +211,23 @@ __device__ __forceinline__ void narrow_to_interval(const block_sparse::ColumnInt
 }
 
 // Soft-cap and mask one S tile of this warpgroup's 64 rows (scores stay raw when not capped): the
-// band (with the sequence's end) on its partial tiles, and where `element_masked` (a block mask's
-// partial block) the element predicate `el` too. `el` is the kernel parameter itself (read through
-// the constant bank: a pointer chosen at run time would make every field a generic load).
+// band (with the sequence's end) on its partial tiles, those outside `full` (the warpgroup's FULL
+// key tiles, sched::full_kv_blocks: two compares a tile instead of classifying each on the path
+// from S to the next GEMMs), and where `element_masked` (a block mask's partial block) the element
+// predicate `el` too. `el` is the kernel parameter itself (read through the constant bank: a
+// pointer chosen at run time would make every field a generic load).
 template <typename Cfg, typename FragS, typename Walk>
 __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernelParams& p,
                                                const block_sparse::ElementMaskParams& el, bool element_masked,
-                                               const FwdTile<Walk>& t, int wg_row0, int n, int quad_row,
-                                               int quad_col) {
-  if (p.softcap > 0.f) {
+                                               const FwdTile<Walk>& t, const sched::BlockRange& full, bool softcap,
+                                               int wg_row0, int n, int quad_row, int quad_col) {
+  if (softcap) {
     const float pre = p.scale / p.softcap, post = p.softcap * static_cast<float>(M_LOG2E);
     CUTE_UNROLL
     for (int i = 0; i < cute::size(s); ++i) s(i) = post * fast_tanh(s(i) * pre);
   }
+  if (!element_masked && n >= full.first && n < full.last) return;
   const int col0 = n * Cfg::kBlockN;
-  if (!element_masked && sched::classify_tile(t.band, wg_row0, wg_row0 + 64, col0, col0 + Cfg::kBlockN,
-                                                 t.seq.seqlen_k) == sched::TileKind::kFull)
-    return;
   // Accumulator element i = 4 j + 2 r + c sits at row quad_row + 8 r, column 8 j + quad_col + c;
   // row r sees the columns [lo_r, hi_r) (the band clipped to the sequence).
   int lo[2], hi[2];
@@ -334,7 +334,9 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor p_frag = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
   static_assert(decltype(size(s_acc))::value == decltype(size(p_frag))::value, "P mirrors S element for element");
 
-  const float score_scale = p.softcap > 0.f ? 1.f : p.scale_log2;
+  const bool softcap = p.softcap > 0.f;  // once: a per-step read of the parameter waited on the constant cache
+  const float score_scale = softcap ? 1.f : p.scale_log2;
+  const sched::BlockRange full = sched::full_kv_blocks(t.band, wg_row0, wg_row0 + 64, t.seq.seqlen_k, Cfg::kBlockN);
   OnlineSoftmax softmax;
   softmax.init(p.sinks ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, p.sinks != nullptr && lane % 4 == 0);
   clear(o_acc);
@@ -376,12 +378,13 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     sm.k_ring.wait_full(kpos);
     if (marks) timeline_mark(tl, t.id, kMarkKLanded);
     Turns::wait(wg);
+    if (marks) timeline_mark(tl, t.id, kMarkFirstGemm);
     wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
     Turns::pass(wg);
     wg_wait<0>(s_acc);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
-    prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, wg_row0, n, quad_row, quad_col);
+    prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
     RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
     to_p();
     while (t.kv.more(c)) {
@@ -402,7 +405,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 #if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
       alpha = RowScale{{1.f, 1.f}};
 #else
-      prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, wg_row0, n, quad_row, quad_col);
+      prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
       alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
 #endif
       wg_wait<0>(o_acc);
@@ -443,7 +446,11 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     CUTE_UNROLL
     for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks
       const uint4 v = accumulator_piece<T>([&](int i) { return o_acc(i); }, b, inv.v[0], inv.v[1], t4);
+#if FLARE_HOPPER_SKIP_O_STORE  // experiment: the epilogue's arithmetic without its stores (wrong results)
+      if (row_ok && 16 * b + my_col < p.head_dim && p.head_dim < 0) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
+#else
       if (row_ok && 16 * b + my_col < p.head_dim) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
+#endif
     }
   }
   CUTE_UNROLL
@@ -461,6 +468,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     }
     if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
   }
+  if (marks) timeline_mark(tl, t.id, kMarkEpilogue0);
   if (consumer_thread % 128 == 0) timeline_mark_latest(tl, t.id, kMarkEnd);
 }
 

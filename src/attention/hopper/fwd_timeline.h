@@ -28,6 +28,8 @@ enum FwdMark : int {
   kMarkEnd,        // the later consumer warpgroup's epilogue stores are issued (atomicMax)
   kMarkSm,         // the SM's id
   kMarkTiles,      // key tiles the CTA walked
+  kMarkFirstGemm,  // consumer warpgroup 0 has its GEMM turn for the first S (its tensor work begins)
+  kMarkEpilogue0,  // consumer warpgroup 0's own epilogue stores are issued
   kMarks
 };
 inline constexpr int kTimelineCtas = 1 << 16;  // stamps kept for CTAs (tiles) below this index

@@ -56,6 +56,27 @@ std::string fwd_timeline_summary() {
     phase[6].push_back(static_cast<double>(m[kMarkEnd]) - s);
     per_sm[m[kMarkSm]].push_back({m[kMarkStart], m[kMarkEnd]});
   }
+  // Warpgroup 0 between consecutive tiles on an SM (by first GEMM): its epilogue, then the wait
+  // until its next first S GEMM; and the share of the SM's span its main loops cover.
+  std::map<unsigned long long, std::vector<const unsigned long long*>> wg0_per_sm;
+  for (int c = 0; c < kTimelineCtas; ++c) {
+    const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
+    if (m[kMarkFirstGemm] && m[kMarkLoopDone] && m[kMarkEpilogue0]) wg0_per_sm[m[kMarkSm]].push_back(m);
+  }
+  std::vector<double> wg0_epi, wg0_wait, wg0_loop_share;
+  for (auto& [sm, list] : wg0_per_sm) {
+    std::sort(list.begin(), list.end(), [](auto a, auto b) { return a[kMarkFirstGemm] < b[kMarkFirstGemm]; });
+    double loops = 0;
+    for (size_t i = 0; i < list.size(); ++i) {
+      loops += static_cast<double>(list[i][kMarkLoopDone]) - static_cast<double>(list[i][kMarkFirstGemm]);
+      wg0_epi.push_back(static_cast<double>(list[i][kMarkEpilogue0]) - static_cast<double>(list[i][kMarkLoopDone]));
+      if (i + 1 < list.size())
+        wg0_wait.push_back(static_cast<double>(list[i + 1][kMarkFirstGemm]) -
+                           static_cast<double>(list[i][kMarkEpilogue0]));
+    }
+    const double span = static_cast<double>(list.back()[kMarkLoopDone]) - static_cast<double>(list.front()[kMarkFirstGemm]);
+    if (span > 0) wg0_loop_share.push_back(loops / span);
+  }
   std::vector<double> gaps, busy;
   for (auto& [sm, list] : per_sm) {
     std::sort(list.begin(), list.end());
@@ -82,6 +103,13 @@ std::string fwd_timeline_summary() {
                 "  %-24s median %9.0f  mean %9.0f   (%7.2f / %7.2f us); CTAs in flight %.1f%% of each SM's span\n",
                 "gap between CTAs on an SM", median_of(gaps), mean_of(gaps), median_of(gaps) / cycles_per_us,
                 mean_of(gaps) / cycles_per_us, 100 * mean_of(busy));
+  out += line;
+  std::snprintf(line, sizeof line,
+                "  %-24s median %9.0f  mean %9.0f   (%7.2f / %7.2f us)\n  %-24s median %9.0f  mean %9.0f   (%7.2f / "
+                "%7.2f us); main loops %.1f%% of warpgroup 0's span on an SM\n",
+                "wg0 epilogue", median_of(wg0_epi), mean_of(wg0_epi), median_of(wg0_epi) / cycles_per_us,
+                mean_of(wg0_epi) / cycles_per_us, "wg0 to next first GEMM", median_of(wg0_wait), mean_of(wg0_wait),
+                median_of(wg0_wait) / cycles_per_us, mean_of(wg0_wait) / cycles_per_us, 100 * mean_of(wg0_loop_share));
   out += line;
   return out;
 }
