@@ -394,12 +394,17 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       t.kv.advance(c);
       sm.k_ring.wait_full(kpos);
       Turns::wait(wg);
+      const bool step_marks = marks && tiles >= kTimelineStep && tiles <= kTimelineStep + 1;  // timeline builds only
+      if (step_marks) timeline_mark(tl, t.id, tiles == kTimelineStep ? kMarkStepTurn : kMarkStepNext);
       wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
       softmax.rescale(o_acc, alpha);  // while S_n is on the tensor cores
       sm.v_ring.wait_full(vpos);
       wg_gemm<false>(mma_pv, p_frag, vt_frag(_, _, _, vpos.index), o_acc);
       Turns::pass(wg);
+      const bool step = marks && tiles == kTimelineStep;
+      if (step) timeline_mark(tl, t.id, kMarkStepIssued);
       wg_wait<1>(s_acc);
+      if (step) timeline_mark(tl, t.id, kMarkStepSDone);
       if (lane == 0) sm.k_ring.release(kpos);
       kpos.template advance<Cfg::kStages>();
 #if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
@@ -408,7 +413,9 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
       alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
 #endif
+      if (step) timeline_mark(tl, t.id, kMarkStepSoftmax);
       wg_wait<0>(o_acc);
+      if (step) timeline_mark(tl, t.id, kMarkStepPVDone);
       if (lane == 0) sm.v_ring.release(vpos);
       vpos.template advance<Cfg::kStages>();
       to_p();

@@ -30,9 +30,17 @@ enum FwdMark : int {
   kMarkTiles,      // key tiles the CTA walked
   kMarkFirstGemm,  // consumer warpgroup 0 has its GEMM turn for the first S (its tensor work begins)
   kMarkEpilogue0,  // consumer warpgroup 0's own epilogue stores are issued
+  // Warpgroup 0 in its fourth key tile (kTimelineStep), for the main loop's critical path:
+  kMarkStepTurn,     // its GEMM turn begins (S_n and the previous PV are issued next)
+  kMarkStepIssued,   // both GEMMs are issued and the turn passed
+  kMarkStepSDone,    // S_n has completed
+  kMarkStepSoftmax,  // P_n's softmax is done
+  kMarkStepPVDone,   // the previous PV has completed (P_n may now overwrite its registers)
+  kMarkStepNext,     // the next tile's turn begins
   kMarks
 };
 inline constexpr int kTimelineCtas = 1 << 16;  // stamps kept for CTAs (tiles) below this index
+inline constexpr int kTimelineStep = 4;        // the key tile (1-based, in walk order) of the step stamps
 
 #if FLARE_HOPPER_FWD_TIMELINE
 // The device buffer [kTimelineCtas][kMarks] (allocated on first use).

@@ -77,6 +77,23 @@ std::string fwd_timeline_summary() {
     const double span = static_cast<double>(list.back()[kMarkLoopDone]) - static_cast<double>(list.front()[kMarkFirstGemm]);
     if (span > 0) wg0_loop_share.push_back(loops / span);
   }
+  // Warpgroup 0's step kTimelineStep: from its turn to the next one.
+  const char* step_names[] = {"step: issue (turn to passed)", "step: S latency after issue", "step: softmax",
+                              "step: PV wait after softmax", "step: to the next turn", "step: turn to turn"};
+  std::vector<double> step_phase[6];
+  for (int c = 0; c < kTimelineCtas; ++c) {
+    const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
+    if (!m[kMarkStepTurn] || !m[kMarkStepIssued] || !m[kMarkStepSDone] || !m[kMarkStepSoftmax] ||
+        !m[kMarkStepPVDone] || !m[kMarkStepNext])
+      continue;
+    auto d = [&](int a, int b) { return static_cast<double>(m[b]) - static_cast<double>(m[a]); };
+    step_phase[0].push_back(d(kMarkStepTurn, kMarkStepIssued));
+    step_phase[1].push_back(d(kMarkStepIssued, kMarkStepSDone));
+    step_phase[2].push_back(d(kMarkStepSDone, kMarkStepSoftmax));
+    step_phase[3].push_back(d(kMarkStepSoftmax, kMarkStepPVDone));
+    step_phase[4].push_back(d(kMarkStepPVDone, kMarkStepNext));
+    step_phase[5].push_back(d(kMarkStepTurn, kMarkStepNext));
+  }
   std::vector<double> gaps, busy;
   for (auto& [sm, list] : per_sm) {
     std::sort(list.begin(), list.end());
@@ -111,6 +128,12 @@ std::string fwd_timeline_summary() {
                 mean_of(wg0_epi) / cycles_per_us, "wg0 to next first GEMM", median_of(wg0_wait), mean_of(wg0_wait),
                 median_of(wg0_wait) / cycles_per_us, mean_of(wg0_wait) / cycles_per_us, 100 * mean_of(wg0_loop_share));
   out += line;
+  for (int i = 0; i < 6; ++i) {
+    if (step_phase[i].empty()) break;
+    std::snprintf(line, sizeof line, "  %-30s median %7.0f  mean %7.0f cycles\n", step_names[i],
+                  median_of(step_phase[i]), mean_of(step_phase[i]));
+    out += line;
+  }
   return out;
 }
 
