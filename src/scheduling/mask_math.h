@@ -115,4 +115,24 @@ FLARE_HD BlockRange full_kv_blocks(const Band& band, int r0, int r1, int seqlen_
   return r;
 }
 
+// The transposed question, for a kernel that walks row tiles against one key block [c0, c1): the
+// first rows q0 whose tile [q0, q0 + rows) classify_tile calls FULL are exactly those in
+// [first, last] (inclusive; empty when first > last): the last row's window must start at or
+// before c0, the first row's must end at or after c1, and the block must lie inside the sequence.
+// Bounds are clamped to +-2^30 (first rows beyond that do not occur).
+struct RowSpan {
+  int first = 0, last = -1;
+  FLARE_HD bool contains(int q0) const { return q0 >= first && q0 <= last; }
+};
+FLARE_HD RowSpan full_row_tiles(const Band& band, int c0, int c1, int seqlen_k, int rows) {
+  RowSpan s;
+  if (c0 >= c1 || c1 > seqlen_k || rows <= 0) return s;
+  constexpr long long kFar = 1ll << 30;
+  const long long first = band.right >= kUnbounded ? -kFar : (long long)c1 - band.offset - band.right - 1;
+  const long long last = band.left >= kUnbounded ? kFar : (long long)c0 - rows + 1 - band.offset + band.left;
+  s.first = (int)(first < -kFar ? -kFar : (first > kFar ? kFar : first));
+  s.last = (int)(last < -kFar ? -kFar : (last > kFar ? kFar : last));
+  return s;
+}
+
 }  // namespace flare::sched

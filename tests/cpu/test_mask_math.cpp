@@ -79,6 +79,14 @@ TEST(Band, TileClassificationAndBlockRangesMatchBruteForce) {
                 EXPECT_EQ(r.last, last);
               }
             }
+            // The FULL row tiles of each key block, for every first row (past the sequence too).
+            for (int c0 = 0; c0 < sk + bk; c0 += bk) {
+              const RowSpan span = full_row_tiles(band, c0, c0 + bk, sk, bq);
+              for (int q0 = 0; q0 < sq + bq; ++q0)
+                ASSERT_EQ(span.contains(q0), classify_tile(band, q0, q0 + bq, c0, c0 + bk, sk) == TileKind::kFull)
+                    << "sq=" << sq << " sk=" << sk << " rows " << q0 << "+" << bq << " cols " << c0 << "+" << bk
+                    << " causal=" << c.causal << " l=" << c.left << " r=" << c.right;
+            }
             // The transposed range: q blocks that see each key block.
             for (int c0 = 0; c0 < sk; c0 += bk) {
               int c1 = std::min(sk, c0 + bk);
