@@ -98,6 +98,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
   const BwdQuerySide<T> qs = BwdQuerySide<T>::of(P, seq, b, h);
 
   const sched::Band band = detail::band_of(p, seq);
+  // The query steps whose tile is FULL, by first row, once (sched::full_row_tiles).
+  const sched::RowSpan full_rows = sched::full_row_tiles(band, col0, col0 + kBlockN, seq.seqlen_k, kBlockM);
   const sched::BlockRange mrange = sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
 
   float dk[kKvM][kKvN][4], dv[kKvM][kKvN][4];
@@ -160,9 +162,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
 
     // ---- P and dS (element (mi, j, e): query row s_row + 16 mi + g + 8 (e / 2), key s_key + 8 j +
     // 2 t + e % 2), masked on partial blocks, to shared memory ------------------------------------
-    const bool partial = row0 + kBlockM > seq.seqlen_q ||
-                         sched::classify_tile(band, row0, min(seq.seqlen_q, row0 + kBlockM), col0, col0 + kBlockN,
-                                              seq.seqlen_k) != sched::TileKind::kFull;
+    const bool partial = row0 + kBlockM > seq.seqlen_q || !full_rows.contains(row0);
     const float* lse_s = sm.lse[stage];
     const float* dpsum_s = sm.dpsum[stage];
     // One branch-free element loop per (soft-capping, partial block) pair: a per-element test of

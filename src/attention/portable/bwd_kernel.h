@@ -377,6 +377,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   const BwdQuerySide<T> qs = BwdQuerySide<T>::of(P, seq, b, h);
 
   const sched::Band band = detail::band_of(p, seq);
+  // The query steps whose tile is FULL, by first row, once (sched::full_row_tiles).
+  const sched::RowSpan full_rows = sched::full_row_tiles(band, col0, col0 + kBlockN, seq.seqlen_k, kBlockM);
   const sched::BlockRange mrange =
       sched::q_block_range(band, col0, col0 + keys, seq.seqlen_q, kBlockM);
 
@@ -410,9 +412,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
     bwd_scores<Cfg, T>(sm.k, sm.v, sq, sdo, kv_row, lane, s, dp);
 
     // P^T and dS^T: branch-free element loops, one variant per soft-capping mode.
-    const bool partial = row0 + kBlockM > seq.seqlen_q ||
-                         sched::classify_tile(band, row0, min(seq.seqlen_q, row0 + kBlockM), col0, col0 + kBlockN,
-                                              seq.seqlen_k) != sched::TileKind::kFull;
+    const bool partial = row0 + kBlockM > seq.seqlen_q || !full_rows.contains(row0);
     const QueryStats stats{sm.lse[stage], sm.dpsum[stage], t};
     // The loop written out here, not through a helper: at the 255-register ceiling the helper's
     // form cost 16 bytes of spills (ptxas, sm_80 and sm_90, d128).
