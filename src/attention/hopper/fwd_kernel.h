@@ -453,11 +453,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     CUTE_UNROLL
     for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks
       const uint4 v = accumulator_piece<T>([&](int i) { return o_acc(i); }, b, inv.v[0], inv.v[1], t4);
-#if FLARE_HOPPER_SKIP_O_STORE  // experiment: the epilogue's arithmetic without its stores (wrong results)
-      if (row_ok && 16 * b + my_col < p.head_dim && p.head_dim < 0) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
-#else
       if (row_ok && 16 * b + my_col < p.head_dim) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
-#endif
     }
   }
   CUTE_UNROLL
