@@ -14,6 +14,11 @@
 // fetches the map), then another box far away, the same box again (L2), and a cp.async.bulk
 // copy of 2 KB (no map) from a third place; once without and once after prefetch.tensormap.
 //
+// Last, bursts: one thread of each CTA issues N such boxes back to back (N = 1 .. 32, distinct
+// tokens) on one mbarrier, on 1 and on 132 CTAs at once: the issue time and the time until all
+// have landed, medians over the CTAs (decode's first stages land 2-3 us after a CTA starts:
+// bench/RESULTS.md, sessions 18 and 19).
+//
 // Usage: [FLARE_BENCH_FLUSH=read] probe_load_latency [--trials N]
 #include <cuda_runtime.h>
 
@@ -87,6 +92,27 @@ __global__ void tma_chain(const __grid_constant__ CUtensorMap map, int token0, i
     flare::sm90::mbar_wait(&bar, i & 1);
     cycles[i] = clock64() - t0;
   }
+}
+
+// Each CTA: `boxes` boxes of 16 tokens from its own region, then the wait; out[2 c] = cycles to
+// issue them all, out[2 c + 1] = cycles until all landed.
+__global__ void tma_burst(const __grid_constant__ CUtensorMap map, int boxes, long long* out) {
+  extern __shared__ __align__(1024) unsigned char boxes_smem[];
+  __shared__ uint64_t bar;
+  if (threadIdx.x != 0) return;
+  flare::sm90::mbar_init(&bar, 1);
+  flare::sm90::mbar_init_fence();
+  flare::sm90::prefetch_tensor_map(&map);
+  const int seq = blockIdx.x % 8, token0 = (blockIdx.x * 16 * 37) % 32768;
+  const long long t0 = clock64();
+  flare::sm90::mbar_arrive_expect_tx(&bar, 2048u * boxes);
+  for (int i = 0; i < boxes; ++i)
+    flare::sm90::tma_load_4d(boxes_smem + 2048 * i, &map, 0, 0, token0 + 16 * i, seq, &bar);
+  const long long t1 = clock64();
+  flare::sm90::mbar_wait(&bar, 0);
+  const long long t2 = clock64();
+  out[2 * blockIdx.x] = t1 - t0;
+  out[2 * blockIdx.x + 1] = t2 - t0;
 }
 
 double median(std::vector<double> v) {
@@ -181,5 +207,31 @@ int main(int argc, char** argv) {
     for (int i = 0; i < kTmaSteps; ++i)
       std::printf("  %-28s %7.0f cycles  %6.2f us\n", kTmaNames[i], median(cyc[i]), median(cyc[i]) / (clock_khz / 1000.0));
   }
+  // Bursts of boxes.
+  constexpr int kMaxBoxes = 32, kMaxCtas = 132;
+  FLARE_BENCH_CHECK(cudaFuncSetAttribute(tma_burst, cudaFuncAttributeMaxDynamicSharedMemorySize, 2048 * kMaxBoxes));
+  long long* d_burst = nullptr;
+  FLARE_BENCH_CHECK(cudaMalloc(&d_burst, 2 * kMaxCtas * sizeof(long long)));
+  std::printf("bursts of 2 KB tensor boxes after the flush (medians over CTAs and trials; cycles, us)\n");
+  for (int ctas : {1, kMaxCtas})
+    for (int boxes : {1, 4, 16, 32}) {
+      std::vector<double> issue, land;
+      for (int t = 0; t < trials; ++t) {
+        flare::bench::flush_l2(stream);
+        tma_burst<<<ctas, 32, 2048 * boxes, stream>>>(map, boxes, d_burst);
+        FLARE_BENCH_CHECK(cudaGetLastError());
+        std::vector<long long> h(2 * ctas);
+        FLARE_BENCH_CHECK(cudaMemcpyAsync(h.data(), d_burst, h.size() * sizeof(long long), cudaMemcpyDeviceToHost, stream));
+        FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+        if (t == 0) continue;
+        for (int c = 0; c < ctas; ++c) {
+          issue.push_back(static_cast<double>(h[2 * c]));
+          land.push_back(static_cast<double>(h[2 * c + 1]));
+        }
+      }
+      const double mhz = clock_khz / 1000.0;
+      std::printf("  %3d CTAs x %2d boxes: issued %6.0f (%5.2f us), all landed %6.0f (%5.2f us)\n", ctas, boxes,
+                  median(issue), median(issue) / mhz, median(land), median(land) / mhz);
+    }
   return 0;
 }
