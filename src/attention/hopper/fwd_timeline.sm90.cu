@@ -37,6 +37,12 @@ std::string fwd_timeline_summary() {
                          "CTA total", "main loop per key tile"};
   std::vector<double> phase[8];
   std::map<unsigned long long, std::vector<std::pair<unsigned long long, unsigned long long>>> per_sm;
+  // Warpgroup 0's tiles per SM (its epilogue and the wait for its next first GEMM, below), and its
+  // step kTimelineStep's phases, from its turn to the next one.
+  std::map<unsigned long long, std::vector<const unsigned long long*>> wg0_per_sm;
+  const char* step_names[] = {"step: issue (turn to passed)", "step: S latency after issue", "step: softmax",
+                              "step: PV wait after softmax", "step: to the next turn", "step: turn to turn"};
+  std::vector<double> step_phase[6];
   int ctas = 0;
   for (int c = 0; c < kTimelineCtas; ++c) {
     const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
@@ -55,14 +61,20 @@ std::string fwd_timeline_summary() {
     }
     phase[6].push_back(static_cast<double>(m[kMarkEnd]) - s);
     per_sm[m[kMarkSm]].push_back({m[kMarkStart], m[kMarkEnd]});
+    if (m[kMarkFirstGemm] && m[kMarkLoopDone] && m[kMarkEpilogue0]) wg0_per_sm[m[kMarkSm]].push_back(m);
+    if (m[kMarkStepTurn] && m[kMarkStepIssued] && m[kMarkStepSDone] && m[kMarkStepSoftmax] && m[kMarkStepPVDone] &&
+        m[kMarkStepNext]) {
+      auto d = [&](int a, int b) { return static_cast<double>(m[b]) - static_cast<double>(m[a]); };
+      step_phase[0].push_back(d(kMarkStepTurn, kMarkStepIssued));
+      step_phase[1].push_back(d(kMarkStepIssued, kMarkStepSDone));
+      step_phase[2].push_back(d(kMarkStepSDone, kMarkStepSoftmax));
+      step_phase[3].push_back(d(kMarkStepSoftmax, kMarkStepPVDone));
+      step_phase[4].push_back(d(kMarkStepPVDone, kMarkStepNext));
+      step_phase[5].push_back(d(kMarkStepTurn, kMarkStepNext));
+    }
   }
   // Warpgroup 0 between consecutive tiles on an SM (by first GEMM): its epilogue, then the wait
   // until its next first S GEMM; and the share of the SM's span its main loops cover.
-  std::map<unsigned long long, std::vector<const unsigned long long*>> wg0_per_sm;
-  for (int c = 0; c < kTimelineCtas; ++c) {
-    const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
-    if (m[kMarkFirstGemm] && m[kMarkLoopDone] && m[kMarkEpilogue0]) wg0_per_sm[m[kMarkSm]].push_back(m);
-  }
   std::vector<double> wg0_epi, wg0_wait, wg0_loop_share;
   for (auto& [sm, list] : wg0_per_sm) {
     std::sort(list.begin(), list.end(), [](auto a, auto b) { return a[kMarkFirstGemm] < b[kMarkFirstGemm]; });
@@ -76,23 +88,6 @@ std::string fwd_timeline_summary() {
     }
     const double span = static_cast<double>(list.back()[kMarkLoopDone]) - static_cast<double>(list.front()[kMarkFirstGemm]);
     if (span > 0) wg0_loop_share.push_back(loops / span);
-  }
-  // Warpgroup 0's step kTimelineStep: from its turn to the next one.
-  const char* step_names[] = {"step: issue (turn to passed)", "step: S latency after issue", "step: softmax",
-                              "step: PV wait after softmax", "step: to the next turn", "step: turn to turn"};
-  std::vector<double> step_phase[6];
-  for (int c = 0; c < kTimelineCtas; ++c) {
-    const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
-    if (!m[kMarkStepTurn] || !m[kMarkStepIssued] || !m[kMarkStepSDone] || !m[kMarkStepSoftmax] ||
-        !m[kMarkStepPVDone] || !m[kMarkStepNext])
-      continue;
-    auto d = [&](int a, int b) { return static_cast<double>(m[b]) - static_cast<double>(m[a]); };
-    step_phase[0].push_back(d(kMarkStepTurn, kMarkStepIssued));
-    step_phase[1].push_back(d(kMarkStepIssued, kMarkStepSDone));
-    step_phase[2].push_back(d(kMarkStepSDone, kMarkStepSoftmax));
-    step_phase[3].push_back(d(kMarkStepSoftmax, kMarkStepPVDone));
-    step_phase[4].push_back(d(kMarkStepPVDone, kMarkStepNext));
-    step_phase[5].push_back(d(kMarkStepTurn, kMarkStepNext));
   }
   std::vector<double> gaps, busy;
   for (auto& [sm, list] : per_sm) {
