@@ -24,11 +24,12 @@ def main():
     ap.add_argument("--backends", default="cudnn,flash")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-flush", action="store_true", help="keep L2 warm between samples (flushed by default, as flare's bench)")
+    ap.add_argument("--head-dims", default="64,128,256", help="comma-separated head dims to time")
     args = ap.parse_args()
     seqlens = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
     records = []
     print(f"{'case':28s} {'backend':10s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'bwd ms':>8s} {'bwd TF/s':>9s}")
-    for d in (64, 128, 256):
+    for d in [int(x) for x in args.head_dims.split(",")]:
         for causal in (False, True):
             for s in seqlens:
                 b, h = 16384 // s, 2048 // d

@@ -58,6 +58,15 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<128, 128, 2, 3>>(e, "2wg n128 3 stages", causal);
   measure<HopperFwdConfig<128, 128, 2, 2, false>>(e, "2wg n128 no ping-pong", causal);
   measure<HopperFwdConfig<128, 128, 2, 2, true, 8>>(e, "2wg n128 exp2 poly 1/8", causal);
+  measure<HopperFwdConfig<128, 128, 2, 2, true, 4>>(e, "2wg n128 exp2 poly 1/4", causal);
+  measure<HopperFwdConfig<128, 64, 2>>(e, "2wg n64", causal);
+  measure<HopperFwdConfig<128, 64, 3>>(e, "3wg n64", causal);
+  measure<HopperFwdConfig<128, 64, 3>, true>(e, "3wg n64 persistent", causal);
+  measure<HopperFwdConfig<128, 64, 3, 3>>(e, "3wg n64 3 stages", causal);
+  measure<HopperFwdConfig<128, 64, 3, 4>>(e, "3wg n64 4 stages", causal);
+  measure<HopperFwdConfig<128, 96, 3>>(e, "3wg n96", causal);
+  measure<HopperFwdConfig<128, 80, 3>>(e, "3wg n80", causal);
+  measure<HopperFwdConfig<128, 80, 3>, true>(e, "3wg n80 persistent", causal);
   measure<HopperFwdConfig<192, 96, 2>>(e, "2wg n96", causal);
   measure<HopperFwdConfig<256, 64, 2>>(e, "2wg n64", causal);
   measure<HopperFwdConfig<256, 64, 2>, true>(e, "2wg n64 persistent", causal);

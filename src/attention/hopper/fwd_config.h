@@ -47,15 +47,25 @@ struct HopperFwdConfig {
 // consumers' registers; K, V stages and Q share 227 KB of shared memory. Measured on the H100
 // (bench/tuning/tune_hopper_fwd, bench/RESULTS.md): key blocks of 160 or 176 lost 10-27 % to 128
 // at d128, 80 lost 30 % to 64 at d256 (and 48 lost 33 %), 96 beat 64 by 14 % at d192; three
-// consumer warpgroups beat two at d64. The exp2 polynomial lost at every head dim (kept off). Lazy
-// rescaling won 4-5 % at d256, 0.5 % at d128 and lost 2-4 % at d64 (off there).
+// consumer warpgroups beat two at d64, and at d128 with key blocks of 64 (the softmax of one
+// warpgroup under the GEMMs of two: -2 to -5 % non-causal, 0 to -2 % causal one CTA per tile; 96
+// and 80 do not fit three warpgroups' registers). The exp2 polynomial lost at every head dim (kept
+// off). Lazy rescaling won 4-5 % at d256, 0.5 % at d128 and lost 2-4 % at d64 (off there).
 template <int kHeadDim>
 struct HopperFwdConfigFor;
 template <> struct HopperFwdConfigFor<64> { using type = HopperFwdConfig<64, 128, 3>; };
 template <> struct HopperFwdConfigFor<96> { using type = HopperFwdConfig<96, 128, 2>; };
-template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 128, 2>; };
+template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 64, 3>; };
 template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
 template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
+
+// The persistent grid's configuration where the launcher takes it (d128 causal up to 8k rows,
+// fwd_launch_impl.h): two warpgroups and key blocks of 128 there beat three of 64 by 0-5 %.
+template <int kHeadDim>
+struct HopperFwdPersistentConfigFor {
+  using type = typename HopperFwdConfigFor<kHeadDim>::type;
+};
+template <> struct HopperFwdPersistentConfigFor<128> { using type = HopperFwdConfig<128, 128, 2>; };
 
 // The block-sparse forward (a block mask's lists, fwd_kv_walk.h): a CTA's 128 rows lie in one mask
 // q block and its key tiles divide the mask's kv blocks, so masks of 128 x 128 blocks (Flex's

@@ -315,14 +315,15 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
-  const int wg = consumer_thread / 128, lane = consumer_thread % 32, warp_in_wg = (consumer_thread % 128) / 32;
+  const int wg = warpgroup_leader(consumer_thread) / 128;  // warp-uniform to the compiler (wg_gemm.h)
+  const int lane = consumer_thread % 32, warp_in_wg = (consumer_thread % 128) / 32;
   const int quad_row = 16 * warp_in_wg + lane / 4, quad_col = 2 * (lane % 4);
   const int wg_row0 = t.row0 + 64 * wg;
 
   typename L::MmaQK mma_qk;
   typename L::MmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(consumer_thread);
-  auto thr_pv = mma_pv.get_thread_slice(consumer_thread);
+  auto thr_qk = mma_qk.get_thread_slice(128 * wg);  // descriptors only: the warpgroup's (wg_gemm.h)
+  auto thr_pv = mma_pv.get_thread_slice(128 * wg);
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
   Tensor sVt = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemVt{});

@@ -100,7 +100,8 @@ template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
   if constexpr (kHeadDim == 128)
-    if (hopper_fwd_persistent(p)) return launch_hopper_fwd_cfg<Cfg, T, true>(p, stream);
+    if (hopper_fwd_persistent(p))
+      return launch_hopper_fwd_cfg<typename HopperFwdPersistentConfigFor<kHeadDim>::type, T, true>(p, stream);
   return launch_hopper_fwd_cfg<Cfg, T>(p, stream);
 }
 

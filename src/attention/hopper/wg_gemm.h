@@ -8,6 +8,15 @@
 
 namespace flare::hopper {
 
+// The thread to slice a tiled wgmma's shared-memory operands with: the first of the caller's
+// warpgroup, read through a shuffle from lane 0, which the compiler knows to be warp-uniform. A
+// GMMA descriptor depends on the warpgroup alone; sliced by the thread index itself, the
+// descriptors sat in ordinary registers and each wgmma waited on their moves to uniform ones
+// (R2UR). Accumulator partitions (coordinates) still take the thread index.
+__device__ __forceinline__ int warpgroup_leader(int thread) {
+  return 128 * __shfl_sync(0xffffffffu, thread / 128, 0);
+}
+
 // C (+)= A B over every k step of the fragments. A from shared memory (descriptors) or registers.
 template <bool kZeroInit, typename TiledMma, typename FragA, typename FragB, typename FragC>
 __device__ __forceinline__ void wg_gemm(TiledMma& mma, FragA& a, const FragB& b, FragC& c) {
