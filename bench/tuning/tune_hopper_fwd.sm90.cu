@@ -44,7 +44,7 @@ void measure(Env& e, const char* label, bool causal) {
 }
 
 // HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong, exp2 poly, lazy
-// rescale, idle warpgroups skipped>
+// rescale, idle warpgroups skipped, two P sets>
 void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<64, 128, 3>>(e, "3wg n128", causal);
   measure<HopperFwdConfig<64, 128, 3, 2, true, 0, false, false>>(e, "3wg n128 idle warpgroups compute", causal);
@@ -62,6 +62,9 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<128, 64, 2>>(e, "2wg n64", causal);
   measure<HopperFwdConfig<128, 64, 3>>(e, "3wg n64", causal);
   measure<HopperFwdConfig<128, 64, 3>, true>(e, "3wg n64 persistent", causal);
+  measure<HopperFwdConfig<128, 64, 3, 2, true, 0, true, true, true>>(e, "3wg n64 two P", causal);
+  measure<HopperFwdConfig<128, 64, 3, 2, true, 0, true, true, true>, true>(e, "3wg n64 two P persistent", causal);
+  measure<HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, true>, true>(e, "2wg n128 two P persistent", causal);
   measure<HopperFwdConfig<128, 64, 3, 3>>(e, "3wg n64 3 stages", causal);
   measure<HopperFwdConfig<128, 64, 3, 4>>(e, "3wg n64 4 stages", causal);
   measure<HopperFwdConfig<128, 96, 3>>(e, "3wg n96", causal);

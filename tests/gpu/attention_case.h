@@ -11,6 +11,7 @@
 #include "flare/attention.h"
 #include "reference/attention_ref.h"
 #include "tests/gpu/gpu_harness.h"
+#include "tests/gpu/unbuilt.h"
 
 namespace flare::test {
 
@@ -393,7 +394,7 @@ inline AttnCase varlen_sinks_case(int d, int heads_kv, const MaskParams& m, uint
 inline void expect_bitwise_reproducible(const AttnCase& c, Backend backend, int runs) {
   SCOPED_TRACE(c.name() + " deterministic, bitwise");
   AttnProblem prob(c);
-  ASSERT_TRUE(attention_forward(prob.forward_params(backend)).ok());
+  FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(prob.forward_params(backend)));
   ref::HostTensor first_dq, first_dk, first_dv;
   for (int r = 0; r < runs; ++r) {
     AttentionBackwardParams b = prob.backward_params(backend, true);

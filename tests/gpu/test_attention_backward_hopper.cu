@@ -131,7 +131,9 @@ TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {
   for (const AttnCase& c : cases) {
     SCOPED_TRACE(c.name());
     AttnProblem prob(c);
-    ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kAuto)).ok());
+    const Status fwd = attention_forward(prob.forward_params(Backend::kAuto));
+    if (unbuilt(fwd)) continue;  // a reduced build without the case's head dim
+    ASSERT_TRUE(fwd.ok()) << fwd.message();
     AttentionBackwardParams forced = prob.backward_params(Backend::kHopper, false);
     const Status refused = attention_backward(forced);
     EXPECT_EQ(refused.code(), StatusCode::kNotSupported) << refused.message();

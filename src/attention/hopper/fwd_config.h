@@ -16,7 +16,7 @@
 namespace flare::hopper {
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0,
-          int kExp2PolyEvery_ = 0, bool kLazyRescale_ = (kHeadDim_ > 64), bool kSkipIdleWGs_ = true>
+          int kExp2PolyEvery_ = 0, bool kLazyRescale_ = (kHeadDim_ > 64), bool kSkipIdleWGs_ = true, bool kTwoP_ = false>
 struct HopperFwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per block: a multiple of 16 (the PV GEMM's k step)
@@ -33,6 +33,10 @@ struct HopperFwdConfig {
   // three warpgroups idle. Costs the d64 kernel one more in-loop spill reload (tune_hopper_fwd
   // measures both).
   static constexpr bool kSkipIdleWGs = kSkipIdleWGs_;
+  // P in two register sets alternating by key tile, the wait for a PV GEMM moved from after the
+  // next softmax to after the next S GEMM's issue (fwd_kernel.h, consume): the softmax then runs
+  // under the previous PV GEMM instead of after it. Costs kBlockN / 4 registers a thread.
+  static constexpr bool kTwoP = kTwoP_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
@@ -65,7 +69,9 @@ template <int kHeadDim>
 struct HopperFwdPersistentConfigFor {
   using type = typename HopperFwdConfigFor<kHeadDim>::type;
 };
-template <> struct HopperFwdPersistentConfigFor<128> { using type = HopperFwdConfig<128, 128, 2>; };
+template <> struct HopperFwdPersistentConfigFor<128> {
+  using type = HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, /*kTwoP=*/true>;
+};
 
 // The block-sparse forward (a block mask's lists, fwd_kv_walk.h): a CTA's 128 rows lie in one mask
 // q block and its key tiles divide the mask's kv blocks, so masks of 128 x 128 blocks (Flex's

@@ -332,8 +332,12 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   Tensor vt_frag = thr_pv.partition_fragment_B(sVt);  // (.., stage)
   Tensor s_acc = partition_fragment_C(mma_qk, Shape<typename L::BM, typename L::BN>{});
   Tensor o_acc = partition_fragment_C(mma_pv, Shape<typename L::BM, typename L::HD>{});
-  Tensor p_frag = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
-  static_assert(decltype(size(s_acc))::value == decltype(size(p_frag))::value, "P mirrors S element for element");
+  // P's registers, one set or two alternating by key tile (Cfg::kTwoP: P_n is written while the PV
+  // GEMM of P_{n-1} still reads the other set; with one set, ptxas packs each exponential into P as
+  // it comes out, so the whole softmax of S_n waits for that GEMM to complete).
+  Tensor p_even = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
+  Tensor p_odd = make_tensor<typename L::Elem>(partition_shape_A(mma_pv, Shape<typename L::BM, typename L::BN>{}));
+  static_assert(decltype(size(s_acc))::value == decltype(size(p_even))::value, "P mirrors S element for element");
 
   const bool softcap = p.softcap > 0.f;  // once: a per-step read of the parameter waited on the constant cache
   const float score_scale = softcap ? 1.f : p.scale_log2;
@@ -342,9 +346,9 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   softmax.init(p.sinks ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, p.sinks != nullptr && lane % 4 == 0);
   clear(o_acc);
 
-  auto to_p = [&] {
+  auto to_p = [&](auto& p_out) {
     CUTE_UNROLL
-    for (int i = 0; i < size(s_acc); ++i) p_frag(i) = static_cast<typename L::Elem>(s_acc(i));
+    for (int i = 0; i < size(s_acc); ++i) p_out(i) = static_cast<typename L::Elem>(s_acc(i));
   };
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   // The tile has a Q stage when the producer loaded one: always in the persistent grid, else
@@ -387,8 +391,18 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     kpos.template advance<Cfg::kStages>();
     prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
     RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
-    to_p();
-    while (t.kv.more(c)) {
+    to_p(p_even);
+    // A PV GEMM issued whose V stage is not yet released: retired after the wait for it, at the
+    // step's end with one P set, after the next S GEMM's issue with two (where O is rescaled).
+    bool pv_pending = false;
+    auto retire_pv = [&] {
+      if (!pv_pending) return;  // warp-uniform
+      pv_pending = false;
+      if (lane == 0) sm.v_ring.release(vpos);
+      vpos.template advance<Cfg::kStages>();
+    };
+    // Step n: S_n with P_{n-1} V_{n-1}; p_use holds P_{n-1}, p_fill receives P_n.
+    auto step = [&](auto& p_use, auto& p_fill) {
       ++tiles;
       n = t.kv.tile(c);
       masked = t.kv.element_masked(c);
@@ -398,14 +412,19 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       const bool step_marks = marks && tiles >= kTimelineStep && tiles <= kTimelineStep + 1;  // timeline builds only
       if (step_marks) timeline_mark(tl, t.id, tiles == kTimelineStep ? kMarkStepTurn : kMarkStepNext);
       wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
+      if constexpr (Cfg::kTwoP) {
+        wg_wait<1>(o_acc);  // P_{n-2} V done (S_n runs on)
+        retire_pv();
+      }
       softmax.rescale(o_acc, alpha);  // while S_n is on the tensor cores
       sm.v_ring.wait_full(vpos);
-      wg_gemm<false>(mma_pv, p_frag, vt_frag(_, _, _, vpos.index), o_acc);
+      wg_gemm<false>(mma_pv, p_use, vt_frag(_, _, _, vpos.index), o_acc);
+      pv_pending = true;
       Turns::pass(wg);
-      const bool step = marks && tiles == kTimelineStep;
-      if (step) timeline_mark(tl, t.id, kMarkStepIssued);
+      const bool stamp = marks && tiles == kTimelineStep;
+      if (stamp) timeline_mark(tl, t.id, kMarkStepIssued);
       wg_wait<1>(s_acc);
-      if (step) timeline_mark(tl, t.id, kMarkStepSDone);
+      if (stamp) timeline_mark(tl, t.id, kMarkStepSDone);
       if (lane == 0) sm.k_ring.release(kpos);
       kpos.template advance<Cfg::kStages>();
 #if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
@@ -414,23 +433,46 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
       prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
       alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
 #endif
-      if (step) timeline_mark(tl, t.id, kMarkStepSoftmax);
+      if (stamp) timeline_mark(tl, t.id, kMarkStepSoftmax);
+      if constexpr (!Cfg::kTwoP) {
+        wg_wait<0>(o_acc);
+        retire_pv();
+      }
+      if (stamp) timeline_mark(tl, t.id, kMarkStepPVDone);
+      to_p(p_fill);
+    };
+    // The last P V, once every S GEMM has completed.
+    auto last_pv = [&](auto& p_last) {
+      if (lane == 0) sm.q_ring.release(pos.q);
+      pos.q.template advance<kQStages>();
       wg_wait<0>(o_acc);
-      if (step) timeline_mark(tl, t.id, kMarkStepPVDone);
+      retire_pv();
+      softmax.rescale(o_acc, alpha);
+      sm.v_ring.wait_full(vpos);
+      Turns::wait(wg);
+      wg_gemm<false>(mma_pv, p_last, vt_frag(_, _, _, vpos.index), o_acc);
+      Turns::pass(wg);
+      wg_wait<0>(o_acc);
       if (lane == 0) sm.v_ring.release(vpos);
       vpos.template advance<Cfg::kStages>();
-      to_p();
+    };
+    if constexpr (Cfg::kTwoP) {
+      for (;;) {  // two steps a turn of the loop: each P set keeps its registers
+        if (!t.kv.more(c)) {
+          last_pv(p_even);
+          break;
+        }
+        step(p_even, p_odd);
+        if (!t.kv.more(c)) {
+          last_pv(p_odd);
+          break;
+        }
+        step(p_odd, p_even);
+      }
+    } else {
+      while (t.kv.more(c)) step(p_even, p_even);
+      last_pv(p_even);
     }
-    if (lane == 0) sm.q_ring.release(pos.q);  // every S GEMM has completed
-    pos.q.template advance<kQStages>();
-    softmax.rescale(o_acc, alpha);
-    sm.v_ring.wait_full(vpos);
-    Turns::wait(wg);
-    wg_gemm<false>(mma_pv, p_frag, vt_frag(_, _, _, vpos.index), o_acc);
-    Turns::pass(wg);
-    wg_wait<0>(o_acc);
-    if (lane == 0) sm.v_ring.release(vpos);
-    vpos.template advance<Cfg::kStages>();
     if (marks) {
       timeline_mark(tl, t.id, kMarkLoopDone);
       timeline_set(tl, t.id, kMarkTiles, static_cast<unsigned long long>(tiles));
