@@ -64,7 +64,9 @@ template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 9
 template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
 
 // The persistent grid's configuration where the launcher takes it (d128 causal up to 8k rows,
-// fwd_launch_impl.h): two warpgroups and key blocks of 128 there beat three of 64 by 0-5 %.
+// fwd_launch_impl.h): two warpgroups, key blocks of 128 and two P sets. Two P sets won 4-6 % on
+// it and lost 2-3 % on three warpgroups; this grid beat the three-warpgroup tile by 2-6 % causal
+// (ncu, H100, bench/RESULTS.md session 20).
 template <int kHeadDim>
 struct HopperFwdPersistentConfigFor {
   using type = typename HopperFwdConfigFor<kHeadDim>::type;

@@ -85,7 +85,9 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
 // (epilogue) are a third of a short tile's time, and the persistent producer loads the next tile
 // under the current one: on the H100 -5 to -10 % at 1k, -4 % at 4k, -3 to -7 % at 8k, but +2 to
 // +9 % at 16k (bench/RESULTS.md, session 17); elsewhere it measured slower (d64 and d256 spill in
-// it; uniform work gains nothing). FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either at head dim 128
+// it; uniform work gains nothing). Session 20's version (two P sets) beats the three-warpgroup
+// tile at s4096 and s16384, causal or not (-1.4 to -6 %); s1024 and s8192 are not measured yet,
+// so the rule stays. FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either at head dim 128
 // (tests, A/B); the other head dims are one CTA per tile whatever it says (launch_hopper_fwd).
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
   static const int forced = [] {
