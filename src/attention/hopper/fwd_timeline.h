@@ -35,7 +35,8 @@ enum FwdMark : int {
   kMarkStepIssued,   // both GEMMs are issued and the turn passed
   kMarkStepSDone,    // S_n has completed
   kMarkStepSoftmax,  // P_n's softmax is done
-  kMarkStepPVDone,   // the previous PV has completed (P_n may now overwrite its registers)
+  kMarkStepPVDone,   // the previous PV has completed (P_n may now overwrite its registers); with
+                     // two P sets (kTwoP) no wait: stamped right after kMarkStepSoftmax
   kMarkStepNext,     // the next tile's turn begins
   kMarks
 };
