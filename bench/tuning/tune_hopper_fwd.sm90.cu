@@ -64,6 +64,7 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<128, 64, 3>, true>(e, "3wg n64 persistent", causal);
   measure<HopperFwdConfig<128, 64, 3, 2, true, 0, true, true, true>>(e, "3wg n64 two P", causal);
   measure<HopperFwdConfig<128, 64, 3, 2, true, 0, true, true, true>, true>(e, "3wg n64 two P persistent", causal);
+  measure<HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, true>>(e, "2wg n128 two P", causal);
   measure<HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, true>, true>(e, "2wg n128 two P persistent", causal);
   measure<HopperFwdConfig<128, 64, 3, 3>>(e, "3wg n64 3 stages", causal);
   measure<HopperFwdConfig<128, 64, 3, 4>>(e, "3wg n64 4 stages", causal);
