@@ -86,8 +86,7 @@ int run(int argc, char** argv) {
   // A portable kernel that does not run fails the checks, unless a reduced build (FLARE_HEAD_DIMS)
   // lacks the case's head dim; the Hopper kernel may be absent on this device or in this build.
   auto failed_here = [](Backend backend, const Status& s) {
-    const bool unbuilt = s.code() == StatusCode::kNotSupported && s.message().find("in this build") != std::string::npos;
-    return backend == Backend::kPortable && !unbuilt;
+    return backend == Backend::kPortable && !not_in_this_build(s);
   };
   for (const Case& c : cases) {
     if (!args.selected(c.name())) continue;

@@ -32,6 +32,12 @@ class [[nodiscard]] Status {
 
 const char* status_code_name(StatusCode c);
 
+// A build configured with fewer head dims or dtypes (FLARE_HEAD_DIMS, FLARE_DTYPES) answers a call
+// that needs one of the others NotSupported "... in this build ...": true for that answer.
+inline bool not_in_this_build(const Status& s) {
+  return s.code() == StatusCode::kNotSupported && s.message().find("in this build") != std::string::npos;
+}
+
 }  // namespace flare
 
 // Return early from a function returning Status.

@@ -445,8 +445,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     auto last_pv = [&](auto& p_last) {
       if (lane == 0) sm.q_ring.release(pos.q);
       pos.q.template advance<kQStages>();
-      wg_wait<0>(o_acc);
-      retire_pv();
+      if constexpr (Cfg::kTwoP) {  // one P set: the step already waited for its PV GEMM
+        wg_wait<0>(o_acc);
+        retire_pv();
+      }
       softmax.rescale(o_acc, alpha);
       sm.v_ring.wait_full(vpos);
       Turns::wait(wg);
