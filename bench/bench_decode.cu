@@ -26,13 +26,18 @@
 // fastest with fewer splits wins (less workspace, less combine work).
 //
 //   bench_decode [--table PATH] [--engine E] [--combine C] [--compare] [--baseline-table PATH] [--quick]
-//                [--json PATH] [--filter S] [--repeats N] [--warmup N]
-//   bench_decode --tune PATH [--engine E | --all-engines] [--combine C] [--quick]
+//                [--json PATH] [--filter S] [--repeats N] [--warmup N] [--l2 normal|evict_first]
+//   bench_decode --tune PATH [--engine E | --all-engines] [--combine C] [--quick] [--filter S] [--show N]
 // --all-engines: the tuner times the key-group engine's candidates (with --combine) and the
 // head-warp engine's (with the combine kernel) for every shape; the table records each winner's
 // engine and combine, and the benchmark runs them (without --engine).
 // --combine: the key-group engine's combine of split plans (in_kernel, separate_kernel,
 // in_kernel_prezeroed, cluster; default the library's, cluster).
+// Tuner only: --filter S tunes the shapes whose name ("b1 L1024 contiguous", "b8 L256 page16")
+// contains S; --show N prints each shape's N fastest candidates of the first pass.
+// The tuner times every sm_90 candidate with and without the evict-first L2 policy
+// (DecodePlan::l2_evict_first) and records the winner's; --l2 makes the benchmark run every plan
+// with the one named (for A/B runs).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -211,6 +216,7 @@ std::string plan_name(const DecodePlan& p) {
   std::string name = p.kernel == DecodeKernel::kStandard ? std::string("standard") : "split x" + std::to_string(p.num_splits);
   if (p.heads_per_cta != 0) name += " h" + std::to_string(p.heads_per_cta);
   if (p.engine != DecodePlan{}.engine) name += std::string(" ") + decode_engine_name(p.engine);
+  if (p.l2_evict_first) name += " l2ef";
   return name;
 }
 
@@ -227,7 +233,7 @@ DecodePlan with_engine(DecodePlan p, DecodeEngine engine) {
 
 bool same_launch(const DecodePlan& a, const DecodePlan& b) {
   return a.num_splits == b.num_splits && a.heads_per_cta == b.heads_per_cta && a.engine == b.engine &&
-         a.combine == b.combine;
+         a.combine == b.combine && a.l2_evict_first == b.l2_evict_first;
 }
 
 Timing time_plan(DecodeData& data, const DecodePlan& plan, TimingOptions options, cudaStream_t stream) {
@@ -263,7 +269,8 @@ const Scored& pick_winner(const std::vector<Scored>& scored) {
 
 // engines: the engines whose candidates compete (each with its combine, see with_engine); the
 // table records each winner's engine and combine.
-int tune(const Args& args, const std::string& path, const std::vector<DecodeEngine>& engines, cudaStream_t stream) {
+int tune(const Args& args, const std::string& path, const std::vector<DecodeEngine>& engines, int show,
+         cudaStream_t stream) {
   const DecodeEngine engine = engines.front();  // the heuristic's plan runs on the first
   const int sms = num_sms();
   const std::vector<int> batches = args.quick ? std::vector<int>{1, 8} : std::vector<int>{1, 2, 4, 8, 16, 32, 64};
@@ -275,8 +282,13 @@ int tune(const Args& args, const std::string& path, const std::vector<DecodeEngi
   for (int batch : batches)
     for (int len : lens) {
       if (int64_t{batch} * len > kMaxTuneTokens) continue;
+      auto shape_name = [&](int page_size) {
+        return "b" + std::to_string(batch) + " L" + std::to_string(len) + " " + layout_name(page_size);
+      };
+      if (!args.selected(shape_name(0)) && !args.selected(shape_name(16))) continue;
       DecodeData data(batch, len, stream);
       for (int page_size : {0, 16}) {
+        if (!args.selected(shape_name(page_size))) continue;
         data.use_layout(page_size);
         const DecodeShapeKey key = data.key();
         std::vector<Scored> scored;
@@ -284,12 +296,19 @@ int tune(const Args& args, const std::string& path, const std::vector<DecodeEngi
           const std::vector<DecodePlan> candidates = e == DecodeEngine::kKeyGroups
                                                          ? decode_candidates_with_heads_per_cta(key, sms)
                                                          : decode_candidates(key, sms);
-          for (const DecodePlan& candidate : candidates) {
-            const DecodePlan plan = with_engine(candidate, e);
-            scored.push_back({plan, 1e3 * time_plan(data, plan, first_pass, stream).median_ms});
-          }
+          for (const DecodePlan& candidate : candidates)
+            for (bool l2_evict_first : {false, true}) {  // the sm_90 engines, both L2 policies
+              if (l2_evict_first && e == DecodeEngine::kPortable) continue;
+              DecodePlan plan = with_engine(candidate, e);
+              plan.l2_evict_first = l2_evict_first;
+              scored.push_back({plan, 1e3 * time_plan(data, plan, first_pass, stream).median_ms});
+            }
         }
         std::sort(scored.begin(), scored.end(), [](const Scored& a, const Scored& b) { return a.us < b.us; });
+        for (int i = 0; i < std::min<int>(show, static_cast<int>(scored.size())); ++i)
+          std::printf("%s | %s %s | %.2f us\n", shape_name(page_size).c_str(), plan_name(scored[i].plan).c_str(),
+                      scored[i].plan.kernel == DecodeKernel::kSplitKv ? decode_combine_name(scored[i].plan.combine) : "",
+                      scored[i].us);
         DecodePlan heuristic;
         check_ok(decode_plan(key, nullptr, sms, &heuristic), "decode_plan");
         heuristic = with_engine(heuristic, engine);
@@ -305,6 +324,7 @@ int tune(const Args& args, const std::string& path, const std::vector<DecodeEngi
         DecodeTuningEntry entry{winner.plan.kernel, winner.plan.num_splits, winner.plan.heads_per_cta};
         entry.engine = winner.plan.engine;
         entry.combine = winner.plan.combine;
+        entry.l2_evict_first = winner.plan.l2_evict_first;
         check_ok(table.insert(key, entry), "table insert");
         report.add_row({{"batch", batch}, {"cache", len}, {"layout", layout_name(page_size)},
                         {"candidates", static_cast<int>(scored.size())},
@@ -348,6 +368,7 @@ const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTa
 struct BenchOptions {
   std::string table_path, baseline_table_path;
   std::optional<DecodeEngine> engine;  // --engine; unset: as the plan says (its table entry or the defaults)
+  std::optional<bool> l2_evict_first;  // --l2; unset: as the plan says
   bool compare = false;
 };
 
@@ -389,6 +410,7 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
           plan = with_engine(plan, *options.engine);
           heuristic = with_engine(heuristic, *options.engine);
         }
+        if (options.l2_evict_first) plan.l2_evict_first = heuristic.l2_evict_first = *options.l2_evict_first;
         standard = with_engine(standard, DecodeEngine::kPortable);  // the reference: an independent kernel
 
         // Checks: the portable standard kernel on contiguous caches is the reference of this shape.
@@ -558,6 +580,15 @@ int run(int argc, char** argv) {
   const std::string engine_name = take_path_option(&argc, argv, "--engine");
   if (!engine_name.empty()) options.engine = parse_engine(engine_name);
   const bool all_engines = take_flag(&argc, argv, "--all-engines");
+  const std::string show = take_path_option(&argc, argv, "--show");
+  const std::string l2 = take_path_option(&argc, argv, "--l2");
+  if (!l2.empty()) {
+    if (l2 != "normal" && l2 != "evict_first") {
+      std::fprintf(stderr, "--l2 must be normal or evict_first, got '%s'\n", l2.c_str());
+      return 2;
+    }
+    options.l2_evict_first = l2 == "evict_first";
+  }
   options.compare = take_flag(&argc, argv, "--compare");
   const Args args = parse_args_or_exit(argc, argv);
   require_cuda_device_or_exit();
@@ -566,7 +597,7 @@ int run(int argc, char** argv) {
   if (!tune_path.empty()) {
     std::vector<DecodeEngine> engines = {options.engine.value_or(DecodePlan{}.engine)};
     if (all_engines) engines = {DecodeEngine::kKeyGroups, DecodeEngine::kHeadWarps};
-    return tune(args, tune_path, engines, stream);
+    return tune(args, tune_path, engines, show.empty() ? 0 : std::atoi(show.c_str()), stream);
   }
   return benchmark(args, options, stream);
 }

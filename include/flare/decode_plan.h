@@ -195,6 +195,13 @@ struct DecodePlan {
   DecodeEngine engine = DecodeEngine::kKeyGroups;
   DecodeCombine combine = DecodeCombine::kCluster;
   int heads_per_cta = 0;         // sm_90 engines: 0 (their rule) or a power of two dividing heads_kv
+  // sm_90 engines: the K/V loads carry an evict-first L2 policy (the cache is read once per step,
+  // so its lines displace each other rather than what the L2 held before). Measured both ways by
+  // the tuner: it wins where a CTA reads whole token rows (several KV heads per CTA, the head-warp
+  // engine) and loses 1-7 % where one-head CTAs read 256 B of each 2 KB row and their neighbours
+  // reuse the rest from the L2 (bench/RESULTS.md, decode, session 22). The portable engine
+  // ignores it.
+  bool l2_evict_first = false;
   DecodeShapeKey shape;          // the shape planned for; the run checks its params against it
 };
 
@@ -221,13 +228,14 @@ DecodeShapeClass decode_shape_class(const DecodeShapeKey& key);
 
 // A measured winner: the standard kernel (num_splits 1) or split-KV with 2..kMaxDecodeSplits,
 // the KV heads per CTA it was timed with (0: the engine's rule), and the engine and combine it
-// ran on (unset: DecodePlan's defaults).
+// ran on (unset: DecodePlan's defaults), and whether its loads carried the evict-first L2 policy.
 struct DecodeTuningEntry {
   DecodeKernel kernel = DecodeKernel::kStandard;
   int num_splits = 1;
   int heads_per_cta = 0;
   std::optional<DecodeEngine> engine;
   std::optional<DecodeCombine> combine;
+  bool l2_evict_first = false;
   friend bool operator==(const DecodeTuningEntry&, const DecodeTuningEntry&) = default;
 };
 
@@ -243,8 +251,8 @@ struct DecodeTuningEntry {
 // fields, written only when set, so files without them (tuned before they existed) still load:
 // heads_per_cta=N (a power of two up to kDecodeMaxHeadsPerCta that divides heads_kv; absent: 0,
 // the engine's rule), engine=key_groups|head_warps|portable and combine=in_kernel|separate_kernel|
-// cluster (absent: DecodePlan's defaults). A malformed file gives InvalidArgument
-// "<source>:<line>: <what is wrong>", and the table is left unchanged.
+// cluster (absent: DecodePlan's defaults), l2=evict_first|normal (absent: normal). A malformed
+// file gives InvalidArgument "<source>:<line>: <what is wrong>", and the table is left unchanged.
 class DecodeTuningTable {
  public:
   std::optional<DecodeTuningEntry> lookup(const DecodeShapeKey& key) const;

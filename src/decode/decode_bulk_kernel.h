@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
     const T* base = static_cast<const T*>(is_v ? p.v : p.k) + int64_t{hk0} * kHeadDim;
     const int64_t stride_0 = is_v ? p.v_stride_0 : p.k_stride_0, stride_tok = is_v ? p.v_stride_tok : p.k_stride_tok;
     const int dst_off = (is_v ? kN * R : 0) + key_in_tile * R;
+    const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
     // Issues tile i (keys tile_begin + 16 i ...) for the keys below `end`, at row `slot, tok`.
     auto issue = [&](int i, int tile_begin, int end, int64_t slot, int64_t tok) {
       const int s = i % stages;
@@ -148,9 +149,14 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
       const int valid = min(kN, end - key0);
       if (lane == 0) mbar_arrive_expect_tx(&full_bar[s], 2u * valid * row_bytes);
       __syncwarp();
-      if (key_in_tile < valid)
-        bulk_copy_g2s(kv_smem + s * stage_elems + dst_off, base + slot * stride_0 + tok * stride_tok, row_bytes,
-                      &full_bar[s]);
+      if (key_in_tile < valid) {
+        T* const dst = kv_smem + s * stage_elems + dst_off;
+        const T* const src = base + slot * stride_0 + tok * stride_tok;
+        if (p.l2_evict_first)
+          bulk_copy_g2s(dst, src, row_bytes, &full_bar[s], policy);
+        else
+          bulk_copy_g2s(dst, src, row_bytes, &full_bar[s]);
+      }
     };
     for (int i = 0; i < spec_tiles; ++i) {
       const int key = split_begin + i * kN + key_in_tile;

@@ -324,6 +324,7 @@ DecodeKernelParams make_kernel_params(const DecodeParams& p, const detail::Decod
   k.num_splits = plan.num_splits;
   k.kv_chunk = plan.kv_chunk;
   k.kv_align = plan.kv_align;
+  k.l2_evict_first = plan.l2_evict_first;
   return k;
 }
 

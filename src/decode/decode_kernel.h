@@ -68,6 +68,8 @@ struct DecodeKernelParams {
   // Split-KV with the cluster combine (key-group kernel only, DecodeCombine::kCluster): the
   // num_splits CTAs of a (sequence, head block) are one cluster and merge through shared memory.
   bool cluster_combine = false;
+  // The sm_90 engines' K/V copies carry an evict-first L2 policy (DecodePlan::l2_evict_first).
+  bool l2_evict_first = false;
   unsigned long long* timeline = nullptr;  // FLARE_DECODE_TIMELINE builds (decode_timeline.h)
   // The caches' first two extents: (batch, max_cache_len) contiguous, (num_pages, page_size) paged.
   int64_t k_extent_0 = 0, k_extent_1 = 0, v_extent_0 = 0, v_extent_1 = 0;

@@ -351,6 +351,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
     // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
     const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
+    const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
     // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
     // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
     // &tok) gives a key's cache coordinates (called by every lane: it may shuffle). The boxes are
@@ -374,9 +375,16 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
           T* const k_dst = kv_smem + s * lay.stage_elems + g * kN * hpc * kCacheBoxCols;
 #pragma unroll
           for (int cb = 0; cb < kColBlocks; ++cb) {
-            tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, g_tok, g_slot, &full_bar[s]);
-            tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, g_tok, g_slot,
-                        &full_bar[s]);
+            if (p.l2_evict_first) {
+              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, g_tok, g_slot, &full_bar[s],
+                          policy);
+              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, g_tok, g_slot,
+                          &full_bar[s], policy);
+            } else {
+              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, g_tok, g_slot, &full_bar[s]);
+              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, g_tok, g_slot,
+                          &full_bar[s]);
+            }
           }
         }
         __syncwarp();

@@ -179,6 +179,7 @@ Status check_split_count(const char* arg, DecodeKernel kernel, int num_splits) {
 // Tuning table text format
 
 const char* layout_name(bool paged) { return paged ? "paged" : "contiguous"; }
+const char* l2_policy_name(bool evict_first) { return evict_first ? "evict_first" : "normal"; }
 
 // One "name=value" line being parsed; errors carry "<source>:<line>: ".
 class EntryLine {
@@ -213,12 +214,13 @@ class EntryLine {
   // The required fields, then the optional ones.
   enum Field {
     kBatch, kHeadsKv, kGroup, kHeadDim, kQLen, kKvLen, kLayout, kKernel, kSplits, kHeadsPerCta, kEngine, kCombine,
-    kNumFields
+    kL2, kNumFields
   };
   static constexpr int kNumRequiredFields = kHeadsPerCta;
   static constexpr const char* kFieldNames[kNumFields] = {"batch",  "heads_kv", "group",         "head_dim",
                                                           "q_len",  "kv_len",   "layout",        "kernel",
-                                                          "splits", "heads_per_cta", "engine", "combine"};
+                                                          "splits", "heads_per_cta", "engine", "combine",
+                                                          "l2"};
 
   static int field_index(std::string_view name) {
     for (int f = 0; f < kNumFields; ++f)
@@ -297,6 +299,11 @@ class EntryLine {
         if (!e->combine) return error("'" + word + "': combine must be in_kernel, separate_kernel or cluster");
         if (e->combine == DecodeCombine::kInKernelPrezeroed)  // its counters are the caller's duty: never from a table
           return error("'" + word + "': a table may not choose in_kernel_prezeroed");
+        return Status::Ok();
+      case kL2:
+        if (value != l2_policy_name(false) && value != l2_policy_name(true))
+          return error("'" + word + "': l2 must be normal or evict_first");
+        e->l2_evict_first = value == l2_policy_name(true);
         return Status::Ok();
     }
     return error("internal: unhandled field");
@@ -436,6 +443,7 @@ void DecodeTuningTable::write(std::ostream& out) const {
     if (e.heads_per_cta != 0) out << " heads_per_cta=" << e.heads_per_cta;
     if (e.engine) out << " engine=" << decode_engine_name(*e.engine);
     if (e.combine) out << " combine=" << decode_combine_name(*e.combine);
+    if (e.l2_evict_first) out << " l2=" << l2_policy_name(true);
     out << '\n';
   }
 }
@@ -486,6 +494,7 @@ Status decode_plan(const DecodeShapeKey& key, const DecodeTuningTable* table, in
       *plan = make_plan(key, winner->num_splits, DecodePlanSource::kTuningTable, winner->heads_per_cta);
       if (winner->engine) plan->engine = *winner->engine;
       if (winner->combine) plan->combine = *winner->combine;
+      plan->l2_evict_first = winner->l2_evict_first;
       return Status::Ok();
     }
   }

@@ -775,15 +775,15 @@ TEST(DecodeTuningTable, HeadsPerCtaIsAnOptionalField) {
   EXPECT_TRUE(table.insert(wide, {DecodeKernel::kSplitKv, 4, 4}).ok());
 }
 
-// engine and combine are optional: written only when set, read back into the plan; absent, the
-// plan keeps DecodePlan's defaults.
-TEST(DecodeTuningTable, EngineAndCombineAreOptionalFields) {
+// engine, combine and l2 are optional: written only when set, read back into the plan; absent,
+// the plan keeps DecodePlan's defaults.
+TEST(DecodeTuningTable, EngineCombineAndL2AreOptionalFields) {
   std::istringstream text(
       "flare-decode-tuning 1\n"
       "batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=2048 layout=contiguous kernel=split_kv splits=32 "
       "engine=head_warps combine=separate_kernel\n"
       "batch=1 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=contiguous kernel=split_kv splits=8 "
-      "heads_per_cta=1 combine=in_kernel\n"
+      "heads_per_cta=1 combine=in_kernel l2=evict_first\n"
       "batch=8 heads_kv=8 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1\n");
   DecodeTuningTable table;
   Status s = table.read(text, "inline");
@@ -795,6 +795,8 @@ TEST(DecodeTuningTable, EngineAndCombineAreOptionalFields) {
   const DecodePlan b = plan_or_fail(bench_key(1, 4096), &table);
   EXPECT_EQ(b.engine, DecodePlan{}.engine);
   EXPECT_EQ(b.combine, DecodeCombine::kInKernel);
+  EXPECT_TRUE(b.l2_evict_first);
+  EXPECT_FALSE(a.l2_evict_first);  // absent: normal
   const DecodePlan c = plan_or_fail(bench_key(8, 4096, 16), &table);
   EXPECT_EQ(c.engine, DecodePlan{}.engine);
   EXPECT_EQ(c.combine, DecodePlan{}.combine);
@@ -803,7 +805,8 @@ TEST(DecodeTuningTable, EngineAndCombineAreOptionalFields) {
   std::ostringstream out;
   table.write(out);
   EXPECT_NE(out.str().find("splits=32 engine=head_warps combine=separate_kernel\n"), std::string::npos) << out.str();
-  EXPECT_NE(out.str().find("splits=8 heads_per_cta=1 combine=in_kernel\n"), std::string::npos) << out.str();
+  EXPECT_NE(out.str().find("splits=8 heads_per_cta=1 combine=in_kernel l2=evict_first\n"), std::string::npos)
+      << out.str();
   EXPECT_NE(out.str().find("kernel=standard splits=1\n"), std::string::npos) << out.str();
 
   DecodeTuningEntry prezeroed{DecodeKernel::kSplitKv, 4};
@@ -850,6 +853,8 @@ TEST(DecodeTuningTable, MalformedFilesNameTheLine) {
        "t:2: 'engine=warp_heads': engine must be key_groups, head_warps or portable"},
       {version + good + "kernel=split_kv splits=4 combine=in_kernel_prezeroed\n",
        "t:2: 'combine=in_kernel_prezeroed': a table may not choose in_kernel_prezeroed"},
+      {version + good + "kernel=split_kv splits=4 l2=evict_last\n",
+       "t:2: 'l2=evict_last': l2 must be normal or evict_first"},
       {version + good + "kernel=split_kv splits=4 engine=portable engine=portable\n",
        "t:2: field 'engine' given twice"},
       {version + "batch=1 heads_kv=2 group=4 head_dim=128 q_len=1 kv_len=4096 layout=paged kernel=standard splits=1 "

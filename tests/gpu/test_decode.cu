@@ -378,7 +378,8 @@ class DecodeProblem {
 std::string plan_label(const DecodePlan& plan) {
   return std::string(decode_kernel_name(plan.kernel)) + " splits " + std::to_string(plan.num_splits) + " kv_chunk " +
          std::to_string(plan.kv_chunk) + " engine " + decode_engine_name(plan.engine) + " combine " +
-         decode_combine_name(plan.combine) + " heads_per_cta " + std::to_string(plan.heads_per_cta);
+         decode_combine_name(plan.combine) + " heads_per_cta " + std::to_string(plan.heads_per_cta) +
+         (plan.l2_evict_first ? " l2 evict_first" : "");
 }
 
 // The workspace of a split plan: poisoned (NaN partial states, counters 0xFFFFFFFF), except that
@@ -406,23 +407,31 @@ void run_plan(DecodeProblem& prob, const DecodePlan& plan) {
 
 // `plan` as each engine and combine runs it: key groups with the in-kernel combine, the combine
 // kernel and the cluster combine, the head-warp kernel and the portable kernel (each with the
-// combine kernel). Where the sm_90 engines do not apply (head dims other than 128, more than 16
-// packed rows, ...) all of them run the portable kernel.
+// combine kernel); each sm_90 engine's loads also with the evict-first L2 policy (the cluster
+// combine's, and the in-kernel one's where the plan has no splits). Where the sm_90 engines do
+// not apply (head dims other than 128, more than 16 packed rows, ...) all of them run the
+// portable kernel.
 std::vector<DecodePlan> engine_variants(const DecodePlan& plan) {
   std::vector<DecodePlan> plans;
-  auto add = [&](DecodeEngine e, DecodeCombine c) {
+  auto add = [&](DecodeEngine e, DecodeCombine c, bool l2_evict_first) {
     DecodePlan v = plan;
     v.engine = e;
     v.combine = c;
+    v.l2_evict_first = l2_evict_first;
     plans.push_back(v);
   };
-  add(DecodeEngine::kKeyGroups, DecodeCombine::kInKernel);
-  if (plan.kernel == DecodeKernel::kSplitKv) {
-    add(DecodeEngine::kKeyGroups, DecodeCombine::kSeparateKernel);
-    add(DecodeEngine::kKeyGroups, DecodeCombine::kCluster);  // as kInKernel past 16 splits
+  const bool split = plan.kernel == DecodeKernel::kSplitKv;
+  add(DecodeEngine::kKeyGroups, DecodeCombine::kInKernel, /*l2_evict_first=*/!split);
+  if (split) {
+    add(DecodeEngine::kKeyGroups, DecodeCombine::kSeparateKernel, false);
+    add(DecodeEngine::kKeyGroups, DecodeCombine::kCluster, false);  // as kInKernel past 16 splits
+    add(DecodeEngine::kKeyGroups, DecodeCombine::kCluster, true);
+  } else {
+    add(DecodeEngine::kKeyGroups, DecodeCombine::kInKernel, false);
   }
-  add(DecodeEngine::kHeadWarps, DecodeCombine::kSeparateKernel);
-  add(DecodeEngine::kPortable, DecodeCombine::kSeparateKernel);
+  add(DecodeEngine::kHeadWarps, DecodeCombine::kSeparateKernel, false);
+  add(DecodeEngine::kHeadWarps, DecodeCombine::kSeparateKernel, true);
+  add(DecodeEngine::kPortable, DecodeCombine::kSeparateKernel, false);
   return plans;
 }
 
@@ -600,6 +609,7 @@ TEST(Decode, KeyGroupsHeadBlocksAndInKernelCombine) {
             ASSERT_TRUE(decode_plan_for_splits(key, splits, &plan).ok());
             plan.engine = DecodeEngine::kKeyGroups;
             plan.heads_per_cta = heads;
+            plan.l2_evict_first = (splits + heads) % 2 == 1;  // both load paths, across the sweep
             for (DecodeCombine combine : {DecodeCombine::kInKernel, DecodeCombine::kSeparateKernel,
                                           DecodeCombine::kInKernelPrezeroed, DecodeCombine::kCluster}) {
               if (plan.kernel == DecodeKernel::kStandard && combine != DecodeCombine::kInKernel) continue;
