@@ -196,11 +196,11 @@ struct DecodePlan {
   DecodeCombine combine = DecodeCombine::kCluster;
   int heads_per_cta = 0;         // sm_90 engines: 0 (their rule) or a power of two dividing heads_kv
   // sm_90 engines: the K/V loads carry an evict-first L2 policy (the cache is read once per step,
-  // so its lines displace each other rather than what the L2 held before). Measured both ways by
-  // the tuner: it wins where a CTA reads whole token rows (several KV heads per CTA, the head-warp
-  // engine) and loses 1-7 % where one-head CTAs read 256 B of each 2 KB row and their neighbours
-  // reuse the rest from the L2 (bench/RESULTS.md, decode, session 22). The portable engine
-  // ignores it.
+  // so its lines displace each other rather than what the L2 held before). Its effect depends on
+  // the plan, so the tuner times every candidate both ways: on the H100's table it is chosen for
+  // 63 of 120 classes, and the same plans without it run 1-14 % slower at batch 1 with 4k-32k keys
+  // and batch 8 with 512-4k keys, the same at batch 8 from 8k; with 6-8 one-head splits at batch 1
+  // it had cost 1-7 % (bench/RESULTS.md, decode, sessions 21-22). The portable engine ignores it.
   bool l2_evict_first = false;
   DecodeShapeKey shape;          // the shape planned for; the run checks its params against it
 };

@@ -26,7 +26,7 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
 // stages where they fit), else one CTA per tile (longest first when masked). Measured on the H100
 // at seqlen 4096 (bench/RESULTS.md), the persistent grid's first version (static round-robin, one
 // Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal work; the dynamic
-// version with two Q stages wins at d128, batched (hopper_fwd_persistent below), where the library
+// version with two Q stages wins at d128 causal (hopper_fwd_persistent below), where the library
 // takes it. kSparse: the key tiles of the block mask `bs`.
 template <typename Cfg, typename T, bool kPersistent = false, bool kSparse = false>
 Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
@@ -80,22 +80,22 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
 }
 
-// Whether a dense forward takes the persistent grid: at head dim 128, batched (not varlen), no
-// window. There the one-CTA-per-tile grid's start (first loads) and end (epilogue) are a large part
-// of a short tile's time, and the persistent producer loads the next tile under the current one.
-// Session 17's version (one P set) won only causal up to 8k; session 20's (two P sets) beats the
-// one-CTA-per-tile grid at every measured length, causal or not: s4096 and s16384 -1.4 to -6 %
-// (session 20), s1024 -1 % non-causal and -7 % causal, s8192 -1 % and -4 % (session 21, ncu)
-// (bench/RESULTS.md). Windows and varlen are not measured, so they keep one CTA per tile; d64 and
-// d256 spill in it. FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either at head dim 128 (tests, A/B);
-// the other head dims are one CTA per tile whatever it says (launch_hopper_fwd).
+// Whether a dense forward takes the persistent grid: at head dim 128, causal, batched (not varlen),
+// no window. There the one-CTA-per-tile grid's start (first loads) and end (epilogue) are a large
+// part of a short tile's time, and the persistent producer loads the next tile under the current
+// one. Session 20's version (two P sets) against one CTA per tile, bench_attention medians of five
+// alternating rounds on the H100 (bench/RESULTS.md, session 22): causal +1 to +6 % at 1k-16k,
+// non-causal -1.4 to -3.6 % (ncu at its locked clocks had shown non-causal gains of 1-2 %: the
+// boost clocks of a real run reverse them). Windows and varlen are not measured, so they keep one
+// CTA per tile; d64 and d256 spill in it. FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either at head dim
+// 128 (tests, A/B); the other head dims are one CTA per tile whatever it says (launch_hopper_fwd).
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
   static const int forced = [] {
     const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
     return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
   }();
   if (forced >= 0) return forced == 1;
-  return p.cu_seqlens_q == nullptr && p.window_left < 0 && p.window_right < 0;
+  return p.causal && p.cu_seqlens_q == nullptr && p.window_left < 0 && p.window_right < 0;
 }
 
 template <int kHeadDim, typename T>
