@@ -233,8 +233,9 @@ __device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int bloc
 // consumers left their states in `states` (fp32 [hpc][16][stride]: head h_local's row r at
 // (h_local * 16 + r) * stride) and `state_lse` ([hpc][16], natural log, -inf for a split that saw
 // no key). Piece i (of hpc x rows x head_dim / 4) belongs to CTA rank i % num_splits, thread
-// i / num_splits (strided by `threads`). Merged as combine_splits merges (out 0 and lse +inf for a
-// row no split saw).
+// i / num_splits (strided by `threads`). A thread first loads its piece from every split (all the
+// distributed-shared-memory loads in flight at once: one round trip, not one per split), then
+// weighs them by exp(lse - max lse); out 0 and lse +inf for a row no split saw, as combine_splits.
 template <int kHeadDim, typename T>
 __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p, int b, int hk0, int hpc, const float* states,
                                               int stride, const float* state_lse, int threads) {
@@ -248,21 +249,31 @@ __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p, int b
     const int col = (idx % kPieces) * 4, head_row = idx / kPieces;
     const int r = head_row % p.rows, h_local = head_row / p.rows;
     const int slot = h_local * 16 + r;
-    // One pass, as online softmax: the running max m rescales the sums when a larger LSE comes.
-    float m = -INFINITY, sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l[kDecodeMaxClusterSplits];
+    float4 x[kDecodeMaxClusterSplits];
 #pragma unroll
     for (int s = 0; s < kDecodeMaxClusterSplits; ++s) {
-      if (s >= S) break;
-      const float l = *cluster.map_shared_rank(state_lse + slot, s);
-      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(states + slot * stride + col, s));
-      if (l == -INFINITY) continue;  // a split that saw no key (its state is 0)
-      const float m_new = fmaxf(m, l);
-      const float c = __expf(m - m_new), w = __expf(l - m_new);  // c = 0 while m is -inf
-      m = m_new;
-      sum = fmaf(sum, c, w);
-      acc.x = fmaf(w, x.x, acc.x * c), acc.y = fmaf(w, x.y, acc.y * c);
-      acc.z = fmaf(w, x.z, acc.z * c), acc.w = fmaf(w, x.w, acc.w * c);
+      if (s < S) {
+        l[s] = *cluster.map_shared_rank(state_lse + slot, s);
+        x[s] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(states + slot * stride + col, s));
+      }
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kDecodeMaxClusterSplits; ++s)
+      if (s < S) m = fmaxf(m, l[s]);
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int s = 0; s < kDecodeMaxClusterSplits; ++s) {
+        if (s < S) {
+          const float w = __expf(l[s] - m);  // 0 for a split that saw no key (its state is 0)
+          sum += w;
+          acc.x = fmaf(w, x[s].x, acc.x), acc.y = fmaf(w, x[s].y, acc.y);
+          acc.z = fmaf(w, x[s].z, acc.z), acc.w = fmaf(w, x[s].w, acc.w);
+        }
+      }
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int tq = r / p.group, h = (hk0 + h_local) * p.group + r % p.group;

@@ -14,6 +14,8 @@ namespace {
 
 using detail::median_of;
 
+double max_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::max_element(v.begin(), v.end()); }
+
 detail::StampBuffer& stamps() {
   static detail::StampBuffer buffer(static_cast<std::size_t>(kDecodeTimelineCtas) * kDecodeMarks, "decode timeline");
   return buffer;
@@ -29,7 +31,7 @@ std::string decode_timeline_summary() {
   std::vector<unsigned long long> h;
   if (!stamps().read(&h)) return "decode timeline: unavailable\n";
   const double cycles_per_us = detail::device_cycles_per_us();
-  std::vector<double> setup, issued, landed, loop, merge, tail, total, start_ns, end_ns;
+  std::vector<double> setup, issued, landed, loop, walked, merge, tail, total, start_ns, end_ns;
   for (int c = 0; c < kDecodeTimelineCtas; ++c) {
     const unsigned long long* m = &h[static_cast<size_t>(c) * kDecodeMarks];
     if (m[kDecodeMarkStart] == 0 || m[kDecodeMarkEnd] == 0) continue;
@@ -43,6 +45,7 @@ std::string decode_timeline_summary() {
     push(issued, d(kDecodeMarkStart, kDecodeMarkIssued));
     push(landed, d(kDecodeMarkStart, kDecodeMarkLanded));
     push(loop, d(kDecodeMarkLanded, kDecodeMarkLoopDone));
+    push(walked, d(kDecodeMarkStart, kDecodeMarkLoopDone));
     push(merge, d(kDecodeMarkLoopDone, kDecodeMarkMerged));
     push(tail, d(kDecodeMarkMerged, kDecodeMarkEnd));
     push(total, d(kDecodeMarkStart, kDecodeMarkEnd));
@@ -58,11 +61,12 @@ std::string decode_timeline_summary() {
   std::snprintf(line, sizeof line,
                 "timeline (%zu CTAs, us, medians; clock %.0f MHz): setup %.2f, first stage issued %.2f, "
                 "landed %.2f, walk %.2f, merge %.2f, epilogue+combine %.2f, CTA %.2f | starts: median %.2f "
-                "max %.2f; ends: median %.2f max %.2f\n",
+                "max %.2f; ends: median %.2f max %.2f | landed max %.2f; walk done (from the CTA's start): "
+                "median %.2f max %.2f\n",
                 total.size(), cycles_per_us, median_of(setup), median_of(issued), median_of(landed), median_of(loop),
                 median_of(merge), median_of(tail), median_of(total), median_of(starts),
                 *std::max_element(starts.begin(), starts.end()), median_of(ends),
-                *std::max_element(ends.begin(), ends.end()));
+                *std::max_element(ends.begin(), ends.end()), max_of(landed), median_of(walked), max_of(walked));
   return line;
 }
 
