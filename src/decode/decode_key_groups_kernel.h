@@ -228,6 +228,21 @@ __device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int bloc
   __syncwarp();
 }
 
+// The cluster barrier in two halves. The arrive is a release (ptxas: a GPU-scope fence and the
+// wait for the thread's distributed-shared-memory transactions), so it costs little where no global
+// store is in flight and about 0.3 us after the output's stores (session 22's timeline). A relaxed
+// arrive skips both and faulted: a peer may then leave while its shared memory is still read.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait;\n" ::: "memory");
+#endif
+}
+
 // The cluster combine's merge (see the top of this file): called by every consumer thread of every
 // CTA of the cluster (the producer warps take the two cluster barriers alone), after each CTA's
 // consumers left their states in `states` (fp32 [hpc][16][stride]: head h_local's row r at
@@ -236,16 +251,20 @@ __device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int bloc
 // i / num_splits (strided by `threads`). A thread first loads its piece from every split (all the
 // distributed-shared-memory loads in flight at once: one round trip, not one per split), then
 // weighs them by exp(lse - max lse); out 0 and lse +inf for a row no split saw, as combine_splits.
+// The last cluster barrier keeps every CTA's shared memory alive until its peers have read it;
+// where a thread has at most one piece it arrives before storing its piece.
 template <int kHeadDim, typename T>
 __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p, int b, int hk0, int hpc, const float* states,
                                               int stride, const float* state_lse, int threads) {
   namespace cg = cooperative_groups;
   constexpr int kPieces = kHeadDim / 4;
   cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every split's states are in its shared memory
+  cluster.sync();  // every split's states are in its shared memory (a release arrive: a GPU-scope fence)
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkClusterIn);
   const int S = p.num_splits, rank = static_cast<int>(cluster.block_rank());
   const int total = hpc * p.rows * kPieces;
-  for (int idx = rank + S * static_cast<int>(threadIdx.x); idx < total; idx += S * threads) {
+  // Merges piece idx; `loaded` runs once its reads of the peers' shared memory are done.
+  auto merge_piece = [&](int idx, auto&& loaded) {
     const int col = (idx % kPieces) * 4, head_row = idx / kPieces;
     const int r = head_row % p.rows, h_local = head_row / p.rows;
     const int slot = h_local * 16 + r;
@@ -275,6 +294,7 @@ __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p, int b
         }
       }
     }
+    loaded();
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int tq = r / p.group, h = (hk0 + h_local) * p.group + r % p.group;
     uint2 packed;
@@ -286,8 +306,19 @@ __device__ __forceinline__ void cluster_merge(const DecodeKernelParams& p, int b
       const int64_t qrow = (int64_t{b} * p.heads_q + h) * p.q_len + tq;
       p.lse[qrow] = sum > 0.f ? m + logf(sum) : INFINITY;
     }
+  };
+  if (total <= S * threads) {  // at most one piece a thread (uniform over the cluster)
+    const int idx = rank + S * static_cast<int>(threadIdx.x);
+    if (idx < total)
+      merge_piece(idx, cluster_arrive);
+    else
+      cluster_arrive();
+  } else {
+    for (int idx = rank + S * static_cast<int>(threadIdx.x); idx < total; idx += S * threads) merge_piece(idx, [] {});
+    cluster_arrive();
   }
-  cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+  FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkClusterMerged);
+  cluster_wait();
 }
 
 }  // namespace device
@@ -590,6 +621,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
 
   // ---- cluster combine: every CTA of the cluster merges a slice of the rows
   if (kSplit && p.cluster_combine) {
+    FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEpilogueDone);
     cluster_merge<kHeadDim, T>(p, b, hk0, hpc, merge_smem, kMergeStride, state_lse, kConsumerThreads);
     FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEnd);
     FLARE_DECODE_MARK(threadIdx.x == 0, kDecodeMarkEndNs);

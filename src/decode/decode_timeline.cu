@@ -31,7 +31,7 @@ std::string decode_timeline_summary() {
   std::vector<unsigned long long> h;
   if (!stamps().read(&h)) return "decode timeline: unavailable\n";
   const double cycles_per_us = detail::device_cycles_per_us();
-  std::vector<double> setup, issued, landed, loop, walked, merge, tail, total, start_ns, end_ns;
+  std::vector<double> setup, issued, landed, loop, walked, merge, tail, total, start_ns, end_ns, epi, bar1, cmerge, bar2;
   for (int c = 0; c < kDecodeTimelineCtas; ++c) {
     const unsigned long long* m = &h[static_cast<size_t>(c) * kDecodeMarks];
     if (m[kDecodeMarkStart] == 0 || m[kDecodeMarkEnd] == 0) continue;
@@ -46,6 +46,10 @@ std::string decode_timeline_summary() {
     push(landed, d(kDecodeMarkStart, kDecodeMarkLanded));
     push(loop, d(kDecodeMarkLanded, kDecodeMarkLoopDone));
     push(walked, d(kDecodeMarkStart, kDecodeMarkLoopDone));
+    push(epi, d(kDecodeMarkMerged, kDecodeMarkEpilogueDone));
+    push(bar1, d(kDecodeMarkEpilogueDone, kDecodeMarkClusterIn));
+    push(cmerge, d(kDecodeMarkClusterIn, kDecodeMarkClusterMerged));
+    push(bar2, d(kDecodeMarkClusterMerged, kDecodeMarkEnd));
     push(merge, d(kDecodeMarkLoopDone, kDecodeMarkMerged));
     push(tail, d(kDecodeMarkMerged, kDecodeMarkEnd));
     push(total, d(kDecodeMarkStart, kDecodeMarkEnd));
@@ -67,7 +71,16 @@ std::string decode_timeline_summary() {
                 median_of(merge), median_of(tail), median_of(total), median_of(starts),
                 *std::max_element(starts.begin(), starts.end()), median_of(ends),
                 *std::max_element(ends.begin(), ends.end()), max_of(landed), median_of(walked), max_of(walked));
-  return line;
+  std::string out = line;
+  if (!bar1.empty()) {
+    std::snprintf(line, sizeof line,
+                  "  cluster combine (us, medians / max): epilogue %.2f / %.2f, first barrier %.2f / %.2f, merge "
+                  "%.2f / %.2f, last barrier %.2f / %.2f\n",
+                  median_of(epi), max_of(epi), median_of(bar1), max_of(bar1), median_of(cmerge), max_of(cmerge),
+                  median_of(bar2), max_of(bar2));
+    out += line;
+  }
+  return out;
 }
 
 }  // namespace flare::decode

@@ -28,6 +28,9 @@ enum DecodeMark : int {
   kDecodeMarkStartNs,     // %globaltimer at the start
   kDecodeMarkEndNs,       // %globaltimer at the end
   kDecodeMarkSm,
+  kDecodeMarkEpilogueDone,  // cluster combine: the CTA's states are in its shared memory
+  kDecodeMarkClusterIn,     // cluster combine: past the first cluster barrier
+  kDecodeMarkClusterMerged, // cluster combine: this CTA's slice merged and stored
   kDecodeMarks
 };
 inline constexpr int kDecodeTimelineCtas = 1 << 14;
