@@ -415,6 +415,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
         const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), g);
         if (leader) {
           T* const k_dst = kv_smem + s * lay.stage_elems + g * kN * hpc * kCacheBoxCols;
+          // The two policies as two written-out branches: the same calls through one lambda ran
+          // 14-28 % slower at batch 1 with 65536 keys and batch 8 with 1k (session 22, call 12).
 #pragma unroll
           for (int cb = 0; cb < kColBlocks; ++cb) {
             if (p.l2_evict_first) {
