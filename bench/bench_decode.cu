@@ -434,21 +434,16 @@ int benchmark(const Args& args, const BenchOptions& options, cudaStream_t stream
         const Timing tg = time_plan(data, plan, graph, stream);
         const Timing tp = time_plan(data, plan, plain, stream);
 #if FLARE_DECODE_TIMELINE
-        {  // one more launch, stamped (src/decode/decode_timeline.h), after an L2 flush like the timed ones
+        // Two more launches, stamped (src/decode/decode_timeline.h): after an L2 flush like the timed
+        // ones, then right after without one (the kernel's code and, where it fits, the cache still
+        // in the L2: phases that touch no cache data and shrink there waited on instruction fetch).
+        for (bool flush : {true, false}) {
           TimingOptions once = plain;
-          once.warmup = 0, once.repeats = 1;
+          once.warmup = 0, once.repeats = 1, once.flush_l2 = flush;
           decode::decode_timeline_reset(stream);
           (void)time_plan(data, plan, once, stream);
-          std::printf("%s %s %s: %s", shape.c_str(), layout_name(page_size).c_str(), plan_name(plan).c_str(),
-                      decode::decode_timeline_summary().c_str());
-          // Once more right after, without the flush: the kernel's code (and, where it fits, the
-          // cache) still in the L2; phases that touch no cache data and shrink here waited on
-          // instruction fetch in the flushed launch.
-          once.flush_l2 = false;
-          decode::decode_timeline_reset(stream);
-          (void)time_plan(data, plan, once, stream);
-          std::printf("%s %s %s, L2 warm: %s", shape.c_str(), layout_name(page_size).c_str(), plan_name(plan).c_str(),
-                      decode::decode_timeline_summary().c_str());
+          std::printf("%s %s %s%s: %s", shape.c_str(), layout_name(page_size).c_str(), plan_name(plan).c_str(),
+                      flush ? "" : ", L2 warm", decode::decode_timeline_summary().c_str());
         }
 #endif
         const double us = 1e3 * tg.median_ms, gb_s = gbps(data.kv_bytes(), tg.median_ms);

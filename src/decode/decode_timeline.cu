@@ -69,8 +69,7 @@ std::string decode_timeline_summary() {
                 "median %.2f max %.2f\n",
                 total.size(), cycles_per_us, median_of(setup), median_of(issued), median_of(landed), median_of(loop),
                 median_of(merge), median_of(tail), median_of(total), median_of(starts),
-                *std::max_element(starts.begin(), starts.end()), median_of(ends),
-                *std::max_element(ends.begin(), ends.end()), max_of(landed), median_of(walked), max_of(walked));
+                max_of(starts), median_of(ends), max_of(ends), max_of(landed), median_of(walked), max_of(walked));
   std::string out = line;
   if (!bar1.empty()) {
     std::snprintf(line, sizeof line,
