@@ -15,9 +15,18 @@ namespace {
 
 using hopper::HopperFwdConfig;
 
+// -DFLARE_TUNE_HEAD_DIM=D compiles only head dim D's configurations (each is a kernel of its own:
+// the whole sweep takes most of an hour to compile on two cores); 0, the default, all of them.
+#ifndef FLARE_TUNE_HEAD_DIM
+#define FLARE_TUNE_HEAD_DIM 0
+#endif
+
 template <typename Cfg, bool kPersistent = false>
 void measure(Env& e, const char* label, bool causal) {
   constexpr int d = Cfg::kHeadDim;
+  if constexpr (FLARE_TUNE_HEAD_DIM != 0 && FLARE_TUNE_HEAD_DIM != d) {
+    return;
+  } else {
   const int s = e.args.seqlen.value_or(4096);
   std::string name = "d" + std::to_string(d) + " s" + std::to_string(s) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
@@ -41,6 +50,7 @@ void measure(Env& e, const char* label, bool causal) {
   e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
                    {"spill B", static_cast<int>(attr.localSizeBytes)}, {"rel err", Table::Cell(rel, 4)},
                    {"check", rel < 2e-2 ? "ok" : "FAIL"}});
+  }
 }
 
 // HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong, exp2 poly, lazy
@@ -52,6 +62,12 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<64, 128, 3>, true>(e, "3wg n128 persistent", causal);
   measure<HopperFwdConfig<64, 128, 3, 3>>(e, "3wg n128 3 stages", causal);
   measure<HopperFwdConfig<64, 128, 3, 2, false>>(e, "3wg n128 no ping-pong", causal);
+  measure<HopperFwdConfig<64, 128, 2>, true>(e, "2wg n128 persistent", causal);
+  measure<HopperFwdConfig<64, 128, 2, 2, true, 0, false, true, true>>(e, "2wg n128 two P", causal);
+  measure<HopperFwdConfig<64, 128, 2, 2, true, 0, false, true, true>, true>(e, "2wg n128 two P persistent", causal);
+  measure<HopperFwdConfig<64, 192, 2, 2, true, 0, false, true, true>>(e, "2wg n192 two P", causal);
+  measure<HopperFwdConfig<64, 192, 2, 2, true, 0, false, true, true>, true>(e, "2wg n192 two P persistent", causal);
+  measure<HopperFwdConfig<64, 128, 3, 2, true, 0, false, true, true>>(e, "3wg n128 two P", causal);
   measure<HopperFwdConfig<96, 128, 2>>(e, "2wg n128", causal);
   measure<HopperFwdConfig<128, 128, 2>>(e, "2wg n128", causal);
   measure<HopperFwdConfig<128, 128, 2>, true>(e, "2wg n128 persistent", causal);
@@ -77,6 +93,8 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<256, 80, 2>>(e, "2wg n80", causal);
   measure<HopperFwdConfig<256, 64, 2, 2, false>>(e, "2wg n64 no ping-pong", causal);
   measure<HopperFwdConfig<256, 64, 2, 2, true, 4>>(e, "2wg n64 exp2 poly 1/4", causal);
+  measure<HopperFwdConfig<256, 64, 2, 2, true, 0, true, true, true>>(e, "2wg n64 two P", causal);
+  measure<HopperFwdConfig<256, 64, 2, 2, true, 0, true, true, true>, true>(e, "2wg n64 two P persistent", causal);
 }
 
 int run(int argc, char** argv) {

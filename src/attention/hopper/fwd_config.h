@@ -63,10 +63,11 @@ template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 6
 template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
 template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
 
-// The persistent grid's configuration where the launcher takes it (d128 causal up to 8k rows,
-// fwd_launch_impl.h): two warpgroups, key blocks of 128 and two P sets. Two P sets won 4-6 % on
-// it and lost 2-3 % on three warpgroups; this grid beat the three-warpgroup tile by 2-6 % causal
-// (ncu, H100, bench/RESULTS.md session 20).
+// The persistent grid's configuration where the launcher takes it (hopper_fwd_persistent,
+// fwd_launch_impl.h). d128: two warpgroups, key blocks of 128 and two P sets; two P sets won 4-6 %
+// on it and lost 2-3 % on three warpgroups, and this grid beat the three-warpgroup tile by 2-6 %
+// causal (ncu, H100, bench/RESULTS.md session 20). d64: the default configuration; two P sets and
+// two warpgroups lost 5-20 % to it there (session 23).
 template <int kHeadDim>
 struct HopperFwdPersistentConfigFor {
   using type = typename HopperFwdConfigFor<kHeadDim>::type;

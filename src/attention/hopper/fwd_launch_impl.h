@@ -80,29 +80,38 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
 }
 
-// Whether a dense forward takes the persistent grid: at head dim 128, causal, batched (not varlen),
-// no window. There the one-CTA-per-tile grid's start (first loads) and end (epilogue) are a large
-// part of a short tile's time, and the persistent producer loads the next tile under the current
-// one. Session 20's version (two P sets) against one CTA per tile, bench_attention medians of five
-// alternating rounds on the H100 (bench/RESULTS.md, session 22): causal +1 to +6 % at 1k-16k,
-// non-causal -1.4 to -3.6 % (ncu at its locked clocks had shown non-causal gains of 1-2 %: the
-// boost clocks of a real run reverse them). Windows and varlen are not measured, so they keep one
-// CTA per tile; d64 and d256 spill in it. FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either at head dim
-// 128 (tests, A/B); the other head dims are one CTA per tile whatever it says (launch_hopper_fwd).
+// Whether a dense forward takes the persistent grid (batched, no window: varlen and windows are not
+// measured there, so they keep one CTA per tile). There the one-CTA-per-tile grid's start (first
+// loads) and end (epilogue) are a large part of a short tile's time, and the persistent producer
+// loads the next tile under the current one. Measured on the H100 (bench/RESULTS.md):
+//   d128, causal: the two-P persistent configuration against one CTA per tile, +1 to +6 % at 1k-16k
+//     (bench_attention, five alternating rounds, session 22); non-causal -1.4 to -3.6 %.
+//   d64, causal at every length and non-causal up to 8k keys: the default configuration (three
+//     consumer warpgroups, no spills since session 19's changes) persistent, 4-7 % faster at 1k-8k
+//     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23).
+//   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
+// FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
+// A/B); other head dims run one CTA per tile whatever it says (launch_hopper_fwd).
+template <int kHeadDim>
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
   static const int forced = [] {
     const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
     return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
   }();
   if (forced >= 0) return forced == 1;
-  return p.causal && p.cu_seqlens_q == nullptr && p.window_left < 0 && p.window_right < 0;
+  if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
+  if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
+  return p.causal;
 }
+
+// Head dims with a persistent form in the library (HopperFwdPersistentConfigFor).
+constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
-  if constexpr (kHeadDim == 128)
-    if (hopper_fwd_persistent(p))
+  if constexpr (hopper_fwd_has_persistent(kHeadDim))
+    if (hopper_fwd_persistent<kHeadDim>(p))
       return launch_hopper_fwd_cfg<typename HopperFwdPersistentConfigFor<kHeadDim>::type, T, true>(p, stream);
   return launch_hopper_fwd_cfg<Cfg, T>(p, stream);
 }
