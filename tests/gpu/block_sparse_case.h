@@ -251,7 +251,9 @@ inline void build_mask(const SparseCase& c, SparseMask* m) {
   m->upload();
 }
 
-// The dtypes this build instantiates (FLARE_DTYPES).
+// Whether this build has the case's kernels: its dtype (FLARE_DTYPES) and a head dim at least as
+// large as the case's (FLARE_HEAD_DIMS; the library serves a head dim with the smallest
+// instantiated one that holds it). A full build has them all.
 inline bool instantiated(const AttnCase& c) {
 #ifndef FLARE_HAS_DTYPE_fp16
   if (c.dtype == DType::kFloat16) return false;
@@ -259,8 +261,7 @@ inline bool instantiated(const AttnCase& c) {
 #ifndef FLARE_HAS_DTYPE_bf16
   if (c.dtype == DType::kBFloat16) return false;
 #endif
-  (void)c;
-  return true;
+  return portable::instantiated_head_dim(c.head_dim) != 0;
 }
 
 // The oracle's forward (exact, and in the input dtype) of `prob` with the case's dense mask,

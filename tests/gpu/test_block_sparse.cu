@@ -46,7 +46,7 @@ int g_hopper_sparse_backward_runs = 0;
 void run_sparse_forward(const SparseCase& c, const BlockMask* gpu_built = nullptr) {
   SCOPED_TRACE(c.name());
   if (!instantiated(c.attn)) {
-    std::printf("skipped (dtype not instantiated in this build): %s\n", c.name().c_str());
+    std::printf("skipped (head dim or dtype not instantiated in this build): %s\n", c.name().c_str());
     return;
   }
   SparseMask mask;
@@ -214,7 +214,7 @@ TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
 void run_sparse_backward(const SparseCase& c, bool deterministic = false, int repeats = 0) {
   SCOPED_TRACE(c.name() + (deterministic ? " | deterministic backward" : " | backward"));
   if (!instantiated(c.attn)) {
-    std::printf("skipped (dtype not instantiated in this build): %s\n", c.name().c_str());
+    std::printf("skipped (head dim or dtype not instantiated in this build): %s\n", c.name().c_str());
     return;
   }
   SparseMask mask;

@@ -77,8 +77,24 @@ struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kStages_> {
 // The instantiated head dims it serves: up to 128 (64 keys a warpgroup) and 256 (split; 192 would
 // split an MN-major swizzle atom of K^T at column 96).
 constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_dim <= 128 || head_dim == 256); }
+// Q/dO stages of the dense d <= 128 tiling. d64: 4, 1-3 % faster than 2 in the ordinary mode and
+// 2-5 % in the deterministic one (3 stages: no change; bench_attention, three alternating rounds,
+// H100, bench/RESULTS.md session 23). d128 has room for 2 only (3 exceed 227 KB); d96 is not
+// measured. -DFLARE_HOPPER_BWD_STAGES=N overrides it for every head dim that fits (A/B builds).
+constexpr int hopper_bwd_stages(int head_dim) {
+#ifdef FLARE_HOPPER_BWD_STAGES
+  (void)head_dim;
+  return FLARE_HOPPER_BWD_STAGES;
+#else
+  return head_dim <= 64 ? 4 : 2;
+#endif
+}
 template <int kHeadDim>
-using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>, HopperBwdConfig<kHeadDim>>;
+using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>,
+                                              HopperBwdConfig<kHeadDim, hopper_bwd_stages(kHeadDim)>>;
+// The block-sparse backward (d <= 128) keeps two stages: more are not measured there.
+template <int kHeadDim>
+using HopperBwdSparseConfigFor = HopperBwdConfig<kHeadDim>;
 
 // The split tiling's deterministic mode: FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS=2 (the default) runs it
 // with a dQ buffer per half and one Q stage, so each half waits only for its own dQ writer; 1 with

@@ -122,7 +122,7 @@ Status launch_hopper_bwd_sparse(const detail::BwdKernelParams& p, const block_sp
   } else {
     if (p.deterministic && dq_plan == nullptr)
       return Status::InvalidArgument("block_mask_dq_plan", "the deterministic block-sparse backward needs its plan");
-    return launch_hopper_bwd_cfg<HopperBwdConfigFor<kHeadDim>, T, true>(p, stream, &bs, dq_plan);
+    return launch_hopper_bwd_cfg<HopperBwdSparseConfigFor<kHeadDim>, T, true>(p, stream, &bs, dq_plan);
   }
 }
 
