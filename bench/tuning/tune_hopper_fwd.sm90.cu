@@ -21,12 +21,9 @@ using hopper::HopperFwdConfig;
 #define FLARE_TUNE_HEAD_DIM 0
 #endif
 
-template <typename Cfg, bool kPersistent = false>
-void measure(Env& e, const char* label, bool causal) {
+template <typename Cfg, bool kPersistent>
+void measure_config(Env& e, const char* label, bool causal) {
   constexpr int d = Cfg::kHeadDim;
-  if constexpr (FLARE_TUNE_HEAD_DIM != 0 && FLARE_TUNE_HEAD_DIM != d) {
-    return;
-  } else {
   const int s = e.args.seqlen.value_or(4096);
   std::string name = "d" + std::to_string(d) + " s" + std::to_string(s) + (causal ? " causal " : " ") + label;
   if (!e.args.selected(name)) return;
@@ -50,7 +47,12 @@ void measure(Env& e, const char* label, bool causal) {
   e.table.add_row({{"config", name}, {"ms", Table::Cell(t.median_ms, 3)}, {"TFLOP/s", Table::Cell(tf, 1)},
                    {"spill B", static_cast<int>(attr.localSizeBytes)}, {"rel err", Table::Cell(rel, 4)},
                    {"check", rel < 2e-2 ? "ok" : "FAIL"}});
-  }
+}
+
+template <typename Cfg, bool kPersistent = false>
+void measure(Env& e, const char* label, bool causal) {
+  if constexpr (FLARE_TUNE_HEAD_DIM == 0 || FLARE_TUNE_HEAD_DIM == Cfg::kHeadDim)
+    measure_config<Cfg, kPersistent>(e, label, causal);
 }
 
 // HopperFwdConfig<head dim, kBlockN, consumer warpgroups, stages, ping-pong, exp2 poly, lazy

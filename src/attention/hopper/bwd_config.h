@@ -78,8 +78,8 @@ struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kStages_> {
 // split an MN-major swizzle atom of K^T at column 96).
 constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_dim <= 128 || head_dim == 256); }
 // Q/dO stages of the dense d <= 128 tiling. d64: 4, 1-3 % faster than 2 in the ordinary mode and
-// 2-5 % in the deterministic one (3 stages: no change; bench_attention, three alternating rounds,
-// H100, bench/RESULTS.md session 23). d128 has room for 2 only (3 exceed 227 KB); d96 is not
+// 0.4-4.6 % in the deterministic one (3 stages: no change; bench_attention, three alternating
+// rounds, H100, bench/RESULTS.md session 23). d128 has room for 2 only (3 exceed 227 KB); d96 is not
 // measured. -DFLARE_HOPPER_BWD_STAGES=N overrides it for every head dim that fits (A/B builds).
 constexpr int hopper_bwd_stages(int head_dim) {
 #ifdef FLARE_HOPPER_BWD_STAGES

@@ -88,7 +88,8 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
 //     (bench_attention, five alternating rounds, session 22); non-causal -1.4 to -3.6 %.
 //   d64, causal at every length and non-causal up to 8k keys: the default configuration (three
 //     consumer warpgroups, no spills since session 19's changes) persistent, 4-7 % faster at 1k-8k
-//     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23).
+//     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
+//     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
 //   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says (launch_hopper_fwd).
