@@ -25,6 +25,9 @@
 // of sub-tile g one stage ahead, and the issuing lane takes it by a shuffle. Contiguous caches
 // without a window issue their first stages before reading cache_seqlens (speculative; see
 // decode_bulk_kernel.h): keys past the sequence's end are zeroed in V and masked in S.
+// Measured and not kept: each consumer warp copying its own lines with 16-byte cp.async instead of
+// the producer's boxes (no stage barriers) ran 1-19 % slower at every shape, short walks included
+// (bench/RESULTS.md, session 23).
 //
 // In-kernel combine (split-KV, p.counters set). Each CTA writes its partial states, fences, and
 // one thread increments the (sequence, head block) arrival counter; the CTA that brings it to
