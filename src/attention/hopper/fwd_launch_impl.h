@@ -80,6 +80,9 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
 }
 
+// Head dims with a persistent form in the library (HopperFwdPersistentConfigFor).
+constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
 // Whether a dense forward takes the persistent grid (batched, no window: varlen and windows are not
 // measured there, so they keep one CTA per tile). There the one-CTA-per-tile grid's start (first
 // loads) and end (epilogue) are a large part of a short tile's time, and the persistent producer
@@ -93,8 +96,10 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
 //   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says (launch_hopper_fwd).
+
 template <int kHeadDim>
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
+  static_assert(hopper_fwd_has_persistent(kHeadDim), "the rule below covers d64 and d128 only");
   static const int forced = [] {
     const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
     return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
@@ -104,9 +109,6 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
   if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
   return p.causal;
 }
-
-// Head dims with a persistent form in the library (HopperFwdPersistentConfigFor).
-constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
