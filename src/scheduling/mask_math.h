@@ -115,6 +115,20 @@ FLARE_HD BlockRange full_kv_blocks(const Band& band, int r0, int r1, int seqlen_
   return r;
 }
 
+// How many of the key blocks [range.first, range.last), counted from the last down (the order the
+// Hopper forward walks a tile's blocks, diagonal first), are EMPTY for rows [r0, r1), up to the
+// first that is not: a consumer warpgroup whose rows are the first of a taller tile passes them
+// without computing. Never the whole range: rows that see no key still compute one (masked) block.
+FLARE_HD int leading_empty_blocks(const Band& band, const BlockRange& range, int r0, int r1, int seqlen_k,
+                                  int kv_block) {
+  const int blocks = range.last - range.first;
+  if (blocks <= 1) return 0;
+  const BlockRange own = kv_block_range(band, r0, r1, seqlen_k, kv_block);
+  int n = own.first < own.last ? range.last - own.last : blocks;
+  n = n < 0 ? 0 : n;
+  return n < blocks ? n : blocks - 1;
+}
+
 // The transposed question, for a kernel that walks row tiles against one key block [c0, c1): the
 // first rows q0 whose tile [q0, q0 + rows) classify_tile calls FULL are exactly those in
 // [first, last] (inclusive; empty when first > last): the last row's window must start at or

@@ -37,6 +37,43 @@ TEST(Band, VisibleMatchesOracle) {
       }
 }
 
+// A tile of rows [t0, t1) walks its key blocks from the last down; each warpgroup-sized slice of
+// its rows passes the leading blocks that are empty for it: every passed block is empty for every
+// row of the slice, the next block is not (unless all are), and one block always stays.
+TEST(Band, LeadingEmptyBlocksMatchBruteForce) {
+  int passed = 0;  // slices that pass at least one block: the sweep reaches the case it is for
+  for (const Case& c : kCases)
+    for (int sq : {1, 7, 16, 33, 50})
+      for (int sk : {1, 9, 16, 40, 64})
+        for (int bt : {4, 12})      // tile rows
+          for (int bw : {1, 2, 4})  // slices of the tile
+            for (int bk : {1, 4, 16}) {
+              const Band band = Band::make(c.causal, c.left, c.right, sq, sk);
+              for (int t0 = 0; t0 < sq; t0 += bt) {
+                const int t1 = std::min(sq, t0 + bt);
+                const BlockRange range = kv_block_range(band, t0, t1, sk, bk);
+                const int blocks = range.last - range.first;
+                for (int w0 = t0; w0 < t1; w0 += bt / bw) {
+                  const int w1 = std::min(t1, w0 + bt / bw);
+                  auto empty = [&](int n) {
+                    for (int i = w0; i < w1; ++i)
+                      for (int j = n * bk; j < std::min(sk, (n + 1) * bk); ++j)
+                        if (band.visible(i, j)) return false;
+                    return true;
+                  };
+                  int want = 0;
+                  while (want < blocks && empty(range.last - 1 - want)) ++want;
+                  if (blocks > 0 && want == blocks) want = blocks - 1;
+                  passed += want > 0;
+                  EXPECT_EQ(leading_empty_blocks(band, range, w0, w1, sk, bk), want)
+                      << "sq=" << sq << " sk=" << sk << " tile " << t0 << "-" << t1 << " rows " << w0 << "-" << w1
+                      << " bk=" << bk << " causal=" << c.causal << " l=" << c.left << " r=" << c.right;
+                }
+              }
+            }
+  EXPECT_GT(passed, 100);
+}
+
 TEST(Band, TileClassificationAndBlockRangesMatchBruteForce) {
   for (const Case& c : kCases)
     for (int sq : {1, 7, 16, 33})

@@ -14,11 +14,14 @@
 //     dK[:, half w] += dS^T Q[:, half w]          (wgmma, dS^T from shared memory, both)
 //     dQ[:, half w]  = dS K[:, half w]            (wgmma, both)
 //
-// Q (with the row statistics) rides a ring of kStages stages and dO a ring of one, released as
-// soon as both dV GEMMs are done. The dQ halves go out through one 32 KB shared buffer in turn,
-// warpgroup 0's then warpgroup 1's, each added by its own writer thread (producer warps 1 and 2)
-// and, in deterministic mode, ordered by its own semaphore per query block. The producer, the
-// writers, the tile walk and the dK/dV epilogue are the d <= 128 kernel's (bwd_kernel.h).
+// Q (with the row statistics) rides a ring of kStages stages, a stage released once its last
+// reader, the dK GEMM, is done (with one stage, the next Q loads under the dQ GEMM), and dO a ring
+// of one, released as soon as both dV GEMMs are done. The dQ halves go out through one 32 KB shared buffer in turn,
+// warpgroup 0's then warpgroup 1's, each added by its own writer thread (producer warps 1 and 2),
+// or (the deterministic mode's configuration) through a buffer each, both halves of a step added
+// by one of kDqWriters writer threads taking the steps in turn. In deterministic mode each half is
+// ordered by its own semaphore per query block. The producer, the tile walk and the dK/dV
+// epilogue are the d <= 128 kernel's (bwd_kernel.h).
 #pragma once
 
 #include "src/attention/hopper/bwd_kernel.h"
@@ -40,9 +43,10 @@ struct BwdSplitSmem {
   uint64_t kv_full;
   StageBarriers<Cfg::kStages> q_ring;  // Q and the row statistics of one query block
   StageBarriers<1> do_ring;            // dO of one query block
-  uint64_t dq_full[2];                 // half w written (warpgroup w's 4 warps)
-  uint64_t dq_empty[2];                // the buffer free for warpgroup w (writer 1 - w, or with two
-                                       // buffers writer w, has read its half)
+  uint64_t dq_full[2 * Cfg::kDqWriters];  // [half w][writer j]: half w of a step of writer j written
+                                          // (warpgroup w's 4 warps)
+  uint64_t dq_empty[2];                // the buffer free for warpgroup w (one buffer: the other half
+                                       // read; two: its own previous half read)
 };
 
 template <typename Cfg, typename T>
@@ -76,6 +80,56 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
     copy(hp.tma_do.with(dbar), do_src(_, _, _, m), do_dst);
     dpos.template advance<1>();
   });
+}
+
+// Writers by step (Cfg::kStepWriters = W > 0): writer j (one thread of producer warp 1 + j) adds
+// both halves of steps j, j + W, j + 2 W, ... In deterministic mode each add waits for its half's
+// turn and the turns pass once the adds are performed; a writer's next step starts only after
+// that, so W writers keep W handoffs per chain in flight, while the buffers, released as soon as
+// the adds have read them, serve the next step's writer. With one shared buffer, half 0 is read
+// before warpgroup 1 may store half 1, and half 1 before warpgroup 0 stores the next step's half 0.
+template <typename Cfg, typename T>
+__device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
+                                                         const BwdTile& t, int j) {
+  constexpr int kW = Cfg::kDqWriters;
+  const detail::BwdKernelParams& P = hp.p;
+  const detail::FwdKernelParams& p = P.fwd;
+  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
+  const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
+  constexpr uint32_t kBytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
+  for (int it = j, k = 0; it < t.steps(); it += kW, ++k) {
+    const QStep step = t.step_at(it);
+    int* sem = P.deterministic ? P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + step.m) * 2 : nullptr;
+    const int turn = sem != nullptr ? sched::dq_turn_at(turns, hp.plan, dq_seq, step.m) : 0;
+    float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, step.m) : nullptr;
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      cutlass::arch::ClusterBarrier::wait(&sm.dq_full[half * kW + j], k & 1);
+      if (sem != nullptr) {
+        device_sync::wait_for_turn(sem + half, turn);
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      }
+      const float* src = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
+      if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), src, kBytes);
+      sm90::bulk_commit_group();
+      if constexpr (Cfg::kDqBufs == 1) {  // the shared buffer, to the other warpgroup
+        sm90::bulk_wait_read<0>();
+        cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1 - half]);
+      }
+    }
+    if constexpr (Cfg::kDqBufs == 2) {
+      sm90::bulk_wait_read<1>();
+      cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
+      sm90::bulk_wait_read<0>();
+      cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
+    }
+    if (sem != nullptr) {
+      sm90::bulk_wait_all();  // the adds are performed before the turns pass on
+      __threadfence();
+      device_sync::pass_turn(sem);
+      device_sync::pass_turn(sem + 1);
+    }
+  }
 }
 
 // Consumer thread ct (0..255; warpgroup w = ct / 128).
@@ -182,12 +236,13 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       __syncwarp();
       if (lane == 0) sm.do_ring.release(dpos);
       dpos.template advance<1>();
-      wg_wait<0>(dq_acc);
-      cute::warpgroup_fence_operand(dv_acc);
-      cute::warpgroup_fence_operand(dk_acc);
+      wg_wait<1>(dk_acc);  // dK done: Q is free while the dQ GEMM runs
       __syncwarp();
       if (lane == 0) sm.q_ring.release(qpos);
       qpos.template advance<Cfg::kStages>();
+      wg_wait<0>(dq_acc);
+      cute::warpgroup_fence_operand(dv_acc);
+      cute::warpgroup_fence_operand(dk_acc);
 
       if constexpr (Cfg::kDqBufs == 2) {
         // dQ half w (scaled) into its own buffer once its writer has read the previous step's.
@@ -195,7 +250,7 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
                           [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
         __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w * Cfg::kDqWriters + it % Cfg::kDqWriters]);
       } else {
         // dQ half w (scaled) into the shared buffer once the other half's writer has read it. The
         // named barrier orders the two warpgroups' stores to the buffer directly as well (the
@@ -210,7 +265,7 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         bwd_store_dq_tile(sm.dq.data(), dq_acc, p.scale,
                           [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
         __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w]);
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w * Cfg::kDqWriters + it % Cfg::kDqWriters]);
         named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
       }
     }
@@ -229,10 +284,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
     sm.q_ring.init(4 * Cfg::kConsumerWGs);
     sm.do_ring.init(4 * Cfg::kConsumerWGs);
-    for (int i = 0; i < 2; ++i) {
-      cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4);
-      cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
-    }
+    for (int i = 0; i < 2 * Cfg::kDqWriters; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4);
+    for (int i = 0; i < 2; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -241,12 +294,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_split_produce<Cfg, T>(hp, sm, tile);
-    if ((warp == 1 || warp == 2) && cute::elect_one_sync()) {
+    if constexpr (Cfg::kStepWriters > 0) {
+      if (warp >= 1 && warp <= Cfg::kStepWriters && cute::elect_one_sync())
+        bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1);
+    } else if ((warp == 1 || warp == 2) && cute::elect_one_sync()) {
+      // One buffer: half 0 read, warpgroup 1 may write; half 1 read, warpgroup 0. Two: its own.
       const int half = warp - 1;
       DqWriterPart part;
       part.smem = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
       part.full = &sm.dq_full[half];
-      // One buffer: half 0 read, warpgroup 1 may write; half 1 read, warpgroup 0. Two: its own.
       part.empty = &sm.dq_empty[Cfg::kDqBufs == 2 ? half : 1 - half];
       part.tile_offset = half * Cfg::kBlockM * (Cfg::kHeadDim / 2);
       part.bytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);

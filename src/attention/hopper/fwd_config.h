@@ -13,6 +13,11 @@
 #define FLARE_HOPPER_PINGPONG 1
 #endif
 
+// A build switch for A/B runs of the per-warpgroup skip of masked key tiles (-DFLARE_HOPPER_FWD_SKIP_MASKED=0).
+#ifndef FLARE_HOPPER_FWD_SKIP_MASKED
+#define FLARE_HOPPER_FWD_SKIP_MASKED 1
+#endif
+
 namespace flare::hopper {
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0,
@@ -33,6 +38,10 @@ struct HopperFwdConfig {
   // three warpgroups idle. Costs the d64 kernel one more in-loop spill reload (tune_hopper_fwd
   // measures both).
   static constexpr bool kSkipIdleWGs = kSkipIdleWGs_;
+  // A consumer warpgroup passes the leading key tiles of a dense walk that are masked for all its
+  // rows (the diagonal's, above its last row's keys) instead of computing them (fwd_kernel.h,
+  // leading_masked_tiles): with causal masks the tile's first warpgroups see fewer keys than its last.
+  static constexpr bool kSkipMaskedTiles = FLARE_HOPPER_FWD_SKIP_MASKED != 0;
   // P in two register sets alternating by key tile, the wait for a PV GEMM moved from after the
   // next softmax to after the next S GEMM's issue (fwd_kernel.h, consume): the softmax then runs
   // under the previous PV GEMM instead of after it. Costs kBlockN / 4 registers a thread.

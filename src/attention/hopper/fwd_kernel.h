@@ -267,43 +267,64 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
   }
 }
 
+// Steps through the walk's next `count` (>= 1) key tiles without computing, keeping the pipelines'
+// protocol: each K stage waited for and released with the step's GEMM turn taken and passed, and
+// the V stages of all but the last tile (a step reads the V of the tile before it). The caller
+// still owes the last tile's V stage.
+template <typename Cfg, typename T, typename Walk, int kQStages>
+__device__ __forceinline__ void pass_tiles(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
+                                           typename Walk::Cursor& c, PipePos& pos, int wg, int lane, int count) {
+  using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
+  RingPos& kpos = pos.k;
+  RingPos& vpos = pos.v;
+  for (int i = 0; i < count; ++i) {
+    t.kv.advance(c);
+    sm.k_ring.wait_full(kpos);
+    Turns::wait(wg);
+    if (i > 0) sm.v_ring.wait_full(vpos);
+    Turns::pass(wg);
+    if (lane == 0) {
+      sm.k_ring.release(kpos);
+      if (i > 0) sm.v_ring.release(vpos);
+    }
+    kpos.template advance<Cfg::kStages>();
+    if (i > 0) vpos.template advance<Cfg::kStages>();
+  }
+}
+
 // A consumer warpgroup whose 64 rows all lie past the sequence (the last tile of a sequence that
 // is not a multiple of kBlockM, e.g. 1024 rows in tiles of 192): it computes nothing, but keeps
-// the pipelines' protocol (each stage waited for, then released, once per use; the GEMM turns
-// taken and passed), so the warpgroups that have rows run without it on the tensor cores.
+// the pipelines' protocol through every tile and the last P V's turn, so the warpgroups that have
+// rows run without it on the tensor cores.
 template <typename Cfg, typename T, typename Walk, int kQStages>
 __device__ __forceinline__ void pass_tile_without_rows(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
                                                        PipePos& pos, int wg, int lane) {
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
-  RingPos& kpos = pos.k;
-  RingPos& vpos = pos.v;
+  int tiles = 0;
+  for (typename Walk::Cursor c = t.kv.begin(); t.kv.more(c); t.kv.advance(c)) ++tiles;
   typename Walk::Cursor c = t.kv.begin();
-  t.kv.advance(c);
-  sm.k_ring.wait_full(kpos);  // S_first
-  Turns::wait(wg);
-  Turns::pass(wg);
-  if (lane == 0) sm.k_ring.release(kpos);
-  kpos.template advance<Cfg::kStages>();
-  while (t.kv.more(c)) {  // S_n with P_{n+1} V_{n+1}
-    t.kv.advance(c);
-    sm.k_ring.wait_full(kpos);
-    Turns::wait(wg);
-    sm.v_ring.wait_full(vpos);
-    Turns::pass(wg);
-    if (lane == 0) {
-      sm.k_ring.release(kpos);
-      sm.v_ring.release(vpos);
-    }
-    kpos.template advance<Cfg::kStages>();
-    vpos.template advance<Cfg::kStages>();
-  }
+  pass_tiles(sm, t, c, pos, wg, lane, tiles);
   if (lane == 0) sm.q_ring.release(pos.q);
   pos.q.template advance<kQStages>();
+  RingPos& vpos = pos.v;
   sm.v_ring.wait_full(vpos);  // P_last V_last
   Turns::wait(wg);
   Turns::pass(wg);
   if (lane == 0) sm.v_ring.release(vpos);
   vpos.template advance<Cfg::kStages>();
+}
+
+// The walk's first tiles that are masked for all of this warpgroup's rows (dense walks: the
+// diagonal's, visited first, above the last key its last row sees; sched::leading_empty_blocks).
+// The warpgroup passes them (pass_tiles) and starts its softmax at the first tile it sees.
+template <typename Cfg, typename Walk>
+__device__ __forceinline__ int leading_masked_tiles(const FwdTile<Walk>& t, int wg_row0) {
+  if constexpr (Walk::kSparse || !Cfg::kSkipMaskedTiles) {
+    return 0;
+  } else {
+    const int row_end = t.row0 + t.rows < wg_row0 + 64 ? t.row0 + t.rows : wg_row0 + 64;
+    return sched::leading_empty_blocks(t.band, t.kv.range, wg_row0, row_end, t.seq.seqlen_k, Cfg::kBlockN);
+  }
 }
 
 // One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
@@ -377,6 +398,8 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     // The walk runs one tile ahead: the next tile is looked up (a block mask's list entry) while
     // this one computes, not after it.
     typename Walk::Cursor c = t.kv.begin();
+    const int passed = leading_masked_tiles<Cfg>(t, wg_row0);
+    if (passed > 0) pass_tiles(sm, t, c, pos, wg, lane, passed);
     int n = t.kv.tile(c);
     bool masked = t.kv.element_masked(c);
     t.kv.advance(c);
@@ -386,6 +409,11 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     if (marks) timeline_mark(tl, t.id, kMarkFirstGemm);
     wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
     Turns::pass(wg);
+    if (passed > 0) {  // the last passed tile's V, which this step would have multiplied
+      sm.v_ring.wait_full(vpos);
+      if (lane == 0) sm.v_ring.release(vpos);
+      vpos.template advance<Cfg::kStages>();
+    }
     wg_wait<0>(s_acc);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
