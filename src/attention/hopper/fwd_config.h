@@ -13,12 +13,21 @@
 #define FLARE_HOPPER_PINGPONG 1
 #endif
 
-// A build switch for A/B runs of the per-warpgroup skip of masked key tiles (-DFLARE_HOPPER_FWD_SKIP_MASKED=0).
-#ifndef FLARE_HOPPER_FWD_SKIP_MASKED
-#define FLARE_HOPPER_FWD_SKIP_MASKED 1
-#endif
-
 namespace flare::hopper {
+
+// Whether a consumer warpgroup passes the leading key tiles masked for all its rows (fwd_kernel.h,
+// leading_masked_tiles) at this head dim. Measured on the H100 (bench/RESULTS.md, session 24): d64
+// causal 1k-2k 2-4 % faster (non-causal 1k 1-2 % slower); d128 causal within 1 % and non-causal 1k
+// 4 % slower; d256 within noise: on at d64 only. -DFLARE_HOPPER_FWD_SKIP_MASKED=0 or 1 sets it for
+// every head dim (A/B builds).
+constexpr bool hopper_fwd_skip_masked(int head_dim) {
+#ifdef FLARE_HOPPER_FWD_SKIP_MASKED
+  (void)head_dim;
+  return FLARE_HOPPER_FWD_SKIP_MASKED != 0;
+#else
+  return head_dim == 64;
+#endif
+}
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWGs_, int kStages_ = 2, bool kPingPong_ = FLARE_HOPPER_PINGPONG != 0,
           int kExp2PolyEvery_ = 0, bool kLazyRescale_ = (kHeadDim_ > 64), bool kSkipIdleWGs_ = true, bool kTwoP_ = false>
@@ -41,7 +50,7 @@ struct HopperFwdConfig {
   // A consumer warpgroup passes the leading key tiles of a dense walk that are masked for all its
   // rows (the diagonal's, above its last row's keys) instead of computing them (fwd_kernel.h,
   // leading_masked_tiles): with causal masks the tile's first warpgroups see fewer keys than its last.
-  static constexpr bool kSkipMaskedTiles = FLARE_HOPPER_FWD_SKIP_MASKED != 0;
+  static constexpr bool kSkipMaskedTiles = hopper_fwd_skip_masked(kHeadDim_);
   // P in two register sets alternating by key tile, the wait for a PV GEMM moved from after the
   // next softmax to after the next S GEMM's issue (fwd_kernel.h, consume): the softmax then runs
   // under the previous PV GEMM instead of after it. Costs kBlockN / 4 registers a thread.
