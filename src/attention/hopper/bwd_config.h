@@ -114,7 +114,8 @@ using HopperBwdSparseConfigFor = HopperBwdConfig<kHeadDim>;
 // with a dQ buffer per half and one Q stage, so each half waits only for its own dQ writer; 1 with
 // the ordinary mode's tiling (one shared dQ buffer, two Q stages). Both with
 // FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS writers by step. Measured on the H100 at d256 (bench/RESULTS.md,
-// session 15, a writer per half): 2 was 2-5 % faster causal, within 1 % non-causal.
+// session 24): 2 is 5-13 % faster than 1 (whose warpgroup 1 waits for half 0's turn); two writers
+// by step are 6-16 % faster than a writer per half, three no faster than two.
 template <int kHeadDim>
 using HopperBwdSplitDeterministicConfig =
     std::conditional_t<FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS == 2,
