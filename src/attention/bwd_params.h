@@ -34,7 +34,7 @@ struct BwdKernelParams {
   float* dq_accum = nullptr;
   float* dk_accum = nullptr;    // GQA only: row r of k, kv head, channel
   float* dv_accum = nullptr;
-  int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks]
+  int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks, dQ chains]
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
   int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths
   int dq_tile_elems = 0;        // Hopper: kRowStatsBlockM x the instantiated head dim

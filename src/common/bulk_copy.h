@@ -114,12 +114,6 @@ __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 #endif
 }
-// This thread's bulk groups have finished reading their shared-memory sources.
-__device__ __forceinline__ void bulk_wait_read_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-#endif
-}
 // All but this thread's kPending most recent bulk groups have finished reading their sources.
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_read() {
@@ -127,6 +121,8 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
+// This thread's bulk groups have finished reading their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read_all() { bulk_wait_read<0>(); }
 // This thread's bulk groups are complete: their global writes are performed.
 __device__ __forceinline__ void bulk_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -318,6 +318,19 @@ __device__ __forceinline__ void pass_sparse_turns(const Params& hp, const Tile& 
   }
 }
 
+// A dQ writer's turn (deterministic mode): wait for it, then let the bulk adds (async proxy) see
+// the earlier writers' adds; and, after its own adds, hand `count` adjacent chains' turns on once
+// those adds are performed.
+__device__ __forceinline__ void wait_for_dq_turn(const int* sem, int turn) {
+  device_sync::wait_for_turn(sem, turn);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
+  sm90::bulk_wait_all();
+  __threadfence();
+  for (int i = 0; i < count; ++i) device_sync::pass_turn(sem + i);
+}
+
 // A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
 // dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
 // deterministic mode, their turn handoffs) in flight. A block mask's step that adds nothing still
@@ -325,7 +338,6 @@ __device__ __forceinline__ void pass_sparse_turns(const Params& hp, const Tile& 
 template <typename Cfg, typename Params, typename Tile>
 __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
-  const detail::FwdKernelParams& p = P.fwd;
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   for (int it = part.first_step, k = 0; it < t.steps(); it += part.step_stride, ++k) {
@@ -334,26 +346,19 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
     DqTurn d;
     if constexpr (Tile::kSparse) {
       if (P.deterministic) d = sparse_dq_turn(hp, t, it);
-    } else if (P.deterministic) {
-      d.sem = P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + m) * part.chains + part.chain;
+    } else {
+      d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m, part.chains, part.chain);
     }
     int* sem = d.sem;
     cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
-    if (sem != nullptr) {
-      device_sync::wait_for_turn(sem, Tile::kSparse ? d.turn : sched::dq_turn_at(turns, hp.plan, dq_seq, m));
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    }
+    if (sem != nullptr) wait_for_dq_turn(sem, Tile::kSparse ? d.turn : sched::dq_turn_at(turns, hp.plan, dq_seq, m));
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
     if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + part.tile_offset, part.smem, part.bytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();
     cutlass::arch::ClusterBarrier::arrive(part.empty);
-    if (sem != nullptr) {
-      sm90::bulk_wait_all();  // the adds are performed before the turn passes on
-      __threadfence();
-      device_sync::pass_turn(sem);
-    }
+    if (sem != nullptr) pass_dq_turns(sem);
   }
 }
 

@@ -47,6 +47,10 @@ struct BwdSplitSmem {
                                           // (warpgroup w's 4 warps)
   uint64_t dq_empty[2];                // the buffer free for warpgroup w (one buffer: the other half
                                        // read; two: its own previous half read)
+  // Half `half` of step `it` written: the barrier of the writer that takes the step.
+  __device__ __forceinline__ uint64_t* dq_full_of(int half, int it) {
+    return &dq_full[half * Cfg::kDqWriters + it % Cfg::kDqWriters];
+  }
 };
 
 template <typename Cfg, typename T>
@@ -91,24 +95,19 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
                                                          const BwdTile& t, int j) {
-  constexpr int kW = Cfg::kDqWriters;
   const detail::BwdKernelParams& P = hp.p;
-  const detail::FwdKernelParams& p = P.fwd;
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   constexpr uint32_t kBytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
-  for (int it = j, k = 0; it < t.steps(); it += kW, ++k) {
+  for (int it = j, k = 0; it < t.steps(); it += Cfg::kDqWriters, ++k) {
     const QStep step = t.step_at(it);
-    int* sem = P.deterministic ? P.dq_semaphore + ((int64_t{t.b} * p.heads + t.h) * P.num_m_blocks + step.m) * 2 : nullptr;
+    int* sem = portable::dq_turn_semaphore(P, t.b, t.h, step.m, 2);  // half h's chain: sem + h
     const int turn = sem != nullptr ? sched::dq_turn_at(turns, hp.plan, dq_seq, step.m) : 0;
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, step.m) : nullptr;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
-      cutlass::arch::ClusterBarrier::wait(&sm.dq_full[half * kW + j], k & 1);
-      if (sem != nullptr) {
-        device_sync::wait_for_turn(sem + half, turn);
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
-      }
+      cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, it), k & 1);
+      if (sem != nullptr) wait_for_dq_turn(sem + half, turn);
       const float* src = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
       if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), src, kBytes);
       sm90::bulk_commit_group();
@@ -123,12 +122,7 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
       sm90::bulk_wait_read<0>();
       cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
     }
-    if (sem != nullptr) {
-      sm90::bulk_wait_all();  // the adds are performed before the turns pass on
-      __threadfence();
-      device_sync::pass_turn(sem);
-      device_sync::pass_turn(sem + 1);
-    }
+    if (sem != nullptr) pass_dq_turns(sem, 2);
   }
 }
 
@@ -250,7 +244,7 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
                           [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
         __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w * Cfg::kDqWriters + it % Cfg::kDqWriters]);
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
       } else {
         // dQ half w (scaled) into the shared buffer once the other half's writer has read it. The
         // named barrier orders the two warpgroups' stores to the buffer directly as well (the
@@ -265,7 +259,7 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         bwd_store_dq_tile(sm.dq.data(), dq_acc, p.scale,
                           [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
         __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w * Cfg::kDqWriters + it % Cfg::kDqWriters]);
+        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
         named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
       }
     }
@@ -302,7 +296,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int half = warp - 1;
       DqWriterPart part;
       part.smem = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
-      part.full = &sm.dq_full[half];
+      part.full = sm.dq_full_of(half, 0);
       part.empty = &sm.dq_empty[Cfg::kDqBufs == 2 ? half : 1 - half];
       part.tile_offset = half * Cfg::kBlockM * (Cfg::kHeadDim / 2);
       part.bytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
