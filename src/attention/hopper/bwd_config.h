@@ -54,34 +54,35 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_> {
   }
 };
 
-#ifndef FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS
-#define FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS 2
-#endif
-// Writer threads of the split tiling's deterministic mode, taking the steps in turn.
+// Writer threads of the split tiling, taking the query steps in turn (A/B builds: 1-3).
 #ifndef FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS
 #define FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS 2
+#endif
+// Q half-tiles of the split tiling (A/B builds: 2 = one Q tile; 3 is the most that fits).
+#ifndef FLARE_HOPPER_BWD_SPLIT_Q_HALVES
+#define FLARE_HOPPER_BWD_SPLIT_Q_HALVES 3
 #endif
 
 // Head dims above 128 (docs/hopper_bwd_d256.md): a CTA owns 64 keys and its two consumer
 // warpgroups split the head dim: warpgroup 0 forms S^T and P^T, warpgroup 1 dP^T and dS^T, and
-// each keeps its half of dK, dV and dQ. Q rides a ring of kStages stages (with the row
-// statistics), dO a ring of one; the dQ tile goes out in two halves, each with its own turn chain
-// when deterministic: through one shared buffer in turn (kDqBufs = 1), or through a buffer each
-// (kDqBufs = 2: a warpgroup then waits only for the read of its own previous half, not for the
-// other half's; the 32 KB it costs leaves room for one Q stage only).
-// kStepWriters: 0, a writer thread per half (producer warps 1 and 2) taking every step; N > 0, N
-// writer threads (producer warps 1..N) taking the steps in turn, each adding both halves of its
-// steps, so that N turn handoffs per chain are in flight in deterministic mode.
-template <int kHeadDim_, int kStages_ = 2, int kDqBufs_ = 1, int kStepWriters_ = 0>
-struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kStages_> {
-  using Warps = HopperBwdWarps<kHeadDim_, kStages_>;
+// each keeps its half of dK, dV and dQ. Q rides a ring of kQHalves half-tiles (64 rows by half the
+// head dim, the statistics with each block's first half; kStages counts them), so a block's first
+// half loads while the previous block's second is still read; dO a ring of one. Each warpgroup's
+// dQ half goes out through its own 32 KB buffer, and kDqWriters writer threads (producer warps
+// 1..kDqWriters) take the steps in turn, each adding both halves of its steps; in deterministic
+// mode each half has its own turn chain per query block, so kDqWriters handoffs per chain are in
+// flight. Both modes run this one tiling (bench/RESULTS.md, session 25: the ordinary mode on it is
+// 4-7 % faster than on two Q tiles with one shared dQ buffer).
+template <int kHeadDim_, int kQHalves_ = FLARE_HOPPER_BWD_SPLIT_Q_HALVES,
+          int kStepWriters_ = FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS>
+struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kQHalves_> {
+  using Warps = HopperBwdWarps<kHeadDim_, kQHalves_>;
   static constexpr bool kSplitHeadDim = true;
   static constexpr int kBlockN = 64;  // keys per CTA, shared by both consumer warpgroups
-  static constexpr int kDqBufs = kDqBufs_;
-  static_assert(kDqBufs == 1 || kDqBufs == 2, "one dQ buffer for both halves, or one each");
-  static constexpr int kStepWriters = kStepWriters_;
-  static_assert(kStepWriters >= 0 && kStepWriters <= 3, "writers are producer warps 1-3");
-  static constexpr int kDqWriters = kStepWriters > 0 ? kStepWriters : 1;  // writers a half's steps rotate over
+  static constexpr int kQHalves = kQHalves_;
+  static_assert(kQHalves >= 2, "a query block's two halves");
+  static constexpr int kDqWriters = kStepWriters_;
+  static_assert(kDqWriters >= 1 && kDqWriters <= 3, "writers are producer warps 1-3");
   // Half w (warpgroup w's columns) of a 64-row tile, each half in its 128 threads' order.
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
     return (ct / 128) * Warps::kBlockM * (kHeadDim_ / 2) + detail::hopper_dq_tile_offset(128, ct % 128, i);
@@ -109,18 +110,6 @@ using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitCo
 // The block-sparse backward (d <= 128) keeps two stages: more are not measured there.
 template <int kHeadDim>
 using HopperBwdSparseConfigFor = HopperBwdConfig<kHeadDim>;
-
-// The split tiling's deterministic mode: FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS=2 (the default) runs it
-// with a dQ buffer per half and one Q stage, so each half waits only for its own dQ writer; 1 with
-// the ordinary mode's tiling (one shared dQ buffer, two Q stages). Both with
-// FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS writers by step. Measured on the H100 at d256 (bench/RESULTS.md,
-// session 24): 2 is 5-13 % faster than 1 (whose warpgroup 1 waits for half 0's turn); two writers
-// by step are 6-16 % faster than a writer per half, three no faster than two.
-template <int kHeadDim>
-using HopperBwdSplitDeterministicConfig =
-    std::conditional_t<FLARE_HOPPER_BWD_SPLIT_DET_DQ_BUFS == 2,
-                       HopperBwdSplitConfig<kHeadDim, 1, 2, FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS>,
-                       HopperBwdSplitConfig<kHeadDim, 2, 1, FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS>>;
 
 // The block-sparse backward (ordinary mode) has the d <= 128 tiling only: its 128-key CTAs lie in
 // one mask kv block (kv_block_size a multiple of 128) and its 64-row steps divide the q blocks.

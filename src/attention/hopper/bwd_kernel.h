@@ -212,8 +212,10 @@ __device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& 
 }
 
 // Producer warp 0 (one thread) of both backward tilings: K and V once, then per step of the walk
-// `step_loads(m, q_src, q_dst, do_src, do_dst, stats_src, stats_block)`, which issues that query
-// block's Q, dO and row statistics into the tiling's rings. SmemDO: dO's shared-memory layout.
+// `step_loads(m, q_src, q_dst, do_src, do_dst, stats_src)`, which issues that query block's Q, dO
+// and row statistics into the tiling's rings. The sources are (.., query block, piece) in pieces of
+// L::QLoadShape (the whole head dim, or the split tiling's halves); q_dst is (.., L::SmemQ's last
+// mode) and do_dst (.., SmemDO's). SmemDO: dO's shared-memory layout.
 template <typename L, typename SmemDO, typename Params, typename Smem, typename Tile, typename StepLoads>
 __device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, const Tile& t, StepLoads&& step_loads) {
   using namespace cute;
@@ -224,8 +226,8 @@ __device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, co
   Tensor mDO = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_do.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
   Tensor mK = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_k.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
   Tensor mV = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_v.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
-  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));  // (BM, HD, m)
-  Tensor gDO = local_tile(mDO, Shape<typename L::BM, typename L::HD>{}, make_coord(_, _0{}));
+  Tensor gQ = local_tile(mQ, typename L::QLoadShape{}, make_coord(_, _));  // (BM, piece columns, m, piece)
+  Tensor gDO = local_tile(mDO, typename L::QLoadShape{}, make_coord(_, _));
   Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
   Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(t.n, _0{}));
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
@@ -265,25 +267,22 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   bwd_produce_tiles<L, typename L::SmemQ>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src, auto& do_dst,
                                                           auto&& stats_src) {
     uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes + L::kStatsBytes);
-    copy(hp.tma_q.with(bar), q_src(_, _, _, m), q_dst(_, _, _, pos.index));
-    copy(hp.tma_do.with(bar), do_src(_, _, _, m), do_dst(_, _, _, pos.index));
+    copy(hp.tma_q.with(bar), q_src(_, _, _, m, 0), q_dst(_, _, _, pos.index));
+    copy(hp.tma_do.with(bar), do_src(_, _, _, m, 0), do_dst(_, _, _, pos.index));
     copy(hp.tma_stats.with(bar), stats_src,
          stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[pos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
     pos.template advance<Cfg::kStages>();
   });
 }
 
-// One dQ writer's share: the steps it adds (first, first + stride, ...), the shared tile it reads,
-// the barrier the consumers fill it on and the one it frees it on, where in the 64-row dq_accum
-// tile its part goes, and (deterministic) its turn chain among `chains` per query block.
+// One dQ writer's share: the steps it adds (first, first + stride, ...), the shared tile it reads
+// and the barriers the consumers fill it on and it frees it on.
 struct DqWriterPart {
   const float* smem;
   uint64_t* full;
   uint64_t* empty;
   int first_step = 0, step_stride = 1;
-  int tile_offset = 0;
   uint32_t bytes = 0;
-  int chain = 0, chains = 1;
 };
 
 // The block-sparse deterministic mode's semaphore and turn for step `it` of a tile's planned walk:
@@ -331,8 +330,8 @@ __device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
   for (int i = 0; i < count; ++i) device_sync::pass_turn(sem + i);
 }
 
-// A dQ writer (one thread of a producer warp other than 0): adds its part of each of its steps'
-// dQ tiles into dq_accum with one bulk reduction. Several writers keep several adds (and, in
+// A dQ writer (one thread of a producer warp other than 0): adds each of its steps' dQ tiles into
+// dq_accum with one bulk reduction. Several writers keep several adds (and, in
 // deterministic mode, their turn handoffs) in flight. A block mask's step that adds nothing still
 // takes its turn.
 template <typename Cfg, typename Params, typename Tile>
@@ -347,13 +346,13 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
     if constexpr (Tile::kSparse) {
       if (P.deterministic) d = sparse_dq_turn(hp, t, it);
     } else {
-      d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m, part.chains, part.chain);
+      d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m);
     }
     int* sem = d.sem;
     cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
     if (sem != nullptr) wait_for_dq_turn(sem, Tile::kSparse ? d.turn : sched::dq_turn_at(turns, hp.plan, dq_seq, m));
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
-    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + part.tile_offset, part.smem, part.bytes);
+    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, part.smem, part.bytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();

@@ -65,10 +65,10 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     global_view(p.k_str, varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, p.batch, varlen, &hp.shape_k, &k_stride);
     global_view(p.v_str, varlen ? p.total_k : p.seqlen_k, p.head_dim, p.heads_kv, p.batch, varlen, &unused, &v_stride);
     using E = typename L::Elem;
-    hp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.q, hp.shape_q, q_stride), typename L::SmemQStage{},
-                             Shape<typename L::BM, typename L::HD>{}, _1{});
-    hp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(P.dout, hp.shape_q, do_stride), typename L::SmemQStage{},
-                              Shape<typename L::BM, typename L::HD>{}, _1{});
+    hp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.q, hp.shape_q, q_stride), typename L::SmemQLoad{},
+                             typename L::QLoadShape{}, _1{});
+    hp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(P.dout, hp.shape_q, do_stride), typename L::SmemQLoad{},
+                              typename L::QLoadShape{}, _1{});
     hp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.k, hp.shape_k, k_stride), typename L::SmemK{},
                              Shape<typename L::BN, typename L::HD>{}, _1{});
     hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.v, hp.shape_k, v_stride), typename L::SmemK{},
@@ -102,9 +102,6 @@ Status launch_hopper_bwd(const detail::BwdKernelParams& p, Stream stream) {
     return Status::NotSupported("head dim " + std::to_string(kHeadDim) +
                                 ": the Hopper backward serves head dims up to 128 and 256");
   } else {
-    if constexpr (kHeadDim > 128 && !std::is_same_v<HopperBwdSplitDeterministicConfig<kHeadDim>, HopperBwdConfigFor<kHeadDim>>) {
-      if (p.deterministic) return launch_hopper_bwd_cfg<HopperBwdSplitDeterministicConfig<kHeadDim>, T>(p, stream);
-    }
     return launch_hopper_bwd_cfg<HopperBwdConfigFor<kHeadDim>, T>(p, stream);
   }
 }

@@ -54,8 +54,12 @@ struct BwdLayouts {
                                  cute::GMMA::Major::MN>(),
       ColsSplit{}));
 
+  // What one Q or dO copy loads: the whole tile, or (the split tiling) one half of the head dim,
+  // its 64-column swizzle atoms contiguous in shared memory at the half's offset.
+  using QLoadShape = cute::Shape<BM, cute::conditional_t<Cfg::kSplitHeadDim, HalfHD, HD>>;
+  using SmemQLoad = decltype(cute::tile_to_shape(SmemAtom{}, QLoadShape{}));
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
-                                            SmemQStage{}, cute::Shape<BM, HD>{}, cute::_1{}));
+                                            SmemQLoad{}, QLoadShape{}, cute::_1{}));
   using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
                                             SmemK{}, cute::Shape<BN, HD>{}, cute::_1{}));
 

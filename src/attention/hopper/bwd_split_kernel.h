@@ -14,14 +14,16 @@
 //     dK[:, half w] += dS^T Q[:, half w]          (wgmma, dS^T from shared memory, both)
 //     dQ[:, half w]  = dS K[:, half w]            (wgmma, both)
 //
-// Q (with the row statistics) rides a ring of kStages stages, a stage released once its last
-// reader, the dK GEMM, is done (with one stage, the next Q loads under the dQ GEMM), and dO a ring
-// of one, released as soon as both dV GEMMs are done. The dQ halves go out through one 32 KB shared buffer in turn,
-// warpgroup 0's then warpgroup 1's, each added by its own writer thread (producer warps 1 and 2),
-// or (the deterministic mode's configuration) through a buffer each, both halves of a step added
-// by one of kDqWriters writer threads taking the steps in turn. In deterministic mode each half is
-// ordered by its own semaphore per query block. The producer, the tile walk and the dK/dV
-// epilogue are the d <= 128 kernel's (bwd_kernel.h).
+// Q rides a ring of kQHalves half-tiles (64 rows by 128 columns; the row statistics with a
+// block's first half), dO a ring of one. Warpgroup 0 multiplies S^T's first k half while the second
+// Q half may still be landing; a half is released once its last reader is done: the second after
+// S^T (warpgroup 0) and warpgroup 1's dK GEMM, the first after warpgroup 0's dK GEMM. With three
+// halves the next block's first half is in before the step ends and its second loads under the dQ
+// GEMM and the next S^T's first half. dO is released as soon as both dV GEMMs are done. Each
+// warpgroup's dQ half goes out through its own 32 KB buffer; kDqWriters writer threads take the
+// steps in turn, each adding both halves of its steps. In deterministic mode each half is ordered
+// by its own semaphore per query block. The producer, the tile walk and the dK/dV epilogue are the
+// d <= 128 kernel's (bwd_kernel.h).
 #pragma once
 
 #include "src/attention/hopper/bwd_kernel.h"
@@ -38,15 +40,14 @@ struct BwdSplitSmem {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> p;   // P^T, as dS^T
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemDS>, 1024> ds;
   static constexpr int kDqHalf = Cfg::kBlockM * Cfg::kHeadDim / 2;  // floats of one half of a step's dQ tile
-  cute::array_aligned<float, Cfg::kDqBufs * kDqHalf, 128> dq;      // one half (kDqBufs = 1) or both
-  cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
+  cute::array_aligned<float, 2 * kDqHalf, 128> dq;                 // warpgroup w's half at w kDqHalf
+  cute::array_aligned<float, Cfg::kQHalves * 2 * Cfg::kBlockM, 16> stats;  // [slot][LSE log2, dpsum][row]
   uint64_t kv_full;
-  StageBarriers<Cfg::kStages> q_ring;  // Q and the row statistics of one query block
+  StageBarriers<Cfg::kQHalves> q_ring;  // a Q half-tile (a first half: with its block's statistics)
   StageBarriers<1> do_ring;            // dO of one query block
   uint64_t dq_full[2 * Cfg::kDqWriters];  // [half w][writer j]: half w of a step of writer j written
                                           // (warpgroup w's 4 warps)
-  uint64_t dq_empty[2];                // the buffer free for warpgroup w (one buffer: the other half
-                                       // read; two: its own previous half read)
+  uint64_t dq_empty[2];                // warpgroup w's buffer read (its previous half added)
   // Half `half` of step `it` written: the barrier of the writer that takes the step.
   __device__ __forceinline__ uint64_t* dq_full_of(int half, int it) {
     return &dq_full[half * Cfg::kDqWriters + it % Cfg::kDqWriters];
@@ -59,13 +60,15 @@ constexpr int hopper_bwd_split_smem_bytes() {
 }
 
 // Named barriers between the two consumer warpgroups (1 is consumers_sync): P^T and dS^T in shared
-// memory; warpgroup w's dQ half stored (the buffer's next user is the other warpgroup).
-inline constexpr int kBarPReady = 2, kBarDsReady = 3, kBarDqStored0 = 4, kBarDqStored1 = 5;
+// memory.
+inline constexpr int kBarPReady = 2, kBarDsReady = 3;
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
-// Producer warp 0 (one thread): K and V once, then per query block Q with its statistics (ring of
-// kStages) and dO (ring of one).
+// Producer warp 0 (one thread): K and V once, then per query block Q's first half with the
+// statistics, dO (ring of one) and Q's second half, into the ring of kQHalves half-tiles. A block's
+// first half only waits for a slot two halves back, its second for the previous block's first
+// half (released after warpgroup 0's dK GEMM), so dO, freed earlier, goes between them.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
                                                   const BwdTile& t) {
@@ -73,25 +76,28 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
   using L = BwdSplitLayouts<Cfg, T>;
   RingPos qpos, dpos;
   auto stats_part = hp.tma_stats.get_slice(_0{});
-  bwd_produce_tiles<L, typename L::SmemDO>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src, auto& do_dst,
-                                                          auto&& stats_src) {
-    uint64_t& qbar = sm.q_ring.acquire(qpos, L::kQBytes + L::kStatsBytes);
-    copy(hp.tma_q.with(qbar), q_src(_, _, _, m), q_dst(_, _, _, qpos.index));
-    copy(hp.tma_stats.with(qbar), stats_src,
+  bwd_produce_tiles<L, typename L::SmemDOHalves>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src,
+                                                                auto& do_dst, auto&& stats_src) {
+    uint64_t& q0bar = sm.q_ring.acquire(qpos, L::kQHalfBytes + L::kStatsBytes);
+    copy(hp.tma_q.with(q0bar), q_src(_, _, _, m, 0), q_dst(_, _, _, qpos.index));
+    copy(hp.tma_stats.with(q0bar), stats_src,
          stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[qpos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
-    qpos.template advance<Cfg::kStages>();
+    qpos.template advance<Cfg::kQHalves>();
     uint64_t& dbar = sm.do_ring.acquire(dpos, L::kQBytes);
-    copy(hp.tma_do.with(dbar), do_src(_, _, _, m), do_dst);
+    copy(hp.tma_do.with(dbar), do_src(_, _, _, m, 0), do_dst(_, _, _, 0));
+    copy(hp.tma_do.with(dbar), do_src(_, _, _, m, 1), do_dst(_, _, _, 1));
     dpos.template advance<1>();
+    uint64_t& q1bar = sm.q_ring.acquire(qpos, L::kQHalfBytes);
+    copy(hp.tma_q.with(q1bar), q_src(_, _, _, m, 1), q_dst(_, _, _, qpos.index));
+    qpos.template advance<Cfg::kQHalves>();
   });
 }
 
-// Writers by step (Cfg::kStepWriters = W > 0): writer j (one thread of producer warp 1 + j) adds
-// both halves of steps j, j + W, j + 2 W, ... In deterministic mode each add waits for its half's
-// turn and the turns pass once the adds are performed; a writer's next step starts only after
-// that, so W writers keep W handoffs per chain in flight, while the buffers, released as soon as
-// the adds have read them, serve the next step's writer. With one shared buffer, half 0 is read
-// before warpgroup 1 may store half 1, and half 1 before warpgroup 0 stores the next step's half 0.
+// Writer j of W = Cfg::kDqWriters (one thread of producer warp 1 + j) adds both halves of steps
+// j, j + W, j + 2 W, ... In deterministic mode each add waits for its half's turn and the turns
+// pass once the adds are performed; a writer's next step starts only after that, so W writers keep
+// W handoffs per chain in flight, while the buffers, released as soon as the adds have read them,
+// serve the next step's writer.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
                                                          const BwdTile& t, int j) {
@@ -108,20 +114,14 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
     for (int half = 0; half < 2; ++half) {
       cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, it), k & 1);
       if (sem != nullptr) wait_for_dq_turn(sem + half, turn);
-      const float* src = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
-      if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), src, kBytes);
+      if (tile != nullptr)
+        sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), sm.dq.data() + half * sm.kDqHalf, kBytes);
       sm90::bulk_commit_group();
-      if constexpr (Cfg::kDqBufs == 1) {  // the shared buffer, to the other warpgroup
-        sm90::bulk_wait_read<0>();
-        cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1 - half]);
-      }
     }
-    if constexpr (Cfg::kDqBufs == 2) {
-      sm90::bulk_wait_read<1>();
-      cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
-      sm90::bulk_wait_read<0>();
-      cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
-    }
+    sm90::bulk_wait_read<1>();
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
+    sm90::bulk_wait_read<0>();
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
     if (sem != nullptr) pass_dq_turns(sem, 2);
   }
 }
@@ -138,38 +138,46 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
   const int lane = ct % 32, w = ct / 128, wct = ct % 128;
 
   typename L::MmaSdP mma_sdp;
+  typename L::MmaSHalf mma_s;
   typename L::MmaDV mma_dv;
   typename L::MmaDK mma_dk;
   typename L::MmaDQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(wct);
+  auto thr_s = mma_s.get_thread_slice(wct);
   auto thr_dv = mma_dv.get_thread_slice(ct);
-  auto thr_dk = mma_dk.get_thread_slice(ct);
+  auto thr_dk = mma_dk.get_thread_slice(wct);
   auto thr_dq = mma_dq.get_thread_slice(ct);
-  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});
-  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDO{});
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQ{});  // (q, half head dim, slot)
   Tensor sQt = make_tensor(make_smem_ptr(sm.q.data()), typename L::SmemQt{});
+  Tensor sDO = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDO{});
   Tensor sDOt = make_tensor(make_smem_ptr(sm.dout.data()), typename L::SmemDOt{});
-  Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemK{});
+  Tensor sKh = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKHalves{});  // (keys, half head dim, half)
   Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemK{});
   Tensor sKt = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKt{});
   Tensor sPt = make_tensor(make_smem_ptr(sm.p.data()), typename L::SmemDSt{});
   Tensor sDSt = make_tensor(make_smem_ptr(sm.ds.data()), typename L::SmemDSt{});
   Tensor sDS = make_tensor(make_smem_ptr(sm.ds.data()), typename L::SmemDS{});
 
-  // Warpgroup 0: S^T from K and Q; warpgroup 1: dP^T from V and dO. Same tiling, other operands.
-  Tensor kv_frag = thr_sdp.partition_fragment_A(w == 0 ? sK : sV);
-  Tensor q_frag = thr_sdp.partition_fragment_B(sQ);  // (.., stage)
+  // Warpgroup 0: S^T from K and Q, a head-dim half at a time; warpgroup 1: dP^T from V and dO.
+  Tensor kh_frag = thr_s.partition_fragment_A(sKh);  // (.., half)
+  Tensor k0_frag = kh_frag(_, _, _, 0);
+  Tensor k1_frag = kh_frag(_, _, _, 1);
+  Tensor q_frag = thr_s.partition_fragment_B(sQ);    // (.., slot)
+  Tensor v_frag = thr_sdp.partition_fragment_A(sV);
   Tensor do_frag = thr_sdp.partition_fragment_B(sDO);
   Tensor dot_frag = thr_dv.partition_fragment_B(sDOt);
-  Tensor qt_frag = thr_dk.partition_fragment_B(sQt);
+  Tensor qt_frag = thr_dk.partition_fragment_B(sQt);  // (.., slot)
   Tensor kt_frag = thr_dq.partition_fragment_B(sKt);
   Tensor dst_desc = thr_dk.partition_fragment_A(sDSt);
   Tensor ds_desc = thr_dq.partition_fragment_A(sDS);
 
   Tensor sdp_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
   Tensor dv_acc = partition_fragment_C(mma_dv, Shape<typename L::BN, typename L::HD>{});
-  Tensor dk_acc = partition_fragment_C(mma_dk, Shape<typename L::BN, typename L::HD>{});
+  Tensor dk_acc = partition_fragment_C(mma_dv, Shape<typename L::BN, typename L::HD>{});
   Tensor dq_acc = partition_fragment_C(mma_dq, Shape<typename L::BM, typename L::HD>{});
+  static_assert(decltype(size(dk_acc))::value ==
+                    decltype(size(partition_fragment_C(mma_dk, Shape<typename L::BN, typename L::HalfHD>{})))::value,
+                "dK's product fills the ColsSplit accumulator");
   Tensor p_frag = make_tensor<Elem>(partition_shape_A(mma_dv, Shape<typename L::BN, typename L::BM>{}));
   static_assert(decltype(size(sdp_acc))::value == decltype(size(p_frag))::value, "P^T mirrors S^T element for element");
   // P^T and dS^T leave registers through stmatrix (8 keys of 8 consecutive query rows: 16 bytes of
@@ -180,7 +188,6 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
   auto thr_s2r = s2r.get_thread_slice(wct);
   Tensor ew_reg = make_tensor<Elem>(shape(sdp_acc));  // P^T (warpgroup 0) or dS^T (warpgroup 1), rounded
   Tensor s_coord = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
-  Tensor dq_coord = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
   Tensor dkv_coord = thr_dv.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::HD>{}));
   clear(dv_acc);
   clear(dk_acc);
@@ -192,16 +199,26 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
     for (int it = 0; it < t.steps(); ++it) {
       const int m = t.m_at(it);
       const int q0 = m * Cfg::kBlockM;
-      const float* lse_log2 = &sm.stats[qpos.index * 2 * Cfg::kBlockM];
+      const RingPos qa = qpos;  // the block's first Q half, with its statistics
+      qpos.template advance<Cfg::kQHalves>();
+      const RingPos qb = qpos;  // its second half
+      qpos.template advance<Cfg::kQHalves>();
+      const float* lse_log2 = &sm.stats[qa.index * 2 * Cfg::kBlockM];
       const float* dpsum = lse_log2 + Cfg::kBlockM;
-      sm.q_ring.wait_full(qpos);
-      sm.do_ring.wait_full(dpos);
+      sm.q_ring.wait_full(qa);
       if (w == 0) {
-        wg_gemm<true>(mma_sdp, kv_frag, q_frag(_, _, _, qpos.index), sdp_acc);
+        wg_gemm<true>(mma_s, k0_frag, q_frag(_, _, _, qa.index), sdp_acc);
+        sm.q_ring.wait_full(qb);
+        wg_gemm<false>(mma_s, k1_frag, q_frag(_, _, _, qb.index), sdp_acc);
+        wg_wait<0>(sdp_acc);
+        __syncwarp();
+        if (lane == 0) sm.q_ring.release(qb);  // warpgroup 0 is done with the second half
+        sm.do_ring.wait_full(dpos);
       } else {
-        wg_gemm<true>(mma_sdp, kv_frag, do_frag, sdp_acc);
+        sm.do_ring.wait_full(dpos);
+        wg_gemm<true>(mma_sdp, v_frag, do_frag, sdp_acc);
+        wg_wait<0>(sdp_acc);
       }
-      wg_wait<0>(sdp_acc);
 
       if (w == 0) {
         // P^T, rounded once: dV's operand here and dS^T's factor in warpgroup 1.
@@ -221,49 +238,33 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sDSt));
         cutlass::arch::fence_view_async_shared();
         named_arrive(kBarDsReady);
+        sm.q_ring.wait_full(qb);  // dK's half of Q
       }
       wg_gemm<false>(mma_dv, p_frag, dot_frag, dv_acc);
       if (w == 0) named_sync(kBarDsReady);  // dS^T is in shared memory
-      wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, qpos.index), dk_acc);
+      wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, w == 0 ? qa.index : qb.index), dk_acc);
       wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
       wg_wait<2>(dv_acc);  // dV done: dO is free
       __syncwarp();
       if (lane == 0) sm.do_ring.release(dpos);
       dpos.template advance<1>();
-      wg_wait<1>(dk_acc);  // dK done: Q is free while the dQ GEMM runs
+      wg_wait<1>(dk_acc);  // dK done: its Q half is free while the dQ GEMM runs
       __syncwarp();
-      if (lane == 0) sm.q_ring.release(qpos);
-      qpos.template advance<Cfg::kStages>();
+      if (lane == 0) {
+        sm.q_ring.release(qa);  // warpgroup 1 read the statistics only
+        if (w == 1) sm.q_ring.release(qb);
+      }
       wg_wait<0>(dq_acc);
       cute::warpgroup_fence_operand(dv_acc);
       cute::warpgroup_fence_operand(dk_acc);
 
-      if constexpr (Cfg::kDqBufs == 2) {
-        // dQ half w (scaled) into its own buffer once its writer has read the previous step's.
-        if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w], (it - 1) & 1);
-        bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
-                          [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
-        __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
-      } else {
-        // dQ half w (scaled) into the shared buffer once the other half's writer has read it. The
-        // named barrier orders the two warpgroups' stores to the buffer directly as well (the
-        // mbarrier chain through the writer already does; racecheck does not follow it).
-        if (w == 1) {
-          cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[1], it & 1);
-          named_sync(kBarDqStored0);
-        } else if (it > 0) {
-          cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[0], (it - 1) & 1);
-          named_sync(kBarDqStored1);
-        }
-        bwd_store_dq_tile(sm.dq.data(), dq_acc, p.scale,
-                          [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
-        __syncwarp();
-        if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
-        named_arrive(w == 0 ? kBarDqStored0 : kBarDqStored1);
-      }
+      // dQ half w (scaled) into its own buffer once its writer has read the previous step's.
+      if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w], (it - 1) & 1);
+      bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
+                        [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
+      __syncwarp();
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
     }
-    if (Cfg::kDqBufs == 1 && w == 0) named_sync(kBarDqStored1);  // the last step's arrival
   }
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
@@ -288,22 +289,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_split_produce<Cfg, T>(hp, sm, tile);
-    if constexpr (Cfg::kStepWriters > 0) {
-      if (warp >= 1 && warp <= Cfg::kStepWriters && cute::elect_one_sync())
-        bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1);
-    } else if ((warp == 1 || warp == 2) && cute::elect_one_sync()) {
-      // One buffer: half 0 read, warpgroup 1 may write; half 1 read, warpgroup 0. Two: its own.
-      const int half = warp - 1;
-      DqWriterPart part;
-      part.smem = sm.dq.data() + (Cfg::kDqBufs == 2 ? half * sm.kDqHalf : 0);
-      part.full = sm.dq_full_of(half, 0);
-      part.empty = &sm.dq_empty[Cfg::kDqBufs == 2 ? half : 1 - half];
-      part.tile_offset = half * Cfg::kBlockM * (Cfg::kHeadDim / 2);
-      part.bytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
-      part.chain = half;
-      part.chains = 2;
-      bwd_write_dq<Cfg>(hp, tile, part);
-    }
+    if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync())
+      bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1);
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     bwd_split_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);

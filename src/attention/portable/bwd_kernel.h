@@ -76,12 +76,11 @@ __device__ __forceinline__ int dq_turn_of(const BwdKernelParams& P, const sched:
 }
 
 // The dense deterministic backward's turn semaphores, null in the ordinary mode: dQ's of query
-// block m of (sequence b, head h), chain `chain` of its `chains` (the Hopper kernels' independent
-// parts of a dQ tile; adjacent); dK/dV's of key block n of (b, kv head hk), under GQA only.
-__device__ __forceinline__ int* dq_turn_semaphore(const BwdKernelParams& P, int b, int h, int m, int chains = 1,
-                                                  int chain = 0) {
-  return P.deterministic ? P.dq_semaphore + ((int64_t{b} * P.fwd.heads + h) * P.num_m_blocks + m) * chains + chain
-                         : nullptr;
+// block m of (sequence b, head h), the first of its `chains` adjacent ones (the split Hopper
+// kernel's dQ halves, each ordered on its own); dK/dV's of key block n of (b, kv head hk), under GQA
+// only.
+__device__ __forceinline__ int* dq_turn_semaphore(const BwdKernelParams& P, int b, int h, int m, int chains = 1) {
+  return P.deterministic ? P.dq_semaphore + ((int64_t{b} * P.fwd.heads + h) * P.num_m_blocks + m) * chains : nullptr;
 }
 __device__ __forceinline__ int* dkv_turn_semaphore(const BwdKernelParams& P, int b, int hk, int n) {
   return P.deterministic && P.fwd.group > 1 ? P.dkv_semaphore + (int64_t{b} * P.fwd.heads_kv + hk) * P.num_n_blocks + n
