@@ -153,7 +153,11 @@ class AttnProblem {
   void check_forward() {
     dout_->download(out_host);
     dlse_->download(lse_host);
-    ErrorReport ro = compare(out_host, out_ref, &out_lowp);
+    // One ulp of the output dtype allowed per element, as for the gradients (compare's allow_ulp):
+    // test_block_sparse's random forward cases met out 0.0205 against 2 x 0.00945 once (session 25,
+    // at a reference of 3.661, where a bf16 ulp is 0.0156), the kernel's rounding and the
+    // low-precision run's falling on opposite sides of a boundary.
+    ErrorReport ro = compare(out_host, out_ref, &out_lowp, true);
     EXPECT_TRUE(within_tolerance(ro, "out")) << c_.name();
     ErrorReport rl = compare(lse_host, lse_ref, &lse_lowp);
     // The LSE is fp32 in every implementation: judge it by a relative fp32-level tolerance.
