@@ -72,7 +72,7 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_> {
 // 1..kDqWriters) take the steps in turn, each adding both halves of its steps; in deterministic
 // mode each half has its own turn chain per query block, so kDqWriters handoffs per chain are in
 // flight. Both modes run this one tiling (bench/RESULTS.md, session 25: the ordinary mode on it is
-// 4-7 % faster than on two Q tiles with one shared dQ buffer).
+// 1-6 % faster than on two Q tiles with one shared dQ buffer and a writer per half).
 template <int kHeadDim_, int kQHalves_ = FLARE_HOPPER_BWD_SPLIT_Q_HALVES,
           int kStepWriters_ = FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS>
 struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kQHalves_> {

@@ -66,9 +66,10 @@ __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive 
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
 // Producer warp 0 (one thread): K and V once, then per query block Q's first half with the
-// statistics, dO (ring of one) and Q's second half, into the ring of kQHalves half-tiles. A block's
-// first half only waits for a slot two halves back, its second for the previous block's first
-// half (released after warpgroup 0's dK GEMM), so dO, freed earlier, goes between them.
+// statistics, dO (ring of one) and Q's second half, into the ring of kQHalves half-tiles. With three
+// halves a block's first half takes the slot of the second half two blocks back (free early), its
+// second half that of the previous block's first half (free after both dK GEMMs), so dO, freed
+// after the dV GEMMs, goes between them.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
                                                   const BwdTile& t) {
