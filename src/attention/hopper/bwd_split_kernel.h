@@ -106,9 +106,11 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   constexpr uint32_t kBytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
+  constexpr int kChains = hopper_bwd_dq_chains(Cfg::kHeadDim);  // the workspace's semaphores per query block
+  static_assert(kChains == 2, "a turn chain per dQ half");
   for (int it = j, k = 0; it < t.steps(); it += Cfg::kDqWriters, ++k) {
     const QStep step = t.step_at(it);
-    int* sem = portable::dq_turn_semaphore(P, t.b, t.h, step.m, 2);  // half h's chain: sem + h
+    int* sem = portable::dq_turn_semaphore(P, t.b, t.h, step.m, kChains);  // half h's chain: sem + h
     const int turn = sem != nullptr ? sched::dq_turn_at(turns, hp.plan, dq_seq, step.m) : 0;
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, step.m) : nullptr;
     CUTE_UNROLL
@@ -123,7 +125,7 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
     cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
     sm90::bulk_wait_read<0>();
     cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
-    if (sem != nullptr) pass_dq_turns(sem, 2);
+    if (sem != nullptr) pass_dq_turns(sem, kChains);
   }
 }
 

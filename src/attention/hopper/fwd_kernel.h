@@ -18,6 +18,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <type_traits>
 
@@ -267,17 +268,17 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
   }
 }
 
-// Steps through the walk's next `count` (>= 1) key tiles without computing, keeping the pipelines'
-// protocol: each K stage waited for and released with the step's GEMM turn taken and passed, and
-// the V stages of all but the last tile (a step reads the V of the tile before it). The caller
-// still owes the last tile's V stage.
+// Steps through the walk's next `count` key tiles (or to its end, if sooner) without computing,
+// keeping the pipelines' protocol: each K stage waited for and released with the step's GEMM turn
+// taken and passed, and the V stages of all but the last tile (a step reads the V of the tile
+// before it). The caller still owes the last tile's V stage.
 template <typename Cfg, typename T, typename Walk, int kQStages>
 __device__ __forceinline__ void pass_tiles(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
                                            typename Walk::Cursor& c, PipePos& pos, int wg, int lane, int count) {
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   RingPos& kpos = pos.k;
   RingPos& vpos = pos.v;
-  for (int i = 0; i < count; ++i) {
+  for (int i = 0; i < count && t.kv.more(c); ++i) {
     t.kv.advance(c);
     sm.k_ring.wait_full(kpos);
     Turns::wait(wg);
@@ -300,10 +301,8 @@ template <typename Cfg, typename T, typename Walk, int kQStages>
 __device__ __forceinline__ void pass_tile_without_rows(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
                                                        PipePos& pos, int wg, int lane) {
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
-  int tiles = 0;
-  for (typename Walk::Cursor c = t.kv.begin(); t.kv.more(c); t.kv.advance(c)) ++tiles;
   typename Walk::Cursor c = t.kv.begin();
-  pass_tiles(sm, t, c, pos, wg, lane, tiles);
+  pass_tiles(sm, t, c, pos, wg, lane, INT_MAX);  // every tile
   if (lane == 0) sm.q_ring.release(pos.q);
   pos.q.template advance<kQStages>();
   RingPos& vpos = pos.v;
