@@ -97,12 +97,16 @@ template <> struct HopperFwdPersistentConfigFor<128> {
 // The block-sparse forward (a block mask's lists, fwd_kv_walk.h): a CTA's 128 rows lie in one mask
 // q block and its key tiles divide the mask's kv blocks, so masks of 128 x 128 blocks (Flex's
 // default) and their multiples run here; two consumer warpgroups at every head dim, key tiles of
-// 128 up to d128 and 64 above (d192's 96 divides no power of two).
+// 128 up to d128 and 64 above (d192's 96 divides no power of two). d128 takes two P sets, as the
+// dense persistent grid does: on issue 6's masks (H100, 20 back-to-back calls, two alternating
+// rounds, session 26) causal 1.03 -> 0.97 ms, random 0.54 -> 0.51, documents and window 1-3 %
+// faster; the persistent sparse grid with them was within 1-2 % either way (per mask).
 inline constexpr int kHopperSparseBlockM = 128;
 constexpr int hopper_sparse_kv_tile(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 template <int kHeadDim>
 struct HopperFwdSparseConfigFor {
-  using type = HopperFwdConfig<kHeadDim, hopper_sparse_kv_tile(kHeadDim), 2>;
+  using type = HopperFwdConfig<kHeadDim, hopper_sparse_kv_tile(kHeadDim), 2, 2, FLARE_HOPPER_PINGPONG != 0, 0,
+                               (kHeadDim > 64), true, /*kTwoP=*/kHeadDim == 128>;
   static_assert(type::kBlockM == kHopperSparseBlockM, "the launcher checks q blocks against kHopperSparseBlockM");
 };
 
