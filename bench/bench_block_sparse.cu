@@ -296,7 +296,12 @@ int run(int argc, char** argv) {
       variants.push_back({"dense portable", nullptr, band, Backend::kPortable});
       variants.push_back({"dense hopper", nullptr, band, Backend::kHopper});
     }
-    bool have_portable_fwd = false;
+    // FLARE_BENCH_SKIP_PORTABLE=1: the Hopper kernels alone (A/B rounds); the first one left is the
+    // others' reference.
+    static const bool skip_portable = std::getenv("FLARE_BENCH_SKIP_PORTABLE") != nullptr;
+    if (skip_portable)
+      std::erase_if(variants, [](const Variant& v) { return v.backend == Backend::kPortable; });
+    bool have_reference_fwd = false;
     for (const Variant& var : variants) {
       const std::string name = mname + " " + var.name;
       AttentionForwardParams f = forward_params(b, seqlen, var.mask, var.dense, var.backend, b.out2, stream);
@@ -307,13 +312,13 @@ int run(int argc, char** argv) {
         if (var.backend == Backend::kPortable) all_ok = false;
         continue;
       }
-      // The first forward (the portable sparse one) is the others' reference; the backward
-      // below starts from it.
+      // The first forward (the portable sparse one, unless skipped) is the others' reference;
+      // the backward below starts from the portable sparse forward's output.
       std::string check = "ref";
       double rel = 0;
-      if (!have_portable_fwd) {
+      if (!have_reference_fwd) {
         FLARE_BENCH_CHECK(cudaMemcpyAsync(b.out, b.out2, b.n * 2, cudaMemcpyDeviceToDevice, stream));
-        have_portable_fwd = true;
+        have_reference_fwd = true;
       } else {
         const ErrorStats err = compare_bf16(b.out2, b.out, b.n, stream);
         rel = err.rel_l2;
@@ -341,7 +346,7 @@ int run(int argc, char** argv) {
     }
     // FLARE_BENCH_FWD_ONLY=1: the forwards alone (tools/block-sparse-check's A/B rounds).
     static const bool forward_only = std::getenv("FLARE_BENCH_FWD_ONLY") != nullptr;
-    if (!have_portable_fwd || forward_only) continue;
+    if (!have_reference_fwd || forward_only) continue;
     // The backward from the portable sparse forward's out and LSE (run it again: the LSE).
     AttentionForwardParams f = forward_params(b, seqlen, &mask.device, none, Backend::kPortable, b.out, stream);
     check_ok(attention_forward(f), "portable sparse forward");
@@ -359,6 +364,7 @@ int run(int argc, char** argv) {
       bwd.push_back({"dense hopper", false, Backend::kHopper, false});
       bwd.push_back({"dense hopper det", false, Backend::kHopper, true});
     }
+    if (skip_portable) std::erase_if(bwd, [](const BwdVariant& v) { return v.backend == Backend::kPortable; });
     bool have_reference = false;
     double ordinary_ms[2] = {0, 0};  // portable, hopper: the det/ord ratios
     for (const BwdVariant& var : bwd) {
