@@ -24,6 +24,7 @@
 
 #include "flare/block_mask.h"
 #include "flare_instantiated.h"
+#include "src/attention/hopper/fwd_launch.h"
 #include "src/block_sparse/block_mask_build.h"
 #include "tests/gpu/block_sparse_case.h"
 #include "tests/gpu/unbuilt.h"
@@ -210,6 +211,42 @@ TEST(BlockSparseForward, RejectsWhatItDoesNotRun) {
   if (hopper_device()) EXPECT_NE(s.message().find("q block size 64"), std::string::npos) << s.message();
 #endif
 }
+
+#ifdef FLARE_HAS_HOPPER
+// A CTA of the Hopper forward expands its list row into at most 8192 key tiles in shared memory
+// (sparse_tile_list.h): longer key sequences are refused by name, so kAuto takes the portable
+// kernel. Checked on the parameters alone (nothing launches: no operands of millions of keys).
+TEST(BlockSparseForward, HopperRefusesMoreKeyTilesThanItsListHolds) {
+  FLARE_REQUIRE_GPU();
+  if (!hopper_device()) GTEST_SKIP() << "not an sm_90 device";
+#ifndef FLARE_HAS_DTYPE_bf16
+  GTEST_SKIP() << "bf16: not in this build";
+#endif
+  const int served = portable::instantiated_head_dim(128);
+  if (served == 0) GTEST_SKIP() << "head dim 128: not in this build";
+  const int limit = 8192 * (served <= 128 ? 128 : 64);  // key tiles of 128 keys up to head dim 128, else 64
+  detail::FwdKernelParams p;
+  p.batch = 1, p.heads = p.heads_kv = p.group = 1, p.head_dim = 128;
+  p.seqlen_q = 128;
+  void* const fake = reinterpret_cast<void*>(uintptr_t{1} << 20);  // aligned; never dereferenced
+  p.q = p.k = p.v = fake;
+  p.out = fake;
+  for (detail::RowStrides* st : {&p.q_str, &p.k_str, &p.v_str, &p.out_str}) st->row = 128, st->head = 128;
+  block_sparse::BlockSparseParams bs;  // 128 x 128 blocks
+  for (const int seqlen_k : {limit, limit + 1}) {
+    p.seqlen_k = seqlen_k;
+    p.k_str.batch = p.v_str.batch = int64_t{seqlen_k} * 128;
+    p.q_str.batch = p.out_str.batch = int64_t{p.seqlen_q} * 128;
+    const Status s = hopper::hopper_forward_sparse_check(p, bs, DType::kBFloat16);
+    if (seqlen_k == limit) {
+      EXPECT_TRUE(s.ok()) << s.message();
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kNotSupported);
+      EXPECT_NE(s.message().find("seqlen_k " + std::to_string(limit + 1)), std::string::npos) << s.message();
+    }
+  }
+}
+#endif
 
 // ---- the backward against the oracle -------------------------------------------------------------
 

@@ -7,6 +7,7 @@
 #include "src/attention/hopper/fwd_config.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/attention/hopper/operand_checks.h"
+#include "src/attention/hopper/sparse_tile_list.h"
 #include "src/attention/portable/head_dims.h"
 
 namespace flare::hopper {
@@ -47,6 +48,12 @@ Status hopper_forward_sparse_check(const detail::FwdKernelParams& p, const block
     return Status::NotSupported("block_mask: kv block size " + std::to_string(bs.kv_block_size) +
                                 ": the Hopper block-sparse forward at head dim " + std::to_string(p.head_dim) +
                                 " needs a multiple of " + std::to_string(kv_tile));
+  // A CTA's list row, expanded into key tiles in shared memory (sparse_tile_list.h), holds at most
+  // kMaxSparseTiles of them.
+  if (int64_t{p.seqlen_k} > int64_t{kMaxSparseTiles} * kv_tile)
+    return Status::NotSupported("seqlen_k " + std::to_string(p.seqlen_k) +
+                                ": the Hopper block-sparse forward at head dim " + std::to_string(p.head_dim) +
+                                " takes at most " + std::to_string(int64_t{kMaxSparseTiles} * kv_tile) + " keys");
   return Status::Ok();
 }
 

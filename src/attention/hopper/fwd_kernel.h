@@ -66,11 +66,21 @@ __device__ __forceinline__ unsigned long long* timeline_of(const HopperFwdParams
 #endif
 }
 
+// The block-sparse kernel's expanded list row (sparse_tile_list.h); nothing in the dense kernel.
+template <bool kSparse>
+struct FwdListSmem {};
+template <>
+struct FwdListSmem<true> {
+  SparseTileList list;
+};
+
 // kQStages: Q's stages. One CTA per tile loads Q once; a persistent CTA takes two where they fit,
 // so that the next tile's Q lands while the current tile still uses its own.
-template <typename Cfg, typename T, int kQStages = 1>
-struct FwdSmem {
+template <typename Cfg, typename T, int kQStages_ = 1, bool kSparse = false>
+struct FwdSmem : FwdListSmem<kSparse> {
   using L = FwdLayouts<Cfg, T>;
+  using Config = Cfg;
+  static constexpr int kQStages = kQStages_;
   static constexpr int kQElems = cute::cosize_v<typename L::SmemQ>;
   cute::array_aligned<typename L::Elem, kQElems * kQStages, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> k;
@@ -80,9 +90,9 @@ struct FwdSmem {
   int tile_of_q[kQStages];  // persistent: the tile whose Q a stage holds (-1: no tiles left)
 };
 
-template <typename Cfg, typename T, int kQStages = 1>
+template <typename Cfg, typename T, int kQStages = 1, bool kSparse = false>
 constexpr int hopper_fwd_smem_bytes() {
-  return static_cast<int>(sizeof(FwdSmem<Cfg, T, kQStages>)) + 1024;  // + the alignment slack of the base
+  return static_cast<int>(sizeof(FwdSmem<Cfg, T, kQStages, kSparse>)) + 1024;  // + the alignment slack of the base
 }
 
 // Q stages of the one-CTA-per-tile (1) and persistent (2 where they fit) grids.
@@ -125,54 +135,64 @@ __device__ __forceinline__ FwdTile<Walk> fwd_tile_of(const HopperFwdParams<Cfg, 
   t.row0 = m_block * Cfg::kBlockM;
   t.rows = t.seq.seqlen_q - t.row0 < Cfg::kBlockM ? t.seq.seqlen_q - t.row0 : Cfg::kBlockM;
   if (t.rows <= 0) return t;
-  if constexpr (Walk::kSparse) {
-    const block_sparse::BlockSparseParams& bs = hp.bs;  // q blocks are whole CTAs (the launcher checks)
-    t.kv.list = portable::SparseBlockWalk::of(bs.partial_kv, bs.full_kv, b, h, t.row0 / bs.q_block_size,
-                                              bs.kv_block_size, bs.num_kv_blocks, t.seq.seqlen_k);
-  } else {
+  if constexpr (!Walk::kSparse)  // a block mask's walk is its expanded list row (the kernel attaches it)
     t.kv.range = sched::kv_block_range(t.band, t.row0, t.row0 + t.rows, t.seq.seqlen_k, Cfg::kBlockN);
-  }
   return t;
 }
 
-// The producer thread: Q once, then K_n and V_{n+1} in the order the consumers read them. A
-// block mask's Q is issued before its list is read (the list's loads would otherwise delay it).
-// q_stage_free: the caller has already waited for Q's stage to be empty (the persistent grid).
-template <typename Cfg, typename T, typename Walk, int kQStages>
-__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T, kQStages>& sm,
-                                        const FwdTile<Walk>& t, PipePos& pos, bool q_stage_free = false) {
+// The CTA's expanded list row, once its writer has arrived (sparse_tile_list.h).
+template <typename Smem>
+__device__ __forceinline__ SparseKvWalk sparse_walk(Smem& sm) {
+  cutlass::arch::ClusterBarrier::wait(&sm.list.full, 0);
+  SparseKvWalk w;
+  w.tiles = sm.list.tiles;
+  w.count = sm.list.count;
+  return w;
+}
+
+// The producer thread's Q load of the tile. q_stage_free: the caller has already waited for Q's
+// stage to be empty (the persistent grid).
+template <typename Cfg, typename T, typename Walk, typename Smem>
+__device__ __forceinline__ void produce_q(const HopperFwdParams<Cfg, T>& hp, Smem& sm, const FwdTile<Walk>& t,
+                                          PipePos& pos, bool q_stage_free) {
+  using namespace cute;
+  using L = FwdLayouts<Cfg, T>;
+  const bool varlen = hp.p.cu_seqlens_q != nullptr;
+  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}),
+                            hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, varlen ? 0 : t.b));
+  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(t.m_block, _0{}));
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
+  auto q_part = hp.tma_q.get_slice(_0{});
+  if (!q_stage_free) cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_ring.full[pos.q.index], L::kQBytes);
+  copy(hp.tma_q.with(sm.q_ring.full[pos.q.index]), q_part.partition_S(gQ), q_part.partition_D(sQ));
+  pos.q.template advance<Smem::kQStages>();
+  timeline_mark(timeline_of(hp), t.id, kMarkQIssued);
+}
+
+// The producer thread's loads of the tile's key tiles: K_n and V_{n+1} in the order the consumers
+// read them.
+template <typename Cfg, typename T, typename Walk, typename Smem>
+__device__ __forceinline__ void produce_kv(const HopperFwdParams<Cfg, T>& hp, Smem& sm, const FwdTile<Walk>& t,
+                                           PipePos& pos) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int hk = t.h / p.group, bt = varlen ? 0 : t.b;
-
-  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}), hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, bt));
   Tensor mK = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_k.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
   Tensor mV = domain_offset(make_coord(int32_t(t.seq.k_start), _0{}), hp.tma_v.get_tma_tensor(hp.shape_k)(_, _, hk, bt));
-  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(t.m_block, _0{}));
   Tensor gK = local_tile(mK, Shape<typename L::BN, typename L::HD>{}, make_coord(_, _0{}));  // (BN, HD, n)
   Tensor gV = local_tile(mV, Shape<typename L::BN, typename L::HD>{}, make_coord(_, _0{}));
-  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
   Tensor sV = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemKV{});
-
-  auto q_part = hp.tma_q.get_slice(_0{});
   auto k_part = hp.tma_k.get_slice(_0{});
   auto v_part = hp.tma_v.get_slice(_0{});
-  Tensor q_src = q_part.partition_S(gQ);
-  Tensor q_dst = q_part.partition_D(sQ);
   Tensor k_src = k_part.partition_S(gK);  // (TMA, .., n)
   Tensor k_dst = k_part.partition_D(sK);  // (TMA, .., stage)
   Tensor v_src = v_part.partition_S(gV);
   Tensor v_dst = v_part.partition_D(sV);
-
   unsigned long long* tl = timeline_of(hp);
-  if (!q_stage_free) cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.q_ring.full[pos.q.index], L::kQBytes);
-  copy(hp.tma_q.with(sm.q_ring.full[pos.q.index]), q_src, q_dst);
-  pos.q.template advance<kQStages>();
-  timeline_mark(tl, t.id, kMarkQIssued);
 
   RingPos& kpos = pos.k;
   RingPos& vpos = pos.v;
@@ -198,6 +218,14 @@ __device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, FwdSm
     prev = n;
   }
   load_v(prev);
+}
+
+// The producer thread: Q once, then the walk's K and V.
+template <typename Cfg, typename T, typename Walk, typename Smem>
+__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, Smem& sm, const FwdTile<Walk>& t,
+                                        PipePos& pos, bool q_stage_free = false) {
+  produce_q<Cfg, T>(hp, sm, t, pos, q_stage_free);
+  produce_kv<Cfg, T>(hp, sm, t, pos);
 }
 
 // Row `row`'s visible columns of the tile from col0, [lo, hi) relative to `base` (col0 + the
@@ -272,9 +300,10 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
 // keeping the pipelines' protocol: each K stage waited for and released with the step's GEMM turn
 // taken and passed, and the V stages of all but the last tile (a step reads the V of the tile
 // before it). The caller still owes the last tile's V stage.
-template <typename Cfg, typename T, typename Walk, int kQStages>
-__device__ __forceinline__ void pass_tiles(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
+template <typename Smem, typename Walk>
+__device__ __forceinline__ void pass_tiles(Smem& sm, const FwdTile<Walk>& t,
                                            typename Walk::Cursor& c, PipePos& pos, int wg, int lane, int count) {
+  using Cfg = typename Smem::Config;
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   RingPos& kpos = pos.k;
   RingPos& vpos = pos.v;
@@ -297,14 +326,15 @@ __device__ __forceinline__ void pass_tiles(FwdSmem<Cfg, T, kQStages>& sm, const 
 // is not a multiple of kBlockM, e.g. 1024 rows in tiles of 192): it computes nothing, but keeps
 // the pipelines' protocol through every tile and the last P V's turn, so the warpgroups that have
 // rows run without it on the tensor cores.
-template <typename Cfg, typename T, typename Walk, int kQStages>
-__device__ __forceinline__ void pass_tile_without_rows(FwdSmem<Cfg, T, kQStages>& sm, const FwdTile<Walk>& t,
+template <typename Smem, typename Walk>
+__device__ __forceinline__ void pass_tile_without_rows(Smem& sm, const FwdTile<Walk>& t,
                                                        PipePos& pos, int wg, int lane) {
+  using Cfg = typename Smem::Config;
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   typename Walk::Cursor c = t.kv.begin();
   pass_tiles(sm, t, c, pos, wg, lane, INT_MAX);  // every tile
   if (lane == 0) sm.q_ring.release(pos.q);
-  pos.q.template advance<kQStages>();
+  pos.q.template advance<Smem::kQStages>();
   RingPos& vpos = pos.v;
   sm.v_ring.wait_full(vpos);  // P_last V_last
   Turns::wait(wg);
@@ -328,8 +358,8 @@ __device__ __forceinline__ int leading_masked_tiles(const FwdTile<Walk>& t, int 
 
 // One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
 // tile's Q stage to fill (the persistent grid, where every tile has one).
-template <typename Cfg, typename T, typename Walk, int kQStages>
-__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSmem<Cfg, T, kQStages>& sm,
+template <typename Cfg, typename T, typename Walk, typename Smem>
+__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem& sm,
                                         const FwdTile<Walk>& t, int consumer_thread, PipePos& pos,
                                         bool q_waited = false) {
   using namespace cute;
@@ -379,7 +409,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
   const bool marks = consumer_thread == 0;  // warpgroup 0's stamps (fwd_timeline.h)
   if (t.kv.empty() && has_q) {  // nothing to compute: hand the stage back at once
     if (lane == 0) sm.q_ring.release(pos.q);
-    pos.q.template advance<kQStages>();
+    pos.q.template advance<Smem::kQStages>();
   }
   // No rows here: nothing to compute or write. (Dense tiles only: in the block-sparse kernel,
   // whose q blocks are whole CTAs, the extra path spilled inside the main loop.)
@@ -471,7 +501,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
     // The last P V, once every S GEMM has completed.
     auto last_pv = [&](auto& p_last) {
       if (lane == 0) sm.q_ring.release(pos.q);
-      pos.q.template advance<kQStages>();
+      pos.q.template advance<Smem::kQStages>();
       if constexpr (Cfg::kTwoP) {  // one P set: the step already waited for its PV GEMM
         wg_wait<0>(o_acc);
         retire_pv();
@@ -553,14 +583,16 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, FwdSm
 // where they fit); the consumers learn the tile from the stage once its Q has landed (the
 // barrier's arrival publishes the producer's write), and stop at the -1 of an empty one.
 // Otherwise one CTA per tile, launched longest first when rows see different numbers of keys.
-// kSparse: the key tiles of hp.bs's lists, the last q blocks first (the longest lists of
-// causal-like masks; the order's unbanded q blocks are descending too).
+// kSparse (one CTA per tile): the key tiles of hp.bs's lists, the last q blocks first (the longest
+// lists of causal-like masks). The first consumer warp expands the CTA's list row into shared
+// memory while the producer issues Q; the producer's K/V loads and the consumers' walks wait for it.
 template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
-  using Walk = std::conditional_t<kSparse, SparseKvWalk<Cfg::kBlockN>, DenseKvWalk>;
+  static_assert(!(kPersistent && kSparse), "the block-sparse forward runs one CTA per tile");
+  using Walk = std::conditional_t<kSparse, SparseKvWalk, DenseKvWalk>;
   constexpr int kQStages = hopper_fwd_q_stages<Cfg, T, kPersistent>();
   extern __shared__ unsigned char smem_raw[];
-  auto& sm = smem_struct<FwdSmem<Cfg, T, kQStages>>(smem_raw);
+  auto& sm = smem_struct<FwdSmem<Cfg, T, kQStages, kSparse>>(smem_raw);
   const detail::FwdKernelParams& p = hp.p;
   const int warp = threadIdx.x / 32, wg = warp / 4;
   unsigned long long* tl = timeline_of(hp);
@@ -578,6 +610,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     sm.q_ring.init(4 * Cfg::kConsumerWGs);
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
+    if constexpr (kSparse) cutlass::arch::ClusterBarrier::init(&sm.list.full, 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -618,9 +651,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         timeline_set(tl, tile.id, kMarkSm, sm_id());
         produce<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);  // Q even where no key is visible
       }
+    } else if constexpr (kSparse) {  // Q first: it needs no list
+      FwdTile<Walk> tile = this_ctas_tile();
+      if (tile.rows <= 0) return;
+      produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/false);
+      tile.kv = sparse_walk(sm);
+      produce_kv<Cfg, T>(hp, sm, tile, pos);
     } else {
       const FwdTile<Walk> tile = this_ctas_tile();
-      if (tile.rows > 0 && (Walk::kSparse || !tile.kv.empty())) produce<Cfg, T>(hp, sm, tile, pos);
+      if (tile.rows > 0 && !tile.kv.empty()) produce<Cfg, T>(hp, sm, tile, pos);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
@@ -633,8 +672,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
       }
     } else {
-      const FwdTile<Walk> tile = this_ctas_tile();
-      if (tile.rows > 0) consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
+      FwdTile<Walk> tile = this_ctas_tile();
+      if (tile.rows <= 0) return;
+      if constexpr (kSparse) {
+        if (warp == 4)  // the first consumer warp writes the list row (its loads overlap Q's)
+          fill_sparse_tile_list<Cfg::kBlockN>(sm.list, hp.bs, tile.b, tile.h, tile.row0 / hp.bs.q_block_size,
+                                              tile.seq.seqlen_k, threadIdx.x % 32);
+        tile.kv = sparse_walk(sm);
+      }
+      consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
     }
   }
 }

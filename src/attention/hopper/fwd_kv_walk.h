@@ -3,15 +3,15 @@
 //
 //   DenseKvWalk        the band's key blocks [first, last), from the last to the first (the
 //                      masked blocks at the diagonal come first)
-//   SparseKvWalk<kN>   a block mask's list row (sparse_block_walk.h): the q block's PARTIAL key
-//                      blocks, then its FULL ones, each cut in kernel tiles of kN keys; the
-//                      partial blocks' tiles carry the element predicate
+//   SparseKvWalk       a block mask's list row, expanded in shared memory (sparse_tile_list.h):
+//                      the kernel tiles of the q block's PARTIAL key blocks, then of its FULL
+//                      ones; the partial blocks' tiles carry the element predicate
 //
 // A walk answers: begin(), more(c), advance(c), tile(c) (the kernel tile: keys [kN tile, kN
 // (tile + 1))), element_masked(c) (the element predicate applies) and empty().
 #pragma once
 
-#include "src/attention/portable/sparse_block_walk.h"
+#include "src/attention/hopper/sparse_tile_list.h"
 #include "src/scheduling/mask_math.h"
 
 namespace flare::hopper {
@@ -31,20 +31,23 @@ struct DenseKvWalk {
   __device__ __forceinline__ bool empty() const { return range.first >= range.last; }
 };
 
-// The mask's kv block size must be a multiple of kBlockN (the launcher checks), so kernel tiles
-// start at multiples of kBlockN and TMA loads them by tile index.
-template <int kBlockN>
+// A block mask's list row expanded into shared memory (sparse_tile_list.h): the cursor is the
+// position in it. The mask's kv block size must be a multiple of kBlockN (the launcher checks), so
+// kernel tiles start at multiples of kBlockN and TMA loads them by tile index.
 struct SparseKvWalk {
   static constexpr bool kSparse = true;
-  portable::SparseBlockWalk list;
+  const uint16_t* tiles = nullptr;  // shared memory
+  int count = 0;
 
-  using Cursor = portable::SparseTileCursor;
-  __device__ __forceinline__ Cursor begin() const { return list.begin(); }
-  __device__ __forceinline__ bool more(const Cursor& c) const { return c.block >= 0; }
-  __device__ __forceinline__ void advance(Cursor& c) const { list.template advance<kBlockN>(c); }
-  __device__ __forceinline__ int tile(const Cursor& c) const { return list.template tile_start<kBlockN>(c) / kBlockN; }
-  __device__ __forceinline__ bool element_masked(const Cursor& c) const { return list.in_partial(c); }
-  __device__ __forceinline__ bool empty() const { return !more(begin()); }
+  struct Cursor {
+    int i = 0;
+  };
+  __device__ __forceinline__ Cursor begin() const { return {0}; }
+  __device__ __forceinline__ bool more(const Cursor& c) const { return c.i < count; }
+  __device__ __forceinline__ void advance(Cursor& c) const { ++c.i; }
+  __device__ __forceinline__ int tile(const Cursor& c) const { return tiles[c.i] & kSparseTileIndex; }
+  __device__ __forceinline__ bool element_masked(const Cursor& c) const { return (tiles[c.i] & kSparseTileMasked) != 0; }
+  __device__ __forceinline__ bool empty() const { return count == 0; }
 };
 
 }  // namespace flare::hopper

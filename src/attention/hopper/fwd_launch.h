@@ -23,7 +23,8 @@ Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, S
 
 // The block-sparse forward (a block mask's lists `bs`): Ok when it can run the problem (as
 // hopper_forward_check, and q blocks of a multiple of 128 rows, kv blocks of a multiple of its key
-// tile: 128 up to head dim 128, 64 above), else why not.
+// tile: 128 up to head dim 128, 64 above, and at most 8192 key tiles of keys: sparse_tile_list.h),
+// else why not.
 Status hopper_forward_sparse_check(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
                                    DType dtype);
 Status hopper_attention_forward_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,

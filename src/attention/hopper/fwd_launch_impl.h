@@ -33,7 +33,7 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
                              const block_sparse::BlockSparseParams* bs = nullptr) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
-  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, hopper_fwd_q_stages<Cfg, T, kPersistent>()>();
+  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, hopper_fwd_q_stages<Cfg, T, kPersistent>(), kSparse>();
   auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent, kSparse>;
   static const cudaError_t attr = [&] {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -119,32 +119,14 @@ Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   return launch_hopper_fwd_cfg<Cfg, T>(p, stream);
 }
 
-// The block-sparse forward's grid (an experiment, compile-time): 0 one CTA per tile (the default),
-// 1 persistent (one CTA per SM over the L2-grouped order, the producer loading the next tile under
-// the current one's GEMMs), 2 both compiled and the environment's FLARE_HOPPER_SPARSE_PERSISTENT=1
-// picking the persistent one (A/B runs of one binary). Measured on the H100 (session 12, issue 6's
-// masks, bench_block_sparse, two A/B rounds), the static round-robin version with one Q stage:
-// persistent causal 1.07 ms against 0.94, documents 0.58 against 0.55, random 0.54 against 0.50,
-// window 0.315 either way; so 0 stays the default. Session 13 made it dynamic (a tile counter) with
-// two Q stages: not measured yet.
-#ifndef FLARE_HOPPER_SPARSE_PERSISTENT
-#define FLARE_HOPPER_SPARSE_PERSISTENT 0
-#endif
-
+// The block-sparse forward: one CTA per tile. A persistent form (the producer loading the next
+// tile under the current one's GEMMs) was measured on the H100 three times and not kept: session
+// 12 (static round-robin, one Q stage) lost 0-14 %, session 13's dynamic version with two Q stages
+// was within 1-3 % (session 25), and with two P sets within 1-2 % either way (session 26).
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
                                 Stream stream) {
-  using Cfg = typename HopperFwdSparseConfigFor<kHeadDim>::type;
-#if FLARE_HOPPER_SPARSE_PERSISTENT == 2
-  static const bool persistent = [] {
-    const char* e = std::getenv("FLARE_HOPPER_SPARSE_PERSISTENT");
-    return e != nullptr && e[0] == '1';
-  }();
-  if (persistent) return launch_hopper_fwd_cfg<Cfg, T, true, true>(p, stream, &bs);
-  return launch_hopper_fwd_cfg<Cfg, T, false, true>(p, stream, &bs);
-#else
-  return launch_hopper_fwd_cfg<Cfg, T, FLARE_HOPPER_SPARSE_PERSISTENT == 1, true>(p, stream, &bs);
-#endif
+  return launch_hopper_fwd_cfg<typename HopperFwdSparseConfigFor<kHeadDim>::type, T, false, true>(p, stream, &bs);
 }
 
 }  // namespace flare::hopper

@@ -1,0 +1,78 @@
+// A block mask's list row as the Hopper forward walks it: the kernel tiles of the q block's
+// PARTIAL kv blocks, then of its FULL ones, expanded once per CTA into shared memory by one warp.
+// The walk's cursor is then an index into that array (fwd_kv_walk.h), as small as the dense
+// walk's, and no list entry is loaded inside the main loop: reading the lists from global memory
+// tile by tile held about 11 more registers in the consumers (the row pointers, counts and sizes)
+// and put spill reloads and 8 % more cycles into each key step (bench/RESULTS.md, session 26).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include <cutlass/arch/barrier.h>
+
+#include "src/block_sparse/block_sparse_params.h"
+#include "src/scheduling/mask_math.h"  // FLARE_HD
+
+namespace flare::hopper {
+
+// Kernel tiles a row may expand into: 16 KB of shared memory. The launcher admits sequences of at
+// most kMaxSparseTiles key tiles, which bounds any list without repeated entries.
+inline constexpr int kMaxSparseTiles = 8192;
+inline constexpr uint16_t kSparseTileMasked = 0x8000;  // the tile's block is PARTIAL (element predicate)
+inline constexpr uint16_t kSparseTileIndex = 0x7fff;
+
+struct SparseTileList {
+  uint16_t tiles[kMaxSparseTiles];  // key tile index (kTile keys), | kSparseTileMasked for a PARTIAL block's
+  int count;
+  uint64_t full;  // mbarrier: the list is written (one arrival)
+};
+
+// The kernel tiles of listed block n (block_size keys) that start inside the sequence.
+FLARE_HD int tiles_of_block(int n, int block_size, int tile, int seqlen) {
+  const int start = n * block_size;
+  const int end = start + block_size < seqlen ? start + block_size : seqlen;
+  return end > start ? (end - start + tile - 1) / tile : 0;
+}
+
+// One warp writes row `row` of the mask's kv lists for (b, h) into `list` and arrives on its
+// barrier. Entries are read 32 at a time; each lane expands its entry into its tiles at the
+// position a warp scan of the tile counts gives it. Entries outside [0, num_kv_blocks) are
+// skipped (device lists are not validated); a list longer than kMaxSparseTiles (repeated entries)
+// is cut there.
+template <int kTile>
+__device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, const block_sparse::BlockSparseParams& bs,
+                                                      int b, int h, int row, int seqlen_k, int lane) {
+  const block_sparse::BlockListParams& partial = bs.partial_kv;
+  const block_sparse::BlockListParams& full = bs.full_kv;
+  const int num_partial = partial.count(b, h, row, bs.num_kv_blocks);
+  const int num_listed = num_partial + full.count(b, h, row, bs.num_kv_blocks);
+  const int32_t* partial_row = partial.counts ? partial.row(b, h, row) : nullptr;
+  const int32_t* full_row = full.counts ? full.row(b, h, row) : nullptr;
+  const int subs = bs.kv_block_size / kTile;
+  int written = 0;
+  for (int e0 = 0; e0 < num_listed; e0 += 32) {
+    const int e = e0 + lane;
+    int n = -1;
+    if (e < num_listed) n = e < num_partial ? partial_row[e] : full_row[e - num_partial];
+    const int count = n >= 0 && n < bs.num_kv_blocks ? tiles_of_block(n, bs.kv_block_size, kTile, seqlen_k) : 0;
+    int end = count;  // inclusive scan: this lane's tiles end at written + end
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, end, d);
+      if (lane >= d) end += v;
+    }
+    const uint16_t flag = e < num_partial ? kSparseTileMasked : 0;
+    for (int s = 0, at = written + end - count; s < count && at < kMaxSparseTiles; ++s, ++at)
+      list.tiles[at] = static_cast<uint16_t>(n * subs + s) | flag;
+    written += __shfl_sync(0xffffffffu, end, 31);
+  }
+  __syncwarp();  // every lane's entries precede the arrival (its release orders them for the readers)
+  if (lane == 0) {
+    list.count = written < kMaxSparseTiles ? written : kMaxSparseTiles;
+    cutlass::arch::ClusterBarrier::arrive(&list.full);
+  }
+}
+
+}  // namespace flare::hopper
