@@ -610,7 +610,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     sm.q_ring.init(4 * Cfg::kConsumerWGs);
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
-    if constexpr (kSparse) cutlass::arch::ClusterBarrier::init(&sm.list.full, 1);
+    if constexpr (kSparse) cutlass::arch::ClusterBarrier::init(&sm.list.full, 32);  // the writing warp's lanes
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

@@ -26,7 +26,7 @@ inline constexpr uint16_t kSparseTileIndex = 0x7fff;
 struct SparseTileList {
   uint16_t tiles[kMaxSparseTiles];  // key tile index (kTile keys), | kSparseTileMasked for a PARTIAL block's
   int count;
-  uint64_t full;  // mbarrier: the list is written (one arrival)
+  uint64_t full;  // mbarrier: the list is written (an arrival from each lane of the writing warp)
 };
 
 // The kernel tiles of listed block n (block_size keys) that start inside the sequence.
@@ -36,8 +36,8 @@ FLARE_HD int tiles_of_block(int n, int block_size, int tile, int seqlen) {
   return end > start ? (end - start + tile - 1) / tile : 0;
 }
 
-// One warp writes row `row` of the mask's kv lists for (b, h) into `list` and arrives on its
-// barrier. Entries are read 32 at a time; each lane expands its entry into its tiles at the
+// One warp writes row `row` of the mask's kv lists for (b, h) into `list`, each lane arriving on
+// its barrier (initialized for 32 arrivals) after its own writes. Entries are read 32 at a time; each lane expands its entry into its tiles at the
 // position a warp scan of the tile counts gives it. Entries outside [0, num_kv_blocks) are
 // skipped (device lists are not validated); a list longer than kMaxSparseTiles (repeated entries)
 // is cut there.
@@ -68,11 +68,8 @@ __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, cons
       list.tiles[at] = static_cast<uint16_t>(n * subs + s) | flag;
     written += __shfl_sync(0xffffffffu, end, 31);
   }
-  __syncwarp();  // every lane's entries precede the arrival (its release orders them for the readers)
-  if (lane == 0) {
-    list.count = written < kMaxSparseTiles ? written : kMaxSparseTiles;
-    cutlass::arch::ClusterBarrier::arrive(&list.full);
-  }
+  if (lane == 0) list.count = written < kMaxSparseTiles ? written : kMaxSparseTiles;
+  cutlass::arch::ClusterBarrier::arrive(&list.full);  // releases this lane's writes to the walks
 }
 
 }  // namespace flare::hopper
