@@ -508,7 +508,9 @@ TEST(BlockSparseBackward, RejectsWhatItDoesNotRun) {
   s = attention_backward(p);
   EXPECT_EQ(s.code(), StatusCode::kNotSupported) << s.message();
 #ifdef FLARE_HAS_HOPPER
-  if (hopper_device()) EXPECT_NE(s.message().find("kv block size 64"), std::string::npos) << s.message();
+  // (A build whose head dim serving 128 is above 128 refuses the head dim first.)
+  if (hopper_device() && portable::instantiated_head_dim(c.attn.head_dim) <= 128)
+    EXPECT_NE(s.message().find("kv block size 64"), std::string::npos) << s.message();
 #endif
 }
 
