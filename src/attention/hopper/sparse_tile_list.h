@@ -13,6 +13,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/list_steps.h"  // list_entry: the read-only path
 #include "src/scheduling/mask_math.h"  // FLARE_HD
 
 namespace flare::hopper {
@@ -55,7 +56,7 @@ __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, cons
   for (int e0 = 0; e0 < num_listed; e0 += 32) {
     const int e = e0 + lane;
     int n = -1;
-    if (e < num_listed) n = e < num_partial ? partial_row[e] : full_row[e - num_partial];
+    if (e < num_listed) n = block_sparse::list_entry(e < num_partial ? partial_row + e : full_row + e - num_partial);
     const int count = n >= 0 && n < bs.num_kv_blocks ? tiles_of_block(n, bs.kv_block_size, kTile, seqlen_k) : 0;
     int end = count;  // inclusive scan: this lane's tiles end at written + end
 #pragma unroll
