@@ -9,7 +9,10 @@ entry and head).
 Forward, and backward alone (torch.autograd.grad on a retained graph, as
 bench/peers/sdpa_attention.py times it); fwd+bwd is their sum. Median of CUDA-event timings after
 warm-up (torch.compile compiles during the warm-up); each sample one call with the GPU otherwise idle
-(the host's time before the launch counts), or --calls N back-to-back calls per sample. FLOPs on
+(the host's time before the launch counts), or --calls N back-to-back calls per sample. --rounds R
+(default 3) times every implementation once a round, in turn, and reports the median over rounds
+(each round's figure is printed too): a figure taken once depended on what ran before it (session
+26: flare's forward read 2-13 % apart in two passes of one run). FLOPs on
 the visible pairs only: 4 * b * h * d * visible_pairs forward, 2.5x that backward. "flare/Flex" is
 flare's speed over FlexAttention's (FlexAttention's time over flare's): the issue asks for >= 1.5
 forward and backward. Each mask also
@@ -27,6 +30,7 @@ extension built in place by tools/python-check, python/ on PYTHONPATH or found n
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -149,26 +153,39 @@ def measure(args, torch, flare):
             except (NotImplementedError, RuntimeError, ValueError) as e:
                 det_reason = f"flare.flex_attention(deterministic=True) with a block mask: {str(e).splitlines()[0]}"
             out = None
+        # Rounds: every implementation timed once a round, in turn, so that none is timed only in the
+        # GPU's state after another's run (clocks, power); each figure is the median over rounds.
+        fwd_rounds = {impl: [] for impl in runs}
+        bwd_rounds = {impl: [] for impl in runs}
+        for _ in range(args.rounds):
+            for impl, fwd in runs.items():
+                fwd_rounds[impl].append(time_ms(fwd, args.warmup, args.repeats, args.calls, flush=not args.no_flush))
+                if not args.no_backward:
+                    out = fwd()
+                    bwd_rounds[impl].append(time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                                    args.warmup, args.repeats, args.calls, flush=not args.no_flush))
+                    out = None
         results, grads = {}, {}
         for impl, fwd in runs.items():
-            fwd_ms = time_ms(fwd, args.warmup, args.repeats, args.calls, flush=not args.no_flush)
-            bwd_ms = float("nan")
+            fwd_ms = statistics.median(fwd_rounds[impl])
+            bwd_ms = statistics.median(bwd_rounds[impl]) if bwd_rounds[impl] else float("nan")
             out = fwd()
             if not args.no_backward:
-                bwd_ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                                 args.warmup, args.repeats, args.calls, flush=not args.no_flush)
                 grads[impl] = (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
             else:
                 grads[impl] = (out.detach(),)
             out = None
             results[impl] = rec = {
+                "fwd_rounds_ms": fwd_rounds[impl], "bwd_rounds_ms": bwd_rounds[impl],
                 "mask": mask, "impl": impl, "batch": b, "heads": h, "head_dim": d, "seqlen": s,
                 "visible_pairs": pairs, "visible_fraction": pairs / (s * s), "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
                 "fwd_bwd_ms": fwd_ms + bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
                 "bwd_tflops": 2.5 * flops / bwd_ms / 1e9}
             records.append(rec)
+            rounds = lambda ms: " ".join(f"{x:.3f}" for x in ms)  # noqa: E731
             print(f"{mask:9s} {impl:10s} fwd {fwd_ms:8.3f} ms {rec['fwd_tflops']:7.1f} TF/s   "
-                  f"bwd {bwd_ms:8.3f} ms {rec['bwd_tflops']:7.1f} TF/s", flush=True)
+                  f"bwd {bwd_ms:8.3f} ms {rec['bwd_tflops']:7.1f} TF/s   rounds fwd [{rounds(fwd_rounds[impl])}] "
+                  f"bwd [{rounds(bwd_rounds[impl])}]", flush=True)
         flare_rec, flex_rec = results["flare"], results["flex"]
         flare_rec["fwd_vs_flex"] = flex_rec["fwd_ms"] / flare_rec["fwd_ms"]
         flare_rec["bwd_vs_flex"] = flex_rec["bwd_ms"] / flare_rec["bwd_ms"]
@@ -231,6 +248,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="document lengths, random blocks and inputs")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of timing, each implementation once a round in turn; figures are medians over rounds")
     ap.add_argument("--calls", type=int, default=1,
                     help="back-to-back calls per timed sample (> 1 hides the host's per-call time behind the GPU's)")
     ap.add_argument("--no-backward", action="store_true")

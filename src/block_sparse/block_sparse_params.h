@@ -53,6 +53,22 @@ struct ElementMaskParams {
     }
     return r;
   }
+  // Without a prefix the structural predicates bound the diagonal offset d = q_idx - kv_idx:
+  // causal d >= 0, window_left d <= window_left, window_right d >= -window_right. The interval
+  // [lo, hi] of d (INT32 bounds where a side is open) lets a kernel test an element with two
+  // compares of a per-step base plus a constant (bwd_probs) instead of row_interval's.
+  struct DiagonalBand {
+    int lo = INT32_MIN, hi = INT32_MAX;
+    FLARE_HD bool contains(int d) const { return lo <= d && d <= hi; }
+  };
+  FLARE_HD bool diagonal_band_applies() const { return prefix_length < 0; }
+  FLARE_HD DiagonalBand diagonal_band() const {
+    DiagonalBand d;
+    if (causal) d.lo = 0;
+    if (window_right >= 0 && -window_right > d.lo) d.lo = -window_right;
+    if (window_left >= 0) d.hi = window_left;
+    return d;
+  }
   // Row q_idx's document (read once per row by the kernels).
   FLARE_HD int32_t doc_of_row(int b, int64_t q_idx) const { return doc_q[b * doc_q_batch + q_idx * doc_q_row]; }
   FLARE_HD const uint32_t* bits_row_ptr(int b, int h, int64_t q_idx) const {

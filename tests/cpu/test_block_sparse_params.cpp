@@ -54,6 +54,31 @@ TEST(ElementMaskParams, AgreesWithTheHostPredicate) {
   }
 }
 
+// Without a prefix the structural predicates are a band of q - kv (the Hopper backward's partial
+// steps test that): the same answer as row_interval for every pair.
+TEST(ElementMaskParams, DiagonalBandMatchesTheRowIntervals) {
+  std::mt19937_64 rng(13);
+  auto pick = [&](int n) { return static_cast<int>(rng() % n); };
+  int compared = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    ElementMask e;
+    e.causal = pick(2);
+    e.window_left = pick(3) ? -1 : pick(50);
+    e.window_right = pick(3) ? -1 : pick(50);
+    e.prefix_length = pick(4) ? -1 : pick(60);
+    const ElementMaskParams p = make_element_mask_params(e);
+    ASSERT_EQ(p.diagonal_band_applies(), e.prefix_length < 0);
+    if (!p.diagonal_band_applies()) continue;
+    const auto band = p.diagonal_band();
+    for (int q = 0; q < 90; ++q)
+      for (int k = 0; k < 90; ++k, ++compared)
+        ASSERT_EQ(band.contains(q - k), p.row_interval(q).contains(k))
+            << "trial " << trial << " causal " << e.causal << " left " << e.window_left << " right "
+            << e.window_right << " q " << q << " kv " << k;
+  }
+  EXPECT_GT(compared, 100000);
+}
+
 TEST(BlockSparseParams, BroadcastDimsReadRowZero) {
   // kv lists broadcast over batch (dim 0 = 1), full lists over heads.
   std::vector<int32_t> counts(1 * 3 * 2), indices(1 * 3 * 2 * 4), full_counts(2 * 1 * 2), full_indices(2 * 1 * 2 * 4);
