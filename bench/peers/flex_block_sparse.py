@@ -110,6 +110,10 @@ def mask_mod_of(mask, flare, torch, args, doc_lengths, blocks):
     return random_block_mask
 
 
+def _listed(ms):
+    return " ".join(f"{x:.3f}" for x in ms)
+
+
 def measure(args, torch, flare):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -182,10 +186,9 @@ def measure(args, torch, flare):
                 "fwd_bwd_ms": fwd_ms + bwd_ms, "fwd_tflops": flops / fwd_ms / 1e9,
                 "bwd_tflops": 2.5 * flops / bwd_ms / 1e9}
             records.append(rec)
-            rounds = lambda ms: " ".join(f"{x:.3f}" for x in ms)  # noqa: E731
             print(f"{mask:9s} {impl:10s} fwd {fwd_ms:8.3f} ms {rec['fwd_tflops']:7.1f} TF/s   "
-                  f"bwd {bwd_ms:8.3f} ms {rec['bwd_tflops']:7.1f} TF/s   rounds fwd [{rounds(fwd_rounds[impl])}] "
-                  f"bwd [{rounds(bwd_rounds[impl])}]", flush=True)
+                  f"bwd {bwd_ms:8.3f} ms {rec['bwd_tflops']:7.1f} TF/s   rounds fwd [{_listed(fwd_rounds[impl])}] "
+                  f"bwd [{_listed(bwd_rounds[impl])}]", flush=True)
         flare_rec, flex_rec = results["flare"], results["flex"]
         flare_rec["fwd_vs_flex"] = flex_rec["fwd_ms"] / flare_rec["fwd_ms"]
         flare_rec["bwd_vs_flex"] = flex_rec["bwd_ms"] / flare_rec["bwd_ms"]

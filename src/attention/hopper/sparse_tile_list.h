@@ -38,8 +38,9 @@ FLARE_HD int tiles_of_block(int n, int block_size, int tile, int seqlen) {
 }
 
 // One warp writes row `row` of the mask's kv lists for (b, h) into `list`, each lane arriving on
-// its barrier (initialized for 32 arrivals) after its own writes. Entries are read 32 at a time; each lane expands its entry into its tiles at the
-// position a warp scan of the tile counts gives it. Entries outside [0, num_kv_blocks) are
+// its barrier (initialized for 32 arrivals) after its own writes. Entries are read 32 at a time;
+// each lane expands its entry into its tiles at the position a warp scan of the tile counts gives
+// it. Entries outside [0, num_kv_blocks) are
 // skipped (device lists are not validated); a list longer than kMaxSparseTiles (repeated entries)
 // is cut there.
 template <int kTile>
