@@ -129,6 +129,17 @@ FLARE_HD int leading_empty_blocks(const Band& band, const BlockRange& range, int
   return n < blocks ? n : blocks - 1;
 }
 
+// Where a sequence's row tiles start: tile m holds rows [m * rows - shift, (m + 1) * rows - shift),
+// m in [0, ceil(seqlen_q / rows)), clipped to the sequence. Where later rows see more keys (a band
+// bounded on the right, open on the left: causal) the shift puts the ragged tile first, where the
+// walk is one block or two, instead of last, where it is the longest: 1024 causal rows in tiles of
+// 192 over key blocks of 128 walk 27 tile-blocks instead of 32. Other bands keep 0.
+FLARE_HD int row_tile_shift(const Band& band, int seqlen_q, int rows) {
+  if (band.right >= kUnbounded || band.left < kUnbounded || seqlen_q <= 0 || rows <= 0) return 0;
+  const int rem = seqlen_q % rows;
+  return rem == 0 ? 0 : rows - rem;
+}
+
 // The transposed question, for a kernel that walks row tiles against one key block [c0, c1): the
 // first rows q0 whose tile [q0, q0 + rows) classify_tile calls FULL are exactly those in
 // [first, last] (inclusive; empty when first > last): the last row's window must start at or

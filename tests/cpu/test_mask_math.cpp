@@ -1,6 +1,9 @@
 // Mask arithmetic against brute force over many small shapes and bands.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "reference/attention_ref.h"
 #include "src/scheduling/mask_math.h"
 
@@ -72,6 +75,47 @@ TEST(Band, LeadingEmptyBlocksMatchBruteForce) {
               }
             }
   EXPECT_GT(passed, 100);
+}
+
+// The shifted row tiles cover the sequence exactly once, the shift is below a tile, and where it
+// is not zero (causal-like bands) the tiles' walks (kv_block_range of their rows) add up to no more
+// key blocks than unshifted tiles do; other bands keep 0.
+TEST(Band, RowTileShiftCoversTheRowsAndShortensCausalWalks) {
+  auto walked = [](const Band& band, int sq, int sk, int rows, int bk, int shift) {
+    long long blocks = 0;
+    for (int m = 0; m * rows < sq; ++m) {
+      const int r0 = std::max(0, m * rows - shift), r1 = std::min(sq, (m + 1) * rows - shift);
+      const BlockRange r = kv_block_range(band, r0, r1, sk, bk);
+      blocks += std::max(0, r.last - r.first);
+    }
+    return blocks;
+  };
+  int shifted = 0;
+  for (const Case& c : kCases)
+    for (int sq : {1, 5, 64, 100, 191, 192, 193, 1000, 1024})
+      for (int sk : {1, 64, 200, 1024, 1500})
+        for (int rows : {64, 128, 192}) {
+          const Band band = Band::make(c.causal, c.left, c.right, sq, sk);
+          const int shift = row_tile_shift(band, sq, rows);
+          ASSERT_GE(shift, 0);
+          ASSERT_LT(shift, rows);
+          const bool grows = band.right < kUnbounded && band.left >= kUnbounded;
+          if (!grows) EXPECT_EQ(shift, 0) << "l=" << c.left << " r=" << c.right;
+          std::vector<int> seen(sq, 0);
+          for (int m = 0; m * rows < sq; ++m)
+            for (int i = m * rows - shift; i < (m + 1) * rows - shift; ++i)
+              if (i >= 0 && i < sq) ++seen[i];
+          for (int i = 0; i < sq; ++i) ASSERT_EQ(seen[i], 1) << "row " << i << " sq=" << sq << " rows=" << rows;
+          EXPECT_LE(walked(band, sq, sk, rows, 128, shift), walked(band, sq, sk, rows, 128, 0))
+              << "sq=" << sq << " sk=" << sk << " rows=" << rows << " causal=" << c.causal << " r=" << c.right;
+          shifted += shift > 0;
+        }
+  EXPECT_GT(shifted, 50);
+  // The case it is for: 1024 causal rows in tiles of 192 over key blocks of 128.
+  const Band causal = Band::make(true, -1, -1, 1024, 1024);
+  EXPECT_EQ(row_tile_shift(causal, 1024, 192), 128);
+  EXPECT_EQ(walked(causal, 1024, 1024, 192, 128, 0), 32);
+  EXPECT_EQ(walked(causal, 1024, 1024, 192, 128, 128), 27);
 }
 
 TEST(Band, TileClassificationAndBlockRangesMatchBruteForce) {

@@ -207,11 +207,22 @@ class AttnProblem {
     return p;
   }
 
+  // The GPU forward's stored O (waits for the forward, downloads it into out_host): the input the
+  // backward kernels read for D_i = dO_i . O_i, so the run in the input dtype should read it too.
+  // The oracle's own O in the input dtype can differ from it by an ulp here and there; with one
+  // query row nothing averages that out (session 27's d64 fuzz case: dq and dk 1-7 % past 2x).
+  const ref::HostTensor* stored_out() {
+    const cudaError_t e = cudaDeviceSynchronize();
+    EXPECT_EQ(e, cudaSuccess) << "the forward before the backward's oracle: " << cudaGetErrorString(e);
+    dout_->download(out_host);
+    return &out_host;
+  }
+
   // block_mask: a block-sparse mask's CPU views (the oracle composes it with the dense mask).
   // lowp_out: the O that the run in the input dtype reads for D_i = dO_i . O_i, as the kernels read
-  // their forward's stored O. Without it that run recomputes O in the input dtype itself. (Until
-  // session 6 it was handed a zero O: D_i = 0 made its dq and dk far from the exact ones, a
-  // baseline loose enough to pass a kernel writing dq = 0.)
+  // their forward's stored O (stored_out()). Without it that run recomputes O in the input dtype
+  // itself. (Until session 6 it was handed a zero O: D_i = 0 made its dq and dk far from the exact
+  // ones, a baseline loose enough to pass a kernel writing dq = 0.)
   void run_backward_oracle(const BlockMask* block_mask = nullptr, const ref::HostTensor* lowp_out = nullptr) {
     auto grads = [&](ref::HostTensor& dq, ref::HostTensor& dk, ref::HostTensor& dv, ref::HostTensor& ds, bool emulate) {
       dq.reset(DType::kFloat64, q_shape);

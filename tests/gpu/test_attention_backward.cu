@@ -18,7 +18,7 @@ void run_backward(const AttnCase& c, bool deterministic) {
   AttentionForwardParams f = prob.forward_params(Backend::kPortable);
   FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(f));
   AttentionBackwardParams b = prob.backward_params(Backend::kPortable, deterministic);  // draws dout
-  prob.run_backward_oracle();
+  prob.run_backward_oracle(nullptr, prob.stored_out());
   FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();

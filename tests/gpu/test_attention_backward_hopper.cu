@@ -23,7 +23,7 @@ void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backe
   AttentionForwardParams f = prob.forward_params(forward);
   FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(f));
   AttentionBackwardParams b = prob.backward_params(Backend::kHopper, deterministic);  // draws dout
-  prob.run_backward_oracle();
+  prob.run_backward_oracle(nullptr, prob.stored_out());
   FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();
@@ -138,7 +138,7 @@ TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {
     const Status refused = attention_backward(forced);
     EXPECT_EQ(refused.code(), StatusCode::kNotSupported) << refused.message();
     AttentionBackwardParams automatic = prob.backward_params(Backend::kAuto, true);
-    prob.run_backward_oracle();
+    prob.run_backward_oracle(nullptr, prob.stored_out());
     const Status ran = attention_backward(automatic);
     ASSERT_TRUE(ran.ok()) << ran.message();
     FLARE_CUDA_OK(cudaDeviceSynchronize());

@@ -287,7 +287,7 @@ void run_sparse_backward(const SparseCase& c, bool deterministic = false, int re
     FLARE_CUDA_OK(cudaDeviceSynchronize());
   };
   ASSERT_NO_FATAL_FAILURE(run());
-  ASSERT_NO_FATAL_FAILURE(prob.run_backward_oracle(&mask.host_view));
+  ASSERT_NO_FATAL_FAILURE(prob.run_backward_oracle(&mask.host_view, prob.stored_out()));
   prob.check_backward();
   const ref::HostTensor first_dq = prob.dq_host, first_dk = prob.dk_host, first_dv = prob.dv_host;
   for (int r = 1; r <= repeats; ++r) {

@@ -383,6 +383,8 @@ struct CaseRun {
   FuzzCase fc;
   SparseMask mask;
   std::unique_ptr<AttnProblem> prob;
+  int failures = 0;             // failed assertions of its GPU phases
+  bool forward_ran = false;     // its GPU forward ran (its stored O feeds the backward and its oracle)
 };
 
 // Mask and inputs (host, uploaded), and dout (backward_params makes it; its outputs are poisoned
@@ -393,23 +395,22 @@ void prepare_case(CaseRun* r) {
   (void)r->prob->backward_params(Backend::kAuto, false);
 }
 
-// The oracle for every case of a batch, on `threads` threads (CPU only: each case's own tensors).
-void run_oracles(std::vector<std::unique_ptr<CaseRun>>& runs, int threads) {
+// `work` for every prepared case of a batch accepted by `take`, on `threads` threads (CPU only: each
+// case's own tensors).
+template <class Take, class Work>
+void on_threads(std::vector<std::unique_ptr<CaseRun>>& runs, int threads, Take take, Work work) {
   std::atomic<size_t> next{0};
-  auto work = [&] {
+  auto loop = [&] {
     for (size_t i = next++; i < runs.size(); i = next++) {
       CaseRun& r = *runs[i];
-      if (!r.prob) continue;  // its preparation failed
+      if (!r.prob || !take(r)) continue;  // its preparation failed, or it is not for this phase
       SCOPED_TRACE(r.fc.describe());
-      run_sparse_forward_oracle(r.fc.sparse, r.mask, r.prob.get());
-      // The backward in the input dtype reads D_i = dO_i . O_i from the forward in the input dtype,
-      // as the kernels read it from the forward's stored output.
-      r.prob->run_backward_oracle(&r.mask.host_view, &r.prob->out_lowp);
+      work(r);
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < std::min<int>(threads, static_cast<int>(runs.size())); ++t) pool.emplace_back(work);
-  work();
+  for (int t = 1; t < std::min<int>(threads, static_cast<int>(runs.size())); ++t) pool.emplace_back(loop);
+  loop();
   for (std::thread& t : pool) t.join();
 }
 
@@ -467,9 +468,8 @@ void run_deterministic_arm(CaseRun& r, FuzzStats* stats) {
 }
 // ---- end of the deterministic-backward arm ----
 
-// The forward, the ordinary backward and the deterministic arm on the GPU, checked against the
-// oracle's results.
-void run_on_gpu(CaseRun& r, bool deterministic_arm, FuzzStats* stats) {
+// The forward on the GPU, checked against the oracle's.
+void run_forward_on_gpu(CaseRun& r, FuzzStats* stats) {
   SCOPED_TRACE(r.fc.describe());
   AttnProblem& prob = *r.prob;
   AttentionForwardParams fwd = prob.forward_params(Backend::kAuto);  // out and lse poisoned
@@ -477,9 +477,16 @@ void run_on_gpu(CaseRun& r, bool deterministic_arm, FuzzStats* stats) {
   const Status fs = attention_forward(fwd);
   ASSERT_TRUE(fs.ok()) << "forward: " << fs.message();
   FLARE_CUDA_OK(cudaDeviceSynchronize());
-  prob.check_forward();
+  r.forward_ran = true;
+  prob.check_forward();  // downloads the stored O into out_host
   if (hopper_sparse_runs(r.fc.sparse)) ++stats->hopper_forward;
+}
 
+// The ordinary backward (and the Hopper one where it applies) and the deterministic arm on the
+// GPU, from the forward's stored O and LSE, checked against the oracle's.
+void run_backward_on_gpu(CaseRun& r, bool deterministic_arm, FuzzStats* stats) {
+  SCOPED_TRACE(r.fc.describe());
+  AttnProblem& prob = *r.prob;
   AttentionBackwardParams bwd = prob.backward_params(Backend::kAuto, /*deterministic=*/false);  // grads poisoned
   bwd.block_mask = &r.mask.device_view;
   const Status bs = attention_backward(bwd);
@@ -562,32 +569,54 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
       }
       runs.push_back(std::move(r));
     }
-    const auto oracle_start = std::chrono::steady_clock::now();
-    const int oracle_failures = failed_parts();
-    run_oracles(runs, threads);
-    stats.oracle_s += seconds_since(oracle_start);
-    ASSERT_EQ(failed_parts(), oracle_failures) << "the oracle failed (see above)";
-
-    const auto gpu_start = std::chrono::steady_clock::now();
+    // Each GPU phase runs the batch's cases in order; a CUDA error or too many failing cases stop
+    // the run.
+    auto gpu_phase = [&](auto&& run_case) {
+      const auto gpu_start = std::chrono::steady_clock::now();
+      for (std::unique_ptr<CaseRun>& r : runs) {
+        if (stop) break;
+        if (!r->prob) continue;
+        const int before = failed_parts();
+        run_case(*r);
+        r->failures += failed_parts() - before;
+        const cudaError_t e = cudaDeviceSynchronize();
+        if (e != cudaSuccess) {
+          ADD_FAILURE() << "CUDA error after case " << r->index << " (seed " << r->fc.seed
+                        << "), stopping: " << cudaGetErrorString(e);
+          ++r->failures;
+          stop = true;
+        }
+      }
+      stats.gpu_s += seconds_since(gpu_start);
+    };
+    auto oracle_phase = [&](auto&& take, auto&& work) {
+      const auto oracle_start = std::chrono::steady_clock::now();
+      const int oracle_failures = failed_parts();
+      on_threads(runs, threads, take, work);
+      stats.oracle_s += seconds_since(oracle_start);
+      return failed_parts() == oracle_failures;
+    };
+    auto all = [](const CaseRun&) { return true; };
+    ASSERT_TRUE(oracle_phase(all, [](CaseRun& r) { run_sparse_forward_oracle(r.fc.sparse, r.mask, r.prob.get()); }))
+        << "the oracle failed (see above)";
+    gpu_phase([&](CaseRun& r) { run_forward_on_gpu(r, &stats); });
+    // The backward in the input dtype reads D_i = dO_i . O_i from the forward kernel's stored O, as
+    // the backward kernels do (an O of its own differs from it by an ulp here and there).
+    ASSERT_TRUE(oracle_phase([](const CaseRun& r) { return r.forward_ran; },
+                             [](CaseRun& r) { r.prob->run_backward_oracle(&r.mask.host_view, &r.prob->out_host); }))
+        << "the oracle failed (see above)";
+    gpu_phase([&](CaseRun& r) {
+      if (r.forward_ran) run_backward_on_gpu(r, deterministic_arm, &stats);
+    });
     for (std::unique_ptr<CaseRun>& r : runs) {
-      if (!r->prob) continue;
-      const int before = failed_parts();
-      run_on_gpu(*r, deterministic_arm, &stats);
+      if (!r->prob || (!r->forward_ran && r->failures == 0)) continue;  // not prepared, or not reached
       ++stats.cases;
-      if (failed_parts() > before) report(*r, &stats);
-      const cudaError_t e = cudaDeviceSynchronize();
-      if (e != cudaSuccess) {
-        ADD_FAILURE() << "CUDA error after case " << r->index << " (seed " << r->fc.seed
-                      << "), stopping: " << cudaGetErrorString(e);
-        stop = true;
-      }
-      if (stats.failing >= kMaxFailingCases) {
-        std::printf("stopping after %d failing cases\n", stats.failing);
-        stop = true;
-      }
-      if (stop) break;
+      if (r->failures > 0) report(*r, &stats);
     }
-    stats.gpu_s += seconds_since(gpu_start);
+    if (stats.failing >= kMaxFailingCases) {
+      std::printf("stopping after %d failing cases\n", stats.failing);
+      stop = true;
+    }
   }
 
   std::printf("block-sparse fuzzer: %d cases run (block-grid %d, random-kinds %d, predicates %d, bits %d), %d failing; "

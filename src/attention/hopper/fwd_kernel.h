@@ -39,6 +39,11 @@
 #include "src/block_sparse/block_sparse_params.h"
 #include "src/common/quad_transpose.h"
 
+// Causal tiles shifted so that the ragged one comes first (sched::row_tile_shift); 0 for A/B builds.
+#ifndef FLARE_HOPPER_FWD_ROW_SHIFT
+#define FLARE_HOPPER_FWD_ROW_SHIFT 1
+#endif
+
 namespace flare::hopper {
 
 template <typename Cfg, typename T>
@@ -113,7 +118,10 @@ struct PipePos {
 inline constexpr int kHopperFwdCounterSlots = 1024;
 static __device__ int hopper_fwd_tile_counters[kHopperFwdCounterSlots];
 
-// The work of one CTA: rows [row0, row0 + rows) of head h of sequence b, the key tiles of `kv`.
+// The work of one CTA: rows [row0, row0 + rows) of head h of sequence b (rows up to kBlockM, cut
+// at the sequence's end), the key tiles of `kv`. row0 may be negative: a causal sequence's tiles
+// are shifted so that its ragged tile comes first (sched::row_tile_shift); its rows before the
+// sequence load Q as zeros or another sequence's rows and are never written out.
 template <typename Walk>
 struct FwdTile {
   detail::SeqInfo seq;
@@ -132,11 +140,15 @@ __device__ __forceinline__ FwdTile<Walk> fwd_tile_of(const HopperFwdParams<Cfg, 
   t.m_block = m_block;
   t.h = h;
   t.b = b;
-  t.row0 = m_block * Cfg::kBlockM;
+  // A block mask's CTAs are its q blocks: never shifted.
+  const int shift = Walk::kSparse || !FLARE_HOPPER_FWD_ROW_SHIFT
+                        ? 0
+                        : sched::row_tile_shift(t.band, t.seq.seqlen_q, Cfg::kBlockM);
+  t.row0 = m_block * Cfg::kBlockM - shift;
   t.rows = t.seq.seqlen_q - t.row0 < Cfg::kBlockM ? t.seq.seqlen_q - t.row0 : Cfg::kBlockM;
   if (t.rows <= 0) return t;
   if constexpr (!Walk::kSparse)  // a block mask's walk is its expanded list row (the kernel attaches it)
-    t.kv.range = sched::kv_block_range(t.band, t.row0, t.row0 + t.rows, t.seq.seqlen_k, Cfg::kBlockN);
+    t.kv.range = sched::kv_block_range(t.band, t.row0 > 0 ? t.row0 : 0, t.row0 + t.rows, t.seq.seqlen_k, Cfg::kBlockN);
   return t;
 }
 
@@ -158,9 +170,10 @@ __device__ __forceinline__ void produce_q(const HopperFwdParams<Cfg, T>& hp, Sme
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const bool varlen = hp.p.cu_seqlens_q != nullptr;
-  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start), _0{}),
+  // From the tile's first row, which may lie before the sequence (zeros out of the tensor's bounds).
+  Tensor mQ = domain_offset(make_coord(int32_t(t.seq.q_start + t.row0), _0{}),
                             hp.tma_q.get_tma_tensor(hp.shape_q)(_, _, t.h, varlen ? 0 : t.b));
-  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(t.m_block, _0{}));
+  Tensor gQ = local_tile(mQ, Shape<typename L::BM, typename L::HD>{}, make_coord(_0{}, _0{}));
   Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
   auto q_part = hp.tma_q.get_slice(_0{});
   if (!q_stage_free) cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
@@ -322,8 +335,9 @@ __device__ __forceinline__ void pass_tiles(Smem& sm, const FwdTile<Walk>& t,
   }
 }
 
-// A consumer warpgroup whose 64 rows all lie past the sequence (the last tile of a sequence that
-// is not a multiple of kBlockM, e.g. 1024 rows in tiles of 192): it computes nothing, but keeps
+// A consumer warpgroup whose 64 rows all lie outside the sequence (the ragged tile of a sequence
+// that is not a multiple of kBlockM, e.g. 1024 rows in tiles of 192: the last tile, or the first
+// where causal tiles are shifted, sched::row_tile_shift): it computes nothing, but keeps
 // the pipelines' protocol through every tile and the last P V's turn, so the warpgroups that have
 // rows run without it on the tensor cores.
 template <typename Smem, typename Walk>
@@ -391,7 +405,8 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
 
   const bool softcap = p.softcap > 0.f;  // once: a per-step read of the parameter waited on the constant cache
   const float score_scale = softcap ? 1.f : p.scale_log2;
-  const sched::BlockRange full = sched::full_kv_blocks(t.band, wg_row0, wg_row0 + 64, t.seq.seqlen_k, Cfg::kBlockN);
+  const sched::BlockRange full =
+      sched::full_kv_blocks(t.band, wg_row0 > 0 ? wg_row0 : 0, wg_row0 + 64, t.seq.seqlen_k, Cfg::kBlockN);
   OnlineSoftmax softmax;
   softmax.init(p.sinks ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, p.sinks != nullptr && lane % 4 == 0);
   clear(o_acc);
@@ -414,7 +429,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   // No rows here: nothing to compute or write. (Dense tiles only: in the block-sparse kernel,
   // whose q blocks are whole CTAs, the extra path spilled inside the main loop.)
   if constexpr (Cfg::kSkipIdleWGs && !Walk::kSparse) {
-    if (wg_row0 >= t.seq.seqlen_q) {
+    if (wg_row0 >= t.seq.seqlen_q || wg_row0 + 64 <= 0) {
       if (!t.kv.empty()) pass_tile_without_rows(sm, t, pos, wg, lane);
       return;
     }
@@ -551,7 +566,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   if (rows16) {
     const int t4 = lane % 4, my_row = wg_row0 + quad_row + 8 * (t4 / 2), my_col = 8 * (t4 % 2);
     T* out_row = out + static_cast<int64_t>(my_row) * p.out_str.row + my_col;
-    const bool row_ok = my_row < t.seq.seqlen_q;
+    const bool row_ok = my_row >= 0 && my_row < t.seq.seqlen_q;
     CUTE_UNROLL
     for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks
       const uint4 v = accumulator_piece<T>([&](int i) { return o_acc(i); }, b, inv.v[0], inv.v[1], t4);
@@ -561,7 +576,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   CUTE_UNROLL
   for (int r = 0; r < 2; ++r) {
     const int row = wg_row0 + quad_row + 8 * r;
-    if (row >= t.seq.seqlen_q) continue;
+    if (row < 0 || row >= t.seq.seqlen_q) continue;
     if (!rows16) {
       T* out_row = out + row * p.out_str.row;
       CUTE_UNROLL
