@@ -70,6 +70,9 @@ void sweep(Env& e, bool causal) {
   measure<HopperFwdConfig<64, 192, 2, 2, true, 0, false, true, true>>(e, "2wg n192 two P", causal);
   measure<HopperFwdConfig<64, 192, 2, 2, true, 0, false, true, true>, true>(e, "2wg n192 two P persistent", causal);
   measure<HopperFwdConfig<64, 128, 3, 2, true, 0, false, true, true>>(e, "3wg n128 two P", causal);
+  measure<HopperFwdConfig<64, 64, 3>, true>(e, "3wg n64 persistent", causal);
+  measure<HopperFwdConfig<64, 64, 3, 4>, true>(e, "3wg n64 4 stages persistent", causal);
+  measure<HopperFwdConfig<64, 64, 3, 2, true, 0, false, true, true>, true>(e, "3wg n64 two P persistent", causal);
   measure<HopperFwdConfig<96, 128, 2>>(e, "2wg n128", causal);
   measure<HopperFwdConfig<128, 128, 2>>(e, "2wg n128", causal);
   measure<HopperFwdConfig<128, 128, 2>, true>(e, "2wg n128 persistent", causal);
