@@ -570,7 +570,12 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
       runs.push_back(std::move(r));
     }
     // Each GPU phase runs the batch's cases in order; a CUDA error or too many failing cases stop
-    // the run.
+    // the run (failing cases are reported once both phases are done).
+    auto failing_so_far = [&] {
+      int n = stats.failing;
+      for (const std::unique_ptr<CaseRun>& r : runs) n += r->failures > 0;
+      return n;
+    };
     auto gpu_phase = [&](auto&& run_case) {
       const auto gpu_start = std::chrono::steady_clock::now();
       for (std::unique_ptr<CaseRun>& r : runs) {
@@ -586,6 +591,7 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
           ++r->failures;
           stop = true;
         }
+        if (failing_so_far() >= kMaxFailingCases) stop = true;
       }
       stats.gpu_s += seconds_since(gpu_start);
     };
@@ -613,10 +619,7 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
       ++stats.cases;
       if (r->failures > 0) report(*r, &stats);
     }
-    if (stats.failing >= kMaxFailingCases) {
-      std::printf("stopping after %d failing cases\n", stats.failing);
-      stop = true;
-    }
+    if (stats.failing >= kMaxFailingCases) std::printf("stopping after %d failing cases\n", stats.failing);
   }
 
   std::printf("block-sparse fuzzer: %d cases run (block-grid %d, random-kinds %d, predicates %d, bits %d), %d failing; "
