@@ -211,19 +211,19 @@ class AttnProblem {
   // backward kernels read for D_i = dO_i . O_i, so the run in the input dtype should read it too.
   // The oracle's own O in the input dtype can differ from it by an ulp here and there; with one
   // query row nothing averages that out (session 27's d64 fuzz case: dq and dk 1-7 % past 2x).
-  const ref::HostTensor* stored_out() {
+  const ref::HostTensor& stored_out() {
     const cudaError_t e = cudaDeviceSynchronize();
     EXPECT_EQ(e, cudaSuccess) << "the forward before the backward's oracle: " << cudaGetErrorString(e);
     dout_->download(out_host);
-    return &out_host;
+    return out_host;
   }
 
-  // block_mask: a block-sparse mask's CPU views (the oracle composes it with the dense mask).
-  // lowp_out: the O that the run in the input dtype reads for D_i = dO_i . O_i, as the kernels read
-  // their forward's stored O (stored_out()). Without it that run recomputes O in the input dtype
-  // itself. (Until session 6 it was handed a zero O: D_i = 0 made its dq and dk far from the exact
-  // ones, a baseline loose enough to pass a kernel writing dq = 0.)
-  void run_backward_oracle(const BlockMask* block_mask = nullptr, const ref::HostTensor* lowp_out = nullptr) {
+  // block_mask: a block-sparse mask's CPU views (the oracle composes it with the dense mask), or
+  // null. lowp_out: the O that the run in the input dtype reads for D_i = dO_i . O_i, the forward
+  // kernel's stored O (stored_out()), as the backward kernels read it. (Until session 6 it was
+  // handed a zero O: D_i = 0 made its dq and dk far from the exact ones, a baseline loose enough to
+  // pass a kernel writing dq = 0; until session 28 it recomputed O itself, an ulp off the kernel's.)
+  void run_backward_oracle(const BlockMask* block_mask, const ref::HostTensor& lowp_out) {
     auto grads = [&](ref::HostTensor& dq, ref::HostTensor& dk, ref::HostTensor& dv, ref::HostTensor& ds, bool emulate) {
       dq.reset(DType::kFloat64, q_shape);
       dk.reset(DType::kFloat64, k_shape);
@@ -233,7 +233,7 @@ class AttnProblem {
       p.q = q;
       p.k = k;
       p.v = v;
-      if (emulate && lowp_out != nullptr) p.out = lowp_out->view();
+      if (emulate) p.out = lowp_out.view();
       p.lse = lse;
       p.dout = dout_host;
       p.dq = dq;

@@ -609,7 +609,7 @@ TEST(BlockSparseFuzzer, ForwardAndBackwardAgainstTheOracle) {
     // The backward in the input dtype reads D_i = dO_i . O_i from the forward kernel's stored O, as
     // the backward kernels do (an O of its own differs from it by an ulp here and there).
     ASSERT_TRUE(oracle_phase([](const CaseRun& r) { return r.forward_ran; },
-                             [](CaseRun& r) { r.prob->run_backward_oracle(&r.mask.host_view, &r.prob->out_host); }))
+                             [](CaseRun& r) { r.prob->run_backward_oracle(&r.mask.host_view, r.prob->out_host); }))
         << "the oracle failed (see above)";
     gpu_phase([&](CaseRun& r) {
       if (r.forward_ran) run_backward_on_gpu(r, deterministic_arm, &stats);

@@ -498,29 +498,30 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
     // The structural predicates and the sequences' ends, a bit per element, and the lookups' bits.
     static_assert(kN <= 32 && kN % 4 == 0, "a thread's S^T elements fit one mask word");
     uint32_t seen = ~0u;
-    if (!element->has_structural() && t.band.unmasked() && q0 + Cfg::kBlockM <= t.seq.seqlen_q &&
-        t.col0 + Cfg::kBlockN <= t.seq.seqlen_k) {
-      // Lookups alone (documents, bit masks) inside both sequences: nothing structural to test.
-    } else if (element->diagonal_band_applies()) {
-      // Causal and windows: a band of q - key, two compares an element (unrolled: each element's
-      // offsets are constants), with the sequences' ends and the kernel's own band.
-      const block_sparse::ElementMaskParams::DiagonalBand diag = element->diagonal_band();
+    // Lookups alone (documents, bit masks) inside both sequences leave nothing structural to test.
+    const bool lookups_only = !element->has_structural() && t.band.unmasked() &&
+                              q0 + Cfg::kBlockM <= t.seq.seqlen_q && t.col0 + Cfg::kBlockN <= t.seq.seqlen_k;
+    if (!lookups_only) {
       seen = 0u;
-      CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) {
-        const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
-        if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) && diag.contains(q - key))
-          seen |= 1u << i;
-      }
-    } else {
-      // A prefix: the rows' intervals, a bit per element in a rolled loop.
-      seen = 0u;
+      if (element->diagonal_band_applies()) {
+        // Causal and windows: a band of q - key, two compares an element (unrolled: each element's
+        // offsets are constants), with the sequences' ends and the kernel's own band.
+        const block_sparse::ElementMaskParams::DiagonalBand diag = element->diagonal_band();
+        CUTE_UNROLL
+        for (int i = 0; i < kN; ++i) {
+          const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
+          if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) && diag.contains(q - key))
+            seen |= 1u << i;
+        }
+      } else {
+        // A prefix: the rows' intervals, a bit per element in a rolled loop.
 #pragma unroll 2
-      for (int i = 0; i < kN; ++i) {
-        const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
-        if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
-            element->row_interval(q).contains(key))
-          seen |= 1u << i;
+        for (int i = 0; i < kN; ++i) {
+          const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
+          if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
+              element->row_interval(q).contains(key))
+            seen |= 1u << i;
+        }
       }
     }
     seen &= lookups;
