@@ -289,16 +289,32 @@ __device__ __forceinline__ void bwd_add_dq(const BwdKernelParams& P, const detai
                                            const float (&dq)[Cfg::kDqCols / 8][4]) {
   const detail::FwdKernelParams& p = P.fwd;
   const int g = lane / 4, t = lane % 4;
+  // The thread's first element (row i0, column col0) and the row pitch, once: each reduction is then
+  // an immediate offset from one pointer. Computed per element, the address math took about 25
+  // instructions a reduction (the reductions' memory clobber forced the parameters to be re-read).
+  const int i0 = row0 + part.row + g, col0 = part.col + 2 * t;
+  const int64_t pitch = int64_t{p.heads} * p.head_dim;
+  float* const base = P.dq_accum + detail::accum_row(p, b, seq.q_start, i0, p.seqlen_q) * pitch +
+                      int64_t{h} * p.head_dim + col0;
+  const float scale = p.scale;
+  float* const base8 = base + 8 * pitch;
+  // Columns col0 + 8 c, + 1 of rows i0 and i0 + 8: one 8-byte reduction each, in turn order when
+  // deterministic (the turn's release orders CTAs' reductions).
+  if (row0 + part.row + 16 <= row_end && part.col + Cfg::kDqCols <= p.head_dim) {  // the warp's whole tile
 #pragma unroll
-  for (int c = 0; c < Cfg::kDqCols / 8; ++c)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // columns col, col + 1 of row i: one 8-byte reduction
-      const int i = row0 + part.row + g + 8 * r, col = part.col + 8 * c + 2 * t;
-      if (i >= row_end || col >= p.head_dim) continue;
-      float* dst = P.dq_accum + (detail::accum_row(p, b, seq.q_start, i, p.seqlen_q) * p.heads + h) * p.head_dim + col;
-      const float v0 = dq[c][2 * r] * p.scale, v1 = dq[c][2 * r + 1] * p.scale;
-      red_add_f32x2(dst, v0, v1);  // in turn order when deterministic: the fence orders CTAs' reductions
+    for (int c = 0; c < Cfg::kDqCols / 8; ++c) {
+      red_add_f32x2(base + 8 * c, dq[c][0] * scale, dq[c][1] * scale);
+      red_add_f32x2(base8 + 8 * c, dq[c][2] * scale, dq[c][3] * scale);
     }
+    return;
+  }
+  const int cols = p.head_dim - col0;  // columns from col0 on (the head dim is a multiple of 8)
+  const bool row_ok0 = i0 < row_end, row_ok1 = i0 + 8 < row_end;
+#pragma unroll
+  for (int c = 0; c < Cfg::kDqCols / 8; ++c) {
+    red_add_f32x2_if(row_ok0 && 8 * c < cols, base + 8 * c, dq[c][0] * scale, dq[c][1] * scale);
+    red_add_f32x2_if(row_ok1 && 8 * c < cols, base8 + 8 * c, dq[c][2] * scale, dq[c][3] * scale);
+  }
 }
 
 // dK (scaled) and dV of keys [col0, col0 + keys): written directly without GQA, else added into

@@ -1,6 +1,11 @@
 // Tile configuration of the portable forward, one constexpr specialization point per head dim.
 #pragma once
 
+// A/B switch for kLazyRescale (below); on unless a build turns it off.
+#ifndef FLARE_PORTABLE_FWD_LAZY_RESCALE
+#define FLARE_PORTABLE_FWD_LAZY_RESCALE 1
+#endif
+
 namespace flare::portable {
 
 // A tile shape: kWarps warps each owning 16 * kMTiles query rows, kBlockN keys per step,
@@ -21,6 +26,9 @@ struct FwdTileConfig {
   // for every head dim that is a multiple of 8, so ldmatrix reads are conflict-free.
   static constexpr int kRowStride = kHeadDim + 8;
   static constexpr int kStages = kStages_;
+  // Skip O's rescale in blocks where no row of a warp finds a new max (fwd_attend_block). On for
+  // the split shapes; the two-stage shapes spill with it (ptxas: d128 0 -> 112 bytes).
+  static constexpr bool kLazyRescale = FLARE_PORTABLE_FWD_LAZY_RESCALE && kStages == 1;
 
   static_assert(kStages >= 1, "one K and one V buffer at least");
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "head dim: a multiple of 16 up to 256");

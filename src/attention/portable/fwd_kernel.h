@@ -134,7 +134,11 @@ __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const
   }  // without a cap, the scale is folded into the exponent below (one FFMA per element)
   mask_block(s);
 
-  // Online softmax: new max, rescale O and the sum, P = exp2(S - max).
+  // Online softmax: new max, rescale the sum and O, P = exp2(S - max). With kLazyRescale, O is
+  // rescaled only when some row of the warp has a new max: otherwise every factor is exactly 1
+  // (the max settles within a few blocks; the rescale is kHeadDim / 4 multiplies a row pair).
+  float alphas[kMTiles][2];
+  bool new_max = false;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -147,6 +151,8 @@ __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const
       mx = fmaxf(st.max[mt][r], mx * score_scale);      // scaled log2 units
       const float base = mx == -INFINITY ? 0.f : mx;  // rows with nothing visible yet
       const float alpha = fast_exp2(st.max[mt][r] - base);
+      new_max |= st.max[mt][r] != mx;
+      alphas[mt][r] = alpha;
       st.max[mt][r] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -156,12 +162,18 @@ __device__ __forceinline__ void fwd_attend_block(const FwdKernelParams& p, const
         sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
       }
       st.sum[mt][r] = st.sum[mt][r] * alpha + sum;
+    }
+  if (!Cfg::kLazyRescale || __any_sync(0xffffffffu, new_max)) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
-        o[mt][dt][2 * r] *= alpha;
-        o[mt][dt][2 * r + 1] *= alpha;
+        o[mt][dt][0] *= alphas[mt][0];
+        o[mt][dt][1] *= alphas[mt][0];
+        o[mt][dt][2] *= alphas[mt][1];
+        o[mt][dt][3] *= alphas[mt][1];
       }
-    }
+  }
 
   // O += P V
   before_pv();

@@ -128,6 +128,19 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 #endif
 }
 
+// red_add_f32x2 where `pred` holds, predicated inside the instruction on sm_90: no branch for the
+// compiler to sink the address arithmetic into (and rematerialize there, at the register limit).
+__device__ __forceinline__ void red_add_f32x2_if(bool pred, float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(dst),
+      "f"(a), "f"(b), "r"(static_cast<int>(pred))
+      : "memory");
+#else
+  if (pred) red_add_f32x2(dst, a, b);
+#endif
+}
+
 // tanh on the special-function unit (max relative error about 2^-11), for soft-capping.
 __device__ __forceinline__ float fast_tanh(float x) {
   float y;
