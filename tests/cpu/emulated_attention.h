@@ -36,9 +36,10 @@ template <typename F>
 void visit_kernel(int head_dim, DType dtype, F&& f) {
   auto with_dim = [&](auto elem) {
     if (head_dim <= 64) f(std::integral_constant<int, 64>{}, elem);
-    else f(std::integral_constant<int, 128>{}, elem);
+    else if (head_dim <= 128) f(std::integral_constant<int, 128>{}, elem);
+    else f(std::integral_constant<int, 256>{}, elem);  // its own warp grids in the 2-D backward
   };
-  ASSERT_LE(head_dim, 128);
+  ASSERT_LE(head_dim, 256);
   if (dtype == DType::kBFloat16) with_dim(__nv_bfloat16{});
   else with_dim(__half{});
 }

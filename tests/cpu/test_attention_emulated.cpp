@@ -360,6 +360,10 @@ TEST(AttentionEmulated, Backward2dTiling) {
   run_case({.c = attn(2, 40, 47, 2, 2, 64, kFp16, kNoMask, 12), .persistent_ctas = 4, .backward = true, .bwd_2d = true});
   run_case({.c = attn(1, 70, 33, 2, 1, 96, kFp16, kCausal, 14), .backward = true, .bwd_2d = true});
   run_case({.c = attn(1, 150, 170, 1, 1, 128, kBf16, {true, 60, -1}, 15), .backward = true, .bwd_2d = true});
+  // Head dim 256 (FlashAttention-2's warp grids: S on 4 x 2, dK/dV on 2 x 4), served to 200
+  // columns; GQA deterministic, causal.
+  run_case({.c = attn(1, 90, 130, 2, 1, 200, kBf16, kCausal, 16), .backward = true, .deterministic = true,
+            .bwd_2d = true});
 }
 
 }  // namespace

@@ -20,24 +20,30 @@
 
 namespace flare::portable {
 
-// kBlockN keys per CTA, kBlockM query rows per step, 8 warps.
-template <int kHeadDim_, int kBlockN_, int kBlockM_ = 64>
+// kBlockN keys per CTA, kBlockM query rows per step, 8 warps, laid out in three grids:
+// S and dP on kSRowWarps (query rows) x the rest (keys); dK and dV on kKvKeyWarps (keys) x the
+// rest (head-dim columns); dQ on kDqRowWarps (query rows) x the rest (columns).
+template <int kHeadDim_, int kBlockN_, int kBlockM_ = 64, int kSRowWarps_ = 2, int kKvKeyWarps_ = 4,
+          int kDqRowWarps_ = 2>
 struct Bwd2TileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kSRowWarps = kSRowWarps_, kKvKeyWarps = kKvKeyWarps_, kDqRowWarps = kDqRowWarps_;
   // S and dP: a warp's tile of kSRows query rows x kSKeys keys.
-  static constexpr int kSRows = kBlockM / 2, kSKeys = kBlockN / 4;
+  static constexpr int kSRows = kBlockM / kSRowWarps, kSKeys = kBlockN / (kWarps / kSRowWarps);
   // dK and dV: kDkvKeys keys x kDkvCols columns a warp (bwd_store_dkv's Cfg::kDkvCols).
-  static constexpr int kDkvKeys = kBlockN / 4, kDkvCols = kHeadDim / 2;
+  static constexpr int kDkvKeys = kBlockN / kKvKeyWarps, kDkvCols = kHeadDim / (kWarps / kKvKeyWarps);
   // dQ: kDqRows query rows x kDqCols columns a warp (bwd_add_dq's Cfg::kDqCols).
-  static constexpr int kDqRows = kBlockM / 2, kDqCols = kHeadDim / 4;
+  static constexpr int kDqRows = kBlockM / kDqRowWarps, kDqCols = kHeadDim / (kWarps / kDqRowWarps);
   static constexpr int kRowStride = kHeadDim + 8;  // padded rows: conflict-free ldmatrix
   static constexpr int kPStride = kBlockN + 8;     // P and dS rows (query) of kBlockN keys
 
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dim: 64, 128, 192 or 256");
+  static_assert(kWarps % kSRowWarps == 0 && kWarps % kKvKeyWarps == 0 && kWarps % kDqRowWarps == 0,
+                "each grid covers the 8 warps");
   static_assert(kSRows % 16 == 0 && kSKeys % 16 == 0 && kDkvKeys % 16 == 0, "whole 16-row MMA tiles");
   static_assert(kDkvCols % 16 == 0 && kDqCols % 16 == 0 && kBlockM % 16 == 0, "whole 16-wide MMA steps");
 };
@@ -45,10 +51,19 @@ struct Bwd2TileConfig {
 // The 2-D backward's tile per head dim (a multiple of 64), and whether the library takes it by
 // default over bwd_kernel.h: measured on the H100 for 64, 128 and 256 (15-19 % faster, ordinary
 // and deterministic; bench/RESULTS.md, session 15), not yet for 192. d64 walks 128-row query steps
-// (11 % faster there than 64).
+// (11 % faster there than 64). The warp grids (FLARE_PORTABLE_BWD2_GRIDS=1, the default) are
+// FlashAttention-2's: from 192 on, S on 4 x 2 warps and dK/dV on 2 (keys) x 4, so that a dK/dV
+// warp reads 32 keys x 64 columns (12 ldmatrix a 16-row step, not 18 for 16 keys x 128); d64's dQ
+// on 4 x 2 (32 rows x 32 columns). 0: 2 x 4, 4 x 2, 2 x 4 everywhere (sessions 15-28).
+#ifndef FLARE_PORTABLE_BWD2_GRIDS
+#define FLARE_PORTABLE_BWD2_GRIDS 1
+#endif
 template <int kHeadDim>
 struct Bwd2ConfigFor {
-  using type = Bwd2TileConfig<kHeadDim, kHeadDim <= 128 ? 128 : 64, kHeadDim == 64 ? 128 : 64>;
+  static constexpr bool kWide = FLARE_PORTABLE_BWD2_GRIDS && kHeadDim > 128;
+  using type = Bwd2TileConfig<kHeadDim, kHeadDim <= 128 ? 128 : 64, kHeadDim == 64 ? 128 : 64, /*s_row_warps=*/kWide ? 4 : 2,
+                              /*kv_key_warps=*/kWide ? 2 : 4,
+                              /*dq_row_warps=*/FLARE_PORTABLE_BWD2_GRIDS && kHeadDim == 64 ? 4 : 2>;
   static constexpr bool kDefault = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256;
 };
 
@@ -88,9 +103,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int keys = min(kBlockN, seq.seqlen_k - col0);
   // The warp's places in the three tilings.
-  const int s_row = (warp / 4) * Cfg::kSRows, s_key = (warp % 4) * Cfg::kSKeys;
-  const int kv_key = (warp / 2) * Cfg::kDkvKeys, kv_col = (warp % 2) * Cfg::kDkvCols;
-  const int dq_row = (warp / 4) * Cfg::kDqRows, dq_col = (warp % 4) * Cfg::kDqCols;
+  constexpr int kSKeyWarps = Cfg::kWarps / Cfg::kSRowWarps, kKvColWarps = Cfg::kWarps / Cfg::kKvKeyWarps,
+                kDqColWarps = Cfg::kWarps / Cfg::kDqRowWarps;
+  const int s_row = (warp / kSKeyWarps) * Cfg::kSRows, s_key = (warp % kSKeyWarps) * Cfg::kSKeys;
+  const int kv_key = (warp / kKvColWarps) * Cfg::kDkvKeys, kv_col = (warp % kKvColWarps) * Cfg::kDkvCols;
+  const int dq_row = (warp / kDqColWarps) * Cfg::kDqRows, dq_col = (warp % kDqColWarps) * Cfg::kDqCols;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<Bwd2Smem<Cfg, T>*>(smem_raw);

@@ -160,6 +160,19 @@ inline X __shfl_xor_sync(unsigned, X v, int offset) {
   cuda_emu::warp_barrier();
   return r;
 }
+// Whether `pred` holds in any thread of the calling thread's warp (every thread of it takes part).
+inline int __any_sync(unsigned, int pred) {
+  auto& e = cuda_emu::exchange();
+  const float v = pred != 0 ? 1.f : 0.f;
+  e.f[cuda_emu::lane()] = v;
+  cuda_emu::warp_barrier();
+  const int first = static_cast<int>(threadIdx.x) / 32 * 32;
+  const int lanes = std::min(32, static_cast<int>(blockDim.x) - first);
+  int any = 0;
+  for (int l = 0; l < lanes; ++l) any |= e.f[l] != 0.f;
+  cuda_emu::warp_barrier();
+  return any;
+}
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __log2f(float x) { return std::log2(x); }

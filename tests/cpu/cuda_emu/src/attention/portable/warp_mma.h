@@ -131,6 +131,10 @@ inline void red_add_f32x2(float* dst, float a, float b) {
   std::atomic_ref<float>(dst[1]).fetch_add(b, std::memory_order_relaxed);
 }
 
+inline void red_add_f32x2_if(bool pred, float* dst, float a, float b) {
+  if (pred) red_add_f32x2(dst, a, b);
+}
+
 // The 4-byte cp.async of bwd_kernel.h (whose PTX definition the emulable copy of that header
 // drops: tests/cpu/cuda_emu/emulable_kernel.cmake).
 inline void cp_async_4(void* smem, const void* gmem, bool valid) {
