@@ -128,8 +128,8 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
 #endif
 }
 
-// red_add_f32x2 where `pred` holds, predicated inside the instruction on sm_90: no branch for the
-// compiler to sink the address arithmetic into (and rematerialize there, at the register limit).
+// red_add_f32x2 where `pred` holds, as a predicated PTX instruction on sm_90 (ptxas may still
+// branch around it; bwd_add_dq computes the addresses before, once).
 __device__ __forceinline__ void red_add_f32x2_if(bool pred, float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
