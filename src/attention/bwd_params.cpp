@@ -26,7 +26,8 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     const std::size_t padded = static_cast<std::size_t>(hopper_dq_padded_rows(s.total_q, s.batch));
     l.dq_accum = take(padded * s.heads * hopper_head_dim * sizeof(float));
   } else {
-    l.dq_accum = take(rows_q * s.heads * s.head_dim * sizeof(float));
+    const std::size_t padded = static_cast<std::size_t>(portable_dq_padded_rows(s.total_q, s.batch));
+    l.dq_accum = take(padded * s.heads * s.head_dim * sizeof(float));
   }
   if (s.heads_kv != s.heads) {
     l.dk_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));

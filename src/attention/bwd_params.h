@@ -1,6 +1,6 @@
 // The attention backward as the kernels see it. The forward's fields (inputs, strides, mask,
 // scale, softcap, sinks) are shared through `fwd`; the backward adds its inputs, outputs and the
-// fp32 workspace: dq_accum [rows_q, heads, head_dim], dk/dv_accum [rows_k, heads_kv, head_dim]
+// fp32 workspace: dq_accum (portable: 8 x 8 blocks, portable_dq_offset), dk/dv_accum [rows_k, heads_kv, head_dim]
 // (GQA only), dpsum (= rowsum(dO o O), laid out like the LSE), the Hopper kernel's padded row
 // statistics, and the deterministic mode's semaphores.
 #pragma once
@@ -27,7 +27,7 @@ struct BwdKernelParams {
   // dpsum: [batch, heads, num_m_blocks, 2, kRowStatsBlockM]; rows past the sequence hold (+inf, 0),
   // so a block is one aligned bulk copy and its padded rows get P = 0.
   float* row_stats = nullptr;
-  // Portable: row r of q (batch * seqlen_q + i, or the packed row), head, channel. Hopper
+  // Portable: in 8 x 8 blocks over a padded row space (portable_dq_offset). Hopper
   // (dq_tile_elems > 0): per (head, 64-row query block) one tile of dq_tile_elems floats in the
   // order the kernel's threads hold them (hopper_dq_tile_offset), so a block's dQ is added with
   // one bulk reduction; see hopper_dq_tile.
@@ -47,6 +47,28 @@ inline constexpr int kRowStatsBlockM = 64;
 // Rows of the q (or k) side: batch * seqlen when batched, total rows when varlen.
 FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i, int seqlen) {
   return p.cu_seqlens_q != nullptr ? start + i : int64_t{b} * seqlen + i;
+}
+
+// Portable dq_accum. Rows live in a padded row space where every sequence starts on an 8-row
+// boundary (floor((first row + 8 b) / 8) * 8: sequences never overlap, all fit in
+// portable_dq_padded_rows). The floats are stored in blocks of 8 rows x 8 columns, row-major inside
+// a block, blocks ordered by (8-row group, head, 8-column group). A warp's reduction of an MMA
+// accumulator fragment (lane (g, t): row g, columns 2t and 2t + 1 of an 8 x 8 tile) is then one
+// contiguous 256-byte span: 2 L1 tag lookups where a row-major accumulator took 8 (the H100's
+// lg_throttle stalls of session 30; FlashAttention-2 keeps its accumulator in fragment order too).
+FLARE_HD int64_t portable_dq_padded_start(int64_t first_row, int b) { return (first_row + int64_t{8} * b) / 8 * 8; }
+FLARE_HD int64_t portable_dq_padded_rows(int64_t total_q, int batch) {
+  return (total_q + int64_t{8} * (batch + 1) - 1) / 8 * 8;
+}
+// Row i of sequence b (its rows start at q_start) in that row space.
+FLARE_HD int64_t portable_dq_row(const FwdKernelParams& p, int b, int64_t q_start, int i) {
+  return portable_dq_padded_start(accum_row(p, b, q_start, 0, p.seqlen_q), b) + i;
+}
+// The float offset of (padded row, head, column); the column group of 8 and the row group of 8 are
+// contiguous blocks of 64 floats, the next row group heads * head_dim * 8 floats on.
+FLARE_HD int64_t portable_dq_offset(int64_t row, int h, int col, int heads, int head_dim) {
+  return (row >> 3) * (int64_t{heads} * head_dim * 8) + (int64_t{h} * head_dim + (col & ~7)) * 8 + (row & 7) * 8 +
+         (col & 7);
 }
 
 // Hopper dq_accum: the first row of sequence b (its rows start at q_start) in the padded row

@@ -1,5 +1,6 @@
-// The backward workspace layouts: the portable one, and the Hopper kernel's padded row statistics
-// and dQ tiles (sequences 64-row aligned, tiles in thread order).
+// The backward workspace layouts: the portable one (dQ in 8 x 8 blocks, sequences 8-row aligned),
+// and the Hopper kernel's padded row statistics and dQ tiles (sequences 64-row aligned, tiles in
+// thread order).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,6 +45,77 @@ TEST(HopperDqLayout, SequencesAreAlignedDisjointAndFit) {
     for (int& l : lens) l = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % 700);
     expect_disjoint_tiles(lens);
   }
+}
+
+// The portable dQ accumulator: every sequence's rows [start, start + len) start 8-aligned, are
+// disjoint and inside portable_dq_padded_rows.
+void expect_portable_rows_fit(const std::vector<int>& lens) {
+  const int batch = static_cast<int>(lens.size());
+  int64_t q_start = 0, prev_end = 0, total = 0;
+  for (int len : lens) total += len;
+  const int64_t rows = portable_dq_padded_rows(total, batch);
+  for (int b = 0; b < batch; ++b) {
+    const int64_t start = portable_dq_padded_start(q_start, b);
+    EXPECT_EQ(start % 8, 0) << "sequence " << b;
+    EXPECT_GE(start, prev_end) << "sequence " << b << " overlaps the one before";
+    EXPECT_LE(start + lens[b], rows) << "sequence " << b << " past the padded rows";
+    prev_end = std::max(prev_end, start + lens[b]);
+    q_start += lens[b];
+  }
+}
+
+TEST(PortableDqLayout, SequencesAreAlignedDisjointAndFit) {
+  expect_portable_rows_fit({4096, 4096, 4096, 4096});
+  expect_portable_rows_fit({0, 1, 17, 130, 1, 257});
+  expect_portable_rows_fit({7, 8, 9, 0, 0, 15, 16, 17});
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<int> lens(1 + rng() % 40);
+    for (int& l : lens) l = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % 700);
+    expect_portable_rows_fit(lens);
+  }
+}
+
+TEST(PortableDqLayout, BlocksAreAPermutationAndFragmentsContiguous) {
+  for (int head_dim : {8, 64, 80, 128, 256}) {
+    const int heads = 3, rows = 24;
+    const int64_t size = int64_t{rows} * heads * head_dim;
+    std::vector<char> seen(size, 0);
+    for (int r = 0; r < rows; ++r)
+      for (int h = 0; h < heads; ++h)
+        for (int c = 0; c < head_dim; ++c) {
+          const int64_t at = portable_dq_offset(r, h, c, heads, head_dim);
+          ASSERT_GE(at, 0);
+          ASSERT_LT(at, size);
+          ASSERT_FALSE(seen[at]) << "offset " << at << " taken twice (head dim " << head_dim << ")";
+          seen[at] = 1;
+        }
+    // An MMA fragment's reduction (lane (g, t): row 8 j + g, columns 8 k + 2 t, + 1) covers 64
+    // contiguous floats, lane by lane: what bwd_add_dq's single base pointer relies on, with the
+    // next column group 64 floats on and the next row group heads * head_dim * 8.
+    for (int j = 0; j < rows / 8; ++j)
+      for (int k = 0; k < head_dim / 8; ++k) {
+        const int64_t base = portable_dq_offset(8 * j, 1, 8 * k, heads, head_dim);
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g = lane / 4, t = lane % 4;
+          EXPECT_EQ(portable_dq_offset(8 * j + g, 1, 8 * k + 2 * t, heads, head_dim), base + 2 * lane);
+          EXPECT_EQ(portable_dq_offset(8 * j + g, 1, 8 * k + 2 * t + 1, heads, head_dim), base + 2 * lane + 1);
+        }
+        EXPECT_EQ(portable_dq_offset(8 * j, 1, 8 * k, heads, head_dim),
+                  portable_dq_offset(8 * j, 1, 0, heads, head_dim) + 64 * k);
+        if (j > 0)
+          EXPECT_EQ(base, portable_dq_offset(8 * (j - 1), 1, 8 * k, heads, head_dim) + int64_t{heads} * head_dim * 8);
+      }
+  }
+}
+
+TEST(BwdWorkspace, PortableDqHoldsThePaddedRows) {
+  AttentionShape s;
+  s.batch = 6, s.heads = 4, s.heads_kv = 2, s.head_dim = 80;
+  s.seqlen_q = 257, s.seqlen_k = 300, s.varlen = true, s.total_q = 406, s.total_k = 475;
+  const BwdWorkspaceLayout l = bwd_workspace_layout(s, 64, 128, true);
+  EXPECT_GE(l.dk_accum - l.dq_accum,
+            static_cast<std::size_t>(portable_dq_padded_rows(406, 6)) * 4 * 80 * sizeof(float));
 }
 
 TEST(HopperDqLayout, TileOrderIsAPermutationOfTheTile) {

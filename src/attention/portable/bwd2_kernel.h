@@ -58,6 +58,11 @@ struct Bwd2TileConfig {
 #ifndef FLARE_PORTABLE_BWD2_GRIDS
 #define FLARE_PORTABLE_BWD2_GRIDS 1
 #endif
+// DQ_FIRST=1 (A/B, session 30): dQ computed and added before the dK/dV GEMMs, so that a
+// deterministic turn passes sooner.
+#ifndef FLARE_PORTABLE_BWD2_DQ_FIRST
+#define FLARE_PORTABLE_BWD2_DQ_FIRST 0
+#endif
 template <int kHeadDim>
 struct Bwd2ConfigFor {
   static constexpr bool kWide = FLARE_PORTABLE_BWD2_GRIDS && kHeadDim > 128;
@@ -238,64 +243,83 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
     __syncthreads();  // P and dS complete
 
     // ---- dV += P^T dO and dK += dS^T Q on the warp's kDkvKeys keys x kDkvCols columns ----------
+    auto dkv_gemm = [&] {
 #pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks) {
-      uint32_t ap[kKvM][4], ads[kKvM][4];
+      for (int ks = 0; ks < kBlockM / 16; ++ks) {
+        uint32_t ap[kKvM][4], ads[kKvM][4];
 #pragma unroll
-      for (int mi = 0; mi < kKvM; ++mi) {  // P^T, dS^T: the [query][key] tiles read transposed
-        const int off = (16 * ks + lane % 8 + (lane / 16) * 8) * kPStride + kv_key + 16 * mi + ((lane / 8) % 2) * 8;
-        ldmatrix_x4_trans(ap[mi], sm.p + off);
-        ldmatrix_x4_trans(ads[mi], sm.ds + off);
-      }
+        for (int mi = 0; mi < kKvM; ++mi) {  // P^T, dS^T: the [query][key] tiles read transposed
+          const int off = (16 * ks + lane % 8 + (lane / 16) * 8) * kPStride + kv_key + 16 * mi + ((lane / 8) % 2) * 8;
+          ldmatrix_x4_trans(ap[mi], sm.p + off);
+          ldmatrix_x4_trans(ads[mi], sm.ds + off);
+        }
 #pragma unroll
-      for (int cp = 0; cp < kKvN / 2; ++cp) {
-        const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + kv_col + 16 * cp + (lane / 16) * 8;
-        uint32_t bo[4], bq[4];
-        ldmatrix_x4_trans(bo, sdo + off);
-        ldmatrix_x4_trans(bq, sq + off);
+        for (int cp = 0; cp < kKvN / 2; ++cp) {
+          const int off = (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + kv_col + 16 * cp + (lane / 16) * 8;
+          uint32_t bo[4], bq[4];
+          ldmatrix_x4_trans(bo, sdo + off);
+          ldmatrix_x4_trans(bq, sq + off);
 #pragma unroll
-        for (int mi = 0; mi < kKvM; ++mi) {
-          mma_16x8x16<T>(dv[mi][2 * cp], ap[mi], bo[0], bo[1]);
-          mma_16x8x16<T>(dv[mi][2 * cp + 1], ap[mi], bo[2], bo[3]);
-          mma_16x8x16<T>(dk[mi][2 * cp], ads[mi], bq[0], bq[1]);
-          mma_16x8x16<T>(dk[mi][2 * cp + 1], ads[mi], bq[2], bq[3]);
+          for (int mi = 0; mi < kKvM; ++mi) {
+            mma_16x8x16<T>(dv[mi][2 * cp], ap[mi], bo[0], bo[1]);
+            mma_16x8x16<T>(dv[mi][2 * cp + 1], ap[mi], bo[2], bo[3]);
+            mma_16x8x16<T>(dk[mi][2 * cp], ads[mi], bq[0], bq[1]);
+            mma_16x8x16<T>(dk[mi][2 * cp + 1], ads[mi], bq[2], bq[3]);
+          }
         }
       }
-    }
+    };
 
     // ---- dQ = dS K on the warp's kDqRows rows x kDqCols columns, added into fp32 ----------------
     float dq[kDqM][kDqN][4];
-#pragma unroll
-    for (int mi = 0; mi < kDqM; ++mi)
-#pragma unroll
-      for (int c = 0; c < kDqN; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[mi][c][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      uint32_t a[kDqM][4];
+    auto dq_gemm = [&] {
 #pragma unroll
       for (int mi = 0; mi < kDqM; ++mi)
-        ldmatrix_x4(a[mi], sm.ds + (dq_row + 16 * mi + lane % 16) * kPStride + 16 * ks + (lane / 16) * 8);
 #pragma unroll
-      for (int cp = 0; cp < kDqN / 2; ++cp) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, sm.k + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dq_col + 16 * cp +
-                                  (lane / 16) * 8);
+        for (int c = 0; c < kDqN; ++c)
 #pragma unroll
-        for (int mi = 0; mi < kDqM; ++mi) {
-          mma_16x8x16<T>(dq[mi][2 * cp], a[mi], bk[0], bk[1]);
-          mma_16x8x16<T>(dq[mi][2 * cp + 1], a[mi], bk[2], bk[3]);
+          for (int e = 0; e < 4; ++e) dq[mi][c][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        uint32_t a[kDqM][4];
+#pragma unroll
+        for (int mi = 0; mi < kDqM; ++mi)
+          ldmatrix_x4(a[mi], sm.ds + (dq_row + 16 * mi + lane % 16) * kPStride + 16 * ks + (lane / 16) * 8);
+#pragma unroll
+        for (int cp = 0; cp < kDqN / 2; ++cp) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, sm.k + (16 * ks + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dq_col + 16 * cp +
+                                    (lane / 16) * 8);
+#pragma unroll
+          for (int mi = 0; mi < kDqM; ++mi) {
+            mma_16x8x16<T>(dq[mi][2 * cp], a[mi], bk[0], bk[1]);
+            mma_16x8x16<T>(dq[mi][2 * cp + 1], a[mi], bk[2], bk[3]);
+          }
         }
       }
-    }
-    int* sem = dq_turn_semaphore(P, b, h, m);
-    if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
+    };
+    auto dq_add = [&] {
 #pragma unroll
-    for (int mi = 0; mi < kDqM; ++mi) {
-      bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, DqPart<Cfg>(dq_row + 16 * mi, dq_col), lane, dq[mi]);
+      for (int mi = 0; mi < kDqM; ++mi)
+        bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, DqPart<Cfg>(dq_row + 16 * mi, dq_col), lane, dq[mi]);
+    };
+    int* sem = dq_turn_semaphore(P, b, h, m);
+    auto take_turn = [&] {
+      if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
+    };
+    if constexpr (FLARE_PORTABLE_BWD2_DQ_FIRST) {
+      dq_gemm();
+      take_turn();
+      dq_add();
+      if (sem) pass_turn(sem);
+      dkv_gemm();
+    } else {
+      dkv_gemm();
+      dq_gemm();
+      take_turn();
+      dq_add();
+      if (sem) pass_turn(sem);
     }
-    if (sem) pass_turn(sem);
   }
 
   int* sem = dkv_turn_semaphore(P, b, hk, n);

@@ -289,22 +289,23 @@ __device__ __forceinline__ void bwd_add_dq(const BwdKernelParams& P, const detai
                                            const float (&dq)[Cfg::kDqCols / 8][4]) {
   const detail::FwdKernelParams& p = P.fwd;
   const int g = lane / 4, t = lane % 4;
-  // The thread's first element (row i0, column col0) and the row pitch, once: each reduction is then
-  // an immediate offset from one pointer. Computed per element, the address math took about 25
-  // instructions a reduction (the reductions' memory clobber forced the parameters to be re-read).
+  // The thread's first element (row i0, column col0), once: each reduction is then an immediate
+  // offset from one pointer. Computed per element, the address math took about 25 instructions a
+  // reduction (the reductions' memory clobber forced the parameters to be re-read). In the blocked
+  // accumulator (detail::portable_dq_offset; part.row and row0 are multiples of 8) column group c
+  // sits 64 floats on, and row i0 + 8 one row group on.
   const int i0 = row0 + part.row + g, col0 = part.col + 2 * t;
-  const int64_t pitch = int64_t{p.heads} * p.head_dim;
-  float* const base = P.dq_accum + detail::accum_row(p, b, seq.q_start, i0, p.seqlen_q) * pitch +
-                      int64_t{h} * p.head_dim + col0;
+  float* const base =
+      P.dq_accum + detail::portable_dq_offset(detail::portable_dq_row(p, b, seq.q_start, i0), h, col0, p.heads, p.head_dim);
   const float scale = p.scale;
-  float* const base8 = base + 8 * pitch;
-  // Columns col0 + 8 c, + 1 of rows i0 and i0 + 8: one 8-byte reduction each, in turn order when
-  // deterministic (the turn's release orders CTAs' reductions).
+  float* const base8 = base + int64_t{p.heads} * p.head_dim * 8;
+  // Columns col0 + 8 c, + 1 of rows i0 and i0 + 8: one 8-byte reduction each (a warp's is 256
+  // contiguous bytes), in turn order when deterministic (the turn's release orders CTAs' reductions).
   if (row0 + part.row + 16 <= row_end && part.col + Cfg::kDqCols <= p.head_dim) {  // the warp's whole tile
 #pragma unroll
     for (int c = 0; c < Cfg::kDqCols / 8; ++c) {
-      red_add_f32x2(base + 8 * c, dq[c][0] * scale, dq[c][1] * scale);
-      red_add_f32x2(base8 + 8 * c, dq[c][2] * scale, dq[c][3] * scale);
+      red_add_f32x2(base + 64 * c, dq[c][0] * scale, dq[c][1] * scale);
+      red_add_f32x2(base8 + 64 * c, dq[c][2] * scale, dq[c][3] * scale);
     }
     return;
   }
@@ -312,8 +313,8 @@ __device__ __forceinline__ void bwd_add_dq(const BwdKernelParams& P, const detai
   const bool row_ok0 = i0 < row_end, row_ok1 = i0 + 8 < row_end;
 #pragma unroll
   for (int c = 0; c < Cfg::kDqCols / 8; ++c) {
-    red_add_f32x2_if(row_ok0 && 8 * c < cols, base + 8 * c, dq[c][0] * scale, dq[c][1] * scale);
-    red_add_f32x2_if(row_ok1 && 8 * c < cols, base8 + 8 * c, dq[c][2] * scale, dq[c][3] * scale);
+    red_add_f32x2_if(row_ok0 && 8 * c < cols, base + 64 * c, dq[c][0] * scale, dq[c][1] * scale);
+    red_add_f32x2_if(row_ok1 && 8 * c < cols, base8 + 64 * c, dq[c][2] * scale, dq[c][3] * scale);
   }
 }
 
@@ -511,7 +512,8 @@ __global__ void bwd_dpsum_kernel(const BwdKernelParams P) {
 // dsinks[h] = -sum over rows of exp(sink - lse) * dpsum (bwd_common.cu).
 Status launch_bwd_dsinks(const BwdKernelParams& P, Stream stream);
 
-// fp32 [rows, heads, head_dim] accumulator -> the dtype through the output's strides.
+// An fp32 accumulator -> the dtype through the output's strides: dQ's blocked one
+// (q_side: detail::portable_dq_offset), dK's and dV's [rows, heads, head_dim].
 template <typename T>
 __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrides str, const detail::FwdKernelParams p,
                                    int heads, bool q_side) {
@@ -528,7 +530,9 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
     for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < int64_t{len} * vecs;
          e += int64_t{gridDim.x} * blockDim.x) {
       const int i = static_cast<int>(e / vecs), c = static_cast<int>(e % vecs) * 8;
-      const float* src = acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim + c;
+      const float* src = q_side ? acc + detail::portable_dq_offset(detail::portable_dq_row(p, b, start, i), h, c,
+                                                                     heads, p.head_dim)
+                                : acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim + c;
       const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
       *reinterpret_cast<uint4*>(out0 + int64_t{i} * str.row + c) =
           make_uint4(ElemTraits<T>::pack(lo.x, lo.y), ElemTraits<T>::pack(lo.z, lo.w), ElemTraits<T>::pack(hi.x, hi.y),
@@ -537,9 +541,11 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
     return;
   }
   for (int i = blockIdx.x; i < len; i += gridDim.x) {
-    const float* src = acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim;
+    const int64_t row = q_side ? detail::portable_dq_row(p, b, start, i) : detail::accum_row(p, b, start, i, max_len);
     T* dst = static_cast<T*>(out) + detail::row_offset(str, b, start + i, h);
-    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) dst[c] = static_cast<T>(src[c]);
+    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x)
+      dst[c] = static_cast<T>(q_side ? acc[detail::portable_dq_offset(row, h, c, heads, p.head_dim)]
+                                     : acc[(row * heads + h) * p.head_dim + c]);
   }
 }
 

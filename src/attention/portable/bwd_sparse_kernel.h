@@ -74,18 +74,24 @@ __device__ __forceinline__ void stage_dq(float* stage, DqPart<Cfg> part, int lan
           make_float2(dq[c][2 * r] * scale, dq[c][2 * r + 1] * scale);
 }
 
-// Adds the staged rows [0, rows) (query rows row0 ...) into the fp32 accumulator, every thread a
-// column pair of a row in turn (coalesced reductions).
+// Adds the staged rows [0, rows) (query rows row0 ..., row0 a multiple of 8) into the fp32
+// accumulator, a warp an 8 x 8 block of it in turn (its 32 column pairs: one contiguous 256-byte
+// span of the blocked accumulator, detail::portable_dq_offset).
 template <typename Cfg, typename T>
 __device__ __forceinline__ void add_staged_dq(const BwdKernelParams& P, const detail::SeqInfo& seq, int b, int h,
                                               int row0, int rows, const float* stage) {
   const detail::FwdKernelParams& p = P.fwd;
-  const int pairs = p.head_dim / 2;
-  for (int e = threadIdx.x; e < rows * pairs; e += Cfg::kThreads) {
-    const int r = e / pairs, col = 2 * (e - r * pairs);
+  const int col_groups = p.head_dim / 8;
+  float* const acc = P.dq_accum + detail::portable_dq_offset(detail::portable_dq_row(p, b, seq.q_start, row0), h, 0,
+                                                              p.heads, p.head_dim);
+  const int64_t group_pitch = int64_t{p.heads} * p.head_dim * 8;  // the next 8 rows
+  for (int e = threadIdx.x; e < (rows + 7) / 8 * col_groups * 32; e += Cfg::kThreads) {
+    const int block = e / 32, in = e % 32;  // block (row group, column group); in it row in / 4, pair in % 4
+    const int rg = block / col_groups, cg = block - rg * col_groups;
+    const int r = 8 * rg + in / 4, col = 8 * cg + 2 * (in % 4);
+    if (r >= rows) continue;
     const float2 v = *reinterpret_cast<const float2*>(stage + r * DqStage<Cfg, T>::kStride + col);
-    red_add_f32x2(P.dq_accum + (detail::accum_row(p, b, seq.q_start, row0 + r, p.seqlen_q) * p.heads + h) * p.head_dim + col,
-                  v.x, v.y);
+    red_add_f32x2(acc + rg * group_pitch + 64 * cg + 2 * in, v.x, v.y);
   }
 }
 
