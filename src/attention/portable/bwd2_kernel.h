@@ -1,6 +1,6 @@
 // Portable attention backward, second design (docs/portable_bwd_v2.md): FlashAttention-2's 2-D
-// warp tiling. Not the default yet: `launch_portable_bwd2_cfg` runs it for tuning and the emulated
-// test until it is measured against the first design (bwd_kernel.h).
+// warp tiling. The library's default where Bwd2ConfigFor says so (head dims 64, 128, 256); the
+// first design (bwd_kernel.h) serves the others.
 //
 // A CTA of 8 warps owns kBlockN keys of one (sequence, head) and walks query blocks of kBlockM
 // rows. Per query block, each GEMM is split over the warps in 2-D, so that no warp reads all of
@@ -59,8 +59,8 @@ struct Bwd2TileConfig {
 #define FLARE_PORTABLE_BWD2_GRIDS 1
 #endif
 // The deterministic mode's step order: dQ computed and added (in its turn) before the dK/dV GEMMs,
-// so that the turn passes to the next key block sooner (6-9 % faster at every head dim, call 3;
-// the ordinary mode is 1-4 % faster in the first order, dK/dV first). 0 for A/B.
+// so that the turn passes to the next key block sooner: 4-7 % faster (bench/RESULTS.md, session
+// 30). The ordinary mode keeps dK/dV first, 1-4 % faster for it. 0: dK/dV first in both (A/B).
 #ifndef FLARE_PORTABLE_BWD2_DET_DQ_FIRST
 #define FLARE_PORTABLE_BWD2_DET_DQ_FIRST 1
 #endif
