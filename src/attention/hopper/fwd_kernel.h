@@ -682,11 +682,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     if constexpr (kPersistent) {
       for (;;) {
         sm.q_ring.wait_full(pos.q);
-        // Read by the lane that releases the stage (consume's `lane == 0` arrives), so the read is
-        // ordered before the producer's next write of the slot by program order alone.
-        int i = 0;
-        if (threadIdx.x % 32 == 0) i = sm.tile_of_q[pos.q.index];
-        i = __shfl_sync(0xffffffffu, i, 0);
+        const int i = sm.tile_of_q[pos.q.index];
         if (i < 0) return;
         consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
       }
