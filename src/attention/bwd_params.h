@@ -49,6 +49,16 @@ FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i
   return p.cu_seqlens_q != nullptr ? start + i : int64_t{b} * seqlen + i;
 }
 
+// A padded row space where every sequence starts on a multiple of `align` rows: sequence b (its
+// rows start at first_row) starts at floor((first_row + align b) / align) * align. Sequences never
+// overlap and all rows fit in aligned_sequence_rows(total, batch, align). Both dq_accum layouts use it.
+FLARE_HD int64_t aligned_sequence_start(int64_t first_row, int b, int align) {
+  return (first_row + int64_t{align} * b) / align * align;
+}
+FLARE_HD int64_t aligned_sequence_rows(int64_t total, int batch, int align) {
+  return (total + int64_t{align} * (batch + 1) - 1) / align * align;
+}
+
 // Portable dq_accum. Rows live in a padded row space where every sequence starts on an 8-row
 // boundary (floor((first row + 8 b) / 8) * 8: sequences never overlap, all fit in
 // portable_dq_padded_rows). The floats are stored in blocks of 8 rows x 8 columns, row-major inside
@@ -56,10 +66,8 @@ FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i
 // accumulator fragment (lane (g, t): row g, columns 2t and 2t + 1 of an 8 x 8 tile) is then one
 // contiguous 256-byte span: 2 L1 tag lookups where a row-major accumulator took 8 (the H100's
 // lg_throttle stalls of session 30; FlashAttention-2 keeps its accumulator in fragment order too).
-FLARE_HD int64_t portable_dq_padded_start(int64_t first_row, int b) { return (first_row + int64_t{8} * b) / 8 * 8; }
-FLARE_HD int64_t portable_dq_padded_rows(int64_t total_q, int batch) {
-  return (total_q + int64_t{8} * (batch + 1) - 1) / 8 * 8;
-}
+FLARE_HD int64_t portable_dq_padded_start(int64_t first_row, int b) { return aligned_sequence_start(first_row, b, 8); }
+FLARE_HD int64_t portable_dq_padded_rows(int64_t total_q, int batch) { return aligned_sequence_rows(total_q, batch, 8); }
 // Row i of sequence b (its rows start at q_start) in that row space.
 FLARE_HD int64_t portable_dq_row(const FwdKernelParams& p, int b, int64_t q_start, int i) {
   return portable_dq_padded_start(accum_row(p, b, q_start, 0, p.seqlen_q), b) + i;
@@ -74,11 +82,9 @@ FLARE_HD int64_t portable_dq_offset(int64_t row, int h, int col, int heads, int 
 // Hopper dq_accum: the first row of sequence b (its rows start at q_start) in the padded row
 // space, where every sequence starts on a 64-row boundary: floor((q_start + 64 b) / 64) * 64.
 // Sequences never overlap and all rows fit in hopper_dq_padded_rows(total_q, batch).
-FLARE_HD int64_t hopper_dq_padded_start(int64_t q_start, int b) {
-  return (q_start + int64_t{kRowStatsBlockM} * b) / kRowStatsBlockM * kRowStatsBlockM;
-}
+FLARE_HD int64_t hopper_dq_padded_start(int64_t q_start, int b) { return aligned_sequence_start(q_start, b, kRowStatsBlockM); }
 FLARE_HD int64_t hopper_dq_padded_rows(int64_t total_q, int batch) {
-  return (total_q + int64_t{kRowStatsBlockM} * (batch + 1) - 1) / kRowStatsBlockM * kRowStatsBlockM;
+  return aligned_sequence_rows(total_q, batch, kRowStatsBlockM);
 }
 
 // Hopper dQ tile order: element i of consumer thread ct's dQ fragment (of `threads` consumer

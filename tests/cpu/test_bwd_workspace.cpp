@@ -14,19 +14,18 @@
 namespace flare::detail {
 namespace {
 
-// Every sequence's tiles [start, start + ceil(len / 64) * 64) are 64-aligned, disjoint and inside
-// hopper_dq_padded_rows: for batched (q_start = b * seqlen) and random varlen batches with empty
-// and one-row sequences.
-void expect_disjoint_tiles(const std::vector<int>& lens) {
+// Every sequence's rows [start, start + ceil(len / tile) * tile) start `align`-aligned, are disjoint
+// and inside the padded rows (start_of, rows_of: a layout's padded_start and padded_rows).
+template <typename StartOf, typename RowsOf>
+void expect_sequences_fit(const std::vector<int>& lens, int align, int tile, StartOf start_of, RowsOf rows_of) {
   const int batch = static_cast<int>(lens.size());
-  int64_t q_start = 0, prev_end = 0;
-  int64_t total = 0;
+  int64_t q_start = 0, prev_end = 0, total = 0;
   for (int len : lens) total += len;
-  const int64_t rows = hopper_dq_padded_rows(total, batch);
+  const int64_t rows = rows_of(total, batch);
   for (int b = 0; b < batch; ++b) {
-    const int64_t start = hopper_dq_padded_start(q_start, b);
-    const int64_t end = start + (lens[b] + kRowStatsBlockM - 1) / kRowStatsBlockM * kRowStatsBlockM;
-    EXPECT_EQ(start % kRowStatsBlockM, 0) << "sequence " << b;
+    const int64_t start = start_of(q_start, b);
+    const int64_t end = start + (lens[b] + tile - 1) / tile * tile;
+    EXPECT_EQ(start % align, 0) << "sequence " << b;
     EXPECT_GE(start, prev_end) << "sequence " << b << " overlaps the one before";
     EXPECT_LE(end, rows) << "sequence " << b << " past the padded rows";
     prev_end = std::max(prev_end, end);
@@ -34,46 +33,42 @@ void expect_disjoint_tiles(const std::vector<int>& lens) {
   }
 }
 
+// Random varlen batches (1-40 sequences, a quarter of them empty or one or two rows long).
+template <typename F>
+void for_random_batches(unsigned seed, F&& f) {
+  std::mt19937 rng(seed);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<int> lens(1 + rng() % 40);
+    for (int& l : lens) l = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % 700);
+    f(lens);
+  }
+}
+
+// The Hopper dQ tiles: 64-row tiles, 64-aligned, for batched (q_start = b * seqlen) and random
+// varlen batches with empty and one-row sequences.
+void expect_disjoint_tiles(const std::vector<int>& lens) {
+  expect_sequences_fit(lens, kRowStatsBlockM, kRowStatsBlockM, hopper_dq_padded_start, hopper_dq_padded_rows);
+}
+
 TEST(HopperDqLayout, SequencesAreAlignedDisjointAndFit) {
   expect_disjoint_tiles({4096, 4096, 4096, 4096});
   expect_disjoint_tiles({1000, 1000, 1000});
   expect_disjoint_tiles({0, 1, 17, 130, 1, 257});
   expect_disjoint_tiles({63, 64, 65, 0, 0, 127, 128, 129});
-  std::mt19937 rng(7);
-  for (int trial = 0; trial < 2000; ++trial) {
-    std::vector<int> lens(1 + rng() % 40);
-    for (int& l : lens) l = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % 700);
-    expect_disjoint_tiles(lens);
-  }
+  for_random_batches(7, expect_disjoint_tiles);
 }
 
 // The portable dQ accumulator: every sequence's rows [start, start + len) start 8-aligned, are
 // disjoint and inside portable_dq_padded_rows.
 void expect_portable_rows_fit(const std::vector<int>& lens) {
-  const int batch = static_cast<int>(lens.size());
-  int64_t q_start = 0, prev_end = 0, total = 0;
-  for (int len : lens) total += len;
-  const int64_t rows = portable_dq_padded_rows(total, batch);
-  for (int b = 0; b < batch; ++b) {
-    const int64_t start = portable_dq_padded_start(q_start, b);
-    EXPECT_EQ(start % 8, 0) << "sequence " << b;
-    EXPECT_GE(start, prev_end) << "sequence " << b << " overlaps the one before";
-    EXPECT_LE(start + lens[b], rows) << "sequence " << b << " past the padded rows";
-    prev_end = std::max(prev_end, start + lens[b]);
-    q_start += lens[b];
-  }
+  expect_sequences_fit(lens, 8, 1, portable_dq_padded_start, portable_dq_padded_rows);
 }
 
 TEST(PortableDqLayout, SequencesAreAlignedDisjointAndFit) {
   expect_portable_rows_fit({4096, 4096, 4096, 4096});
   expect_portable_rows_fit({0, 1, 17, 130, 1, 257});
   expect_portable_rows_fit({7, 8, 9, 0, 0, 15, 16, 17});
-  std::mt19937 rng(11);
-  for (int trial = 0; trial < 2000; ++trial) {
-    std::vector<int> lens(1 + rng() % 40);
-    for (int& l : lens) l = rng() % 4 == 0 ? static_cast<int>(rng() % 3) : static_cast<int>(rng() % 700);
-    expect_portable_rows_fit(lens);
-  }
+  for_random_batches(11, expect_portable_rows_fit);
 }
 
 TEST(PortableDqLayout, BlocksAreAPermutationAndFragmentsContiguous) {
