@@ -683,6 +683,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
       for (;;) {
         sm.q_ring.wait_full(pos.q);
         const int i = sm.tile_of_q[pos.q.index];
+        // Lane 0 alone releases the Q stage (consume), and the producer then rewrites this slot: every
+        // lane must have read it first (independent thread scheduling; racecheck flagged it).
+        __syncwarp();
         if (i < 0) return;
         consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
       }
