@@ -95,9 +95,7 @@ __device__ __forceinline__ void fwd_sparse_tile(const FwdKernelParams& p, const 
             sched::classify_tile(band, row0, row_end, col0, col0 + kBlockN, col_end) == sched::TileKind::kFull;
         if (!partial && band_full) return;
         if (!partial) {
-          mask_scores(s, row0 + warp_row + g, col0 + 2 * t, [&](int, int, int i, int j) {
-            return j < col_end && band.visible(i, j);
-          });
+          mask_band(s, band, row0 + warp_row + g, col0 + 2 * t, col_end);
           return;
         }
         // Partial: the element predicate too. Per row once: its structural interval, its
