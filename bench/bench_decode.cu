@@ -39,12 +39,14 @@
 // (DecodePlan::l2_evict_first) and records the winner's; --l2 makes the benchmark run every plan
 // with the one named (for A/B runs).
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <numeric>
@@ -67,7 +69,12 @@ constexpr int kElemBytes = 2;                   // bf16
 constexpr double kMaxRelError = 1e-2;           // vs the standard kernel's output
 constexpr double kTieFraction = 0.01;           // tuner: within 1 % of the fastest is a tie
 constexpr int64_t kMaxTuneTokens = int64_t{1} << 20;  // tuner: batch x cache length (4 GiB of K/V)
-constexpr const char* kDefaultTable = "data/decode_tuning_h100.txt";
+// The shipped table of the device (bench_decode --tune on each GPU), by its name.
+const char* shipped_table() {
+  cudaDeviceProp prop{};
+  const bool h200 = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && std::strstr(prop.name, "H200") != nullptr;
+  return h200 ? "data/decode_tuning_h200.txt" : "data/decode_tuning_h100.txt";
+}
 constexpr const char* kDefaultBaselineTable = "data/decode_tuning_h100_head_warps.txt";
 
 std::vector<int> cache_lengths(int from, int to) {
@@ -347,7 +354,7 @@ int tune(const Args& args, const std::string& path, const std::vector<DecodeEngi
 // The table named on the command line, else the shipped one `fallback` (from the working
 // directory or the source tree); nullptr when none is found, so the heuristic plans.
 const DecodeTuningTable* load_table(const std::string& requested, DecodeTuningTable* table,
-                                    const char* fallback = kDefaultTable) {
+                                    const char* fallback = shipped_table()) {
   std::vector<std::string> paths;
   if (!requested.empty()) {
     paths = {requested};

@@ -20,8 +20,10 @@ _decode_op = torch.ops.flare.decode
 _NO_WINDOW = (-1, -1)
 _merge_states_op = torch.ops.flare.merge_states
 
-# The measured split counts shipped with flare (bench_decode --tune on an H100), used on H100s.
-_H100_TABLE = Path(__file__).resolve().parents[2] / "data" / "decode_tuning_h100.txt"
+# The measured split counts shipped with flare (bench_decode --tune on each GPU), by the name
+# torch gives the device: a table is used only on the GPU it was measured on.
+_DATA = Path(__file__).resolve().parents[2] / "data"
+_TABLES = {"H200": _DATA / "decode_tuning_h200.txt", "H100": _DATA / "decode_tuning_h100.txt"}
 _table_checked = False
 
 
@@ -35,8 +37,11 @@ def load_decode_tuning_table(path):
 def _default_table(device):
     global _table_checked
     _table_checked = True
-    if _H100_TABLE.exists() and "H100" in torch.cuda.get_device_name(device):
-        _C.load_decode_tuning_table(str(_H100_TABLE))
+    name = torch.cuda.get_device_name(device)
+    for gpu, table in _TABLES.items():
+        if gpu in name and table.exists():
+            _C.load_decode_tuning_table(str(table))
+            return
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-// The shipped decode tuning table (data/decode_tuning_h100.txt, written on an H100 by
-// `bench_decode --tune`): it parses, the planner takes every benchmarked shape from it, and each
+// The shipped decode tuning tables (data/decode_tuning_h100.txt and decode_tuning_h200.txt, each
+// written on its GPU by `bench_decode --tune`; both GPUs have 132 SMs): each parses, the planner takes every benchmarked shape from it, and each
 // winner is a split count the planner reproduces for its class, so a loaded entry plans exactly
 // the kernel that was timed.
 #include <gtest/gtest.h>
@@ -13,12 +13,10 @@
 namespace flare {
 namespace {
 
-constexpr int kH100Sms = 132;
+constexpr int kH100Sms = 132;  // the H200's count too
 
-std::string shipped_table_path() {
-  return (std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "data" /
-          "decode_tuning_h100.txt")
-      .string();
+std::string shipped_table_path(const std::string& name) {
+  return (std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "data" / name).string();
 }
 
 // bench_decode's shapes: bf16, heads 32 / 8, head dim 128, one query token.
@@ -33,16 +31,16 @@ DecodeShapeKey bench_key(int batch, int64_t cache_len, int page_size) {
   return k;
 }
 
-class ShippedDecodeTable : public ::testing::Test {
+class ShippedDecodeTable : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    const Status s = table_.load(shipped_table_path());
+    const Status s = table_.load(shipped_table_path(GetParam()));
     ASSERT_TRUE(s.ok()) << s.message();
   }
   DecodeTuningTable table_;
 };
 
-TEST_F(ShippedDecodeTable, CoversTheBenchmarkShapes) {
+TEST_P(ShippedDecodeTable, CoversTheBenchmarkShapes) {
   for (int batch : {1, 8})
     for (int64_t len = 256; len <= 65536; len *= 2)
       for (int page_size : {0, 16, 64}) {
@@ -52,7 +50,7 @@ TEST_F(ShippedDecodeTable, CoversTheBenchmarkShapes) {
       }
 }
 
-TEST_F(ShippedDecodeTable, WinnersAreTheSplitCountsThatWereTimed) {
+TEST_P(ShippedDecodeTable, WinnersAreTheSplitCountsThatWereTimed) {
   ASSERT_GT(table_.size(), 0u);
   for (const auto& [c, winner] : table_.entries()) {
     DecodeShapeKey k = bench_key(c.batch_bucket, c.kv_len_bucket, c.paged ? 16 : 0);
@@ -73,7 +71,7 @@ TEST_F(ShippedDecodeTable, WinnersAreTheSplitCountsThatWereTimed) {
   }
 }
 
-TEST_F(ShippedDecodeTable, RoundTripsThroughItsTextFormat) {
+TEST_P(ShippedDecodeTable, RoundTripsThroughItsTextFormat) {
   std::ostringstream text;
   table_.write(text);
   DecodeTuningTable again;
@@ -82,13 +80,17 @@ TEST_F(ShippedDecodeTable, RoundTripsThroughItsTextFormat) {
   EXPECT_EQ(again.entries(), table_.entries());
 }
 
-TEST_F(ShippedDecodeTable, UnseenShapesFallBackToTheHeuristic) {
+TEST_P(ShippedDecodeTable, UnseenShapesFallBackToTheHeuristic) {
   DecodeShapeKey k = bench_key(1, 4096, 0);
   k.head_dim = 64;  // only head dim 128 was tuned
   DecodePlan plan;
   ASSERT_TRUE(decode_plan(k, &table_, kH100Sms, &plan).ok());
   EXPECT_EQ(plan.source, DecodePlanSource::kHeuristic);
 }
+
+INSTANTIATE_TEST_SUITE_P(Tables, ShippedDecodeTable,
+                         ::testing::Values("decode_tuning_h100.txt", "decode_tuning_h200.txt"),
+                         [](const auto& info) { return info.param.substr(14, 4); });
 
 }  // namespace
 }  // namespace flare
