@@ -76,8 +76,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], int
 
 // Sets the scores outside the band (or at columns col_end and past) to -inf: the dense masks'
 // case of mask_scores. Each row's visible columns [lo, hi) are found once, relative to the
-// thread's first column, so an element costs a compare against a constant offset or two (the
-// per-element band.visible was ~8 instructions: 64-bit differences and three compares).
+// thread's first column, so an element costs two compares against a constant offset.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_band(float (&s)[kMTiles][kNTiles][4], const sched::Band& band, int row_base,
                                           int col_base, int col_end) {
