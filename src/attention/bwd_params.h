@@ -59,9 +59,7 @@ FLARE_HD int64_t aligned_sequence_rows(int64_t total, int batch, int align) {
   return (total + int64_t{align} * (batch + 1) - 1) / align * align;
 }
 
-// Portable dq_accum. Rows live in a padded row space where every sequence starts on an 8-row
-// boundary (floor((first row + 8 b) / 8) * 8: sequences never overlap, all fit in
-// portable_dq_padded_rows). The floats are stored in blocks of 8 rows x 8 columns, row-major inside
+// Portable dq_accum. Rows live in the aligned row space above with 8-row alignment. The floats are stored in blocks of 8 rows x 8 columns, row-major inside
 // a block, blocks ordered by (8-row group, head, 8-column group). A warp's reduction of an MMA
 // accumulator fragment (lane (g, t): row g, columns 2t and 2t + 1 of an 8 x 8 tile) is then one
 // contiguous 256-byte span: 2 L1 tag lookups where a row-major accumulator took 8 (the H100's
@@ -79,9 +77,8 @@ FLARE_HD int64_t portable_dq_offset(int64_t row, int h, int col, int heads, int 
          (col & 7);
 }
 
-// Hopper dq_accum: the first row of sequence b (its rows start at q_start) in the padded row
-// space, where every sequence starts on a 64-row boundary: floor((q_start + 64 b) / 64) * 64.
-// Sequences never overlap and all rows fit in hopper_dq_padded_rows(total_q, batch).
+// Hopper dq_accum: the first row of sequence b (its rows start at q_start) in the aligned row
+// space with 64-row (kRowStatsBlockM) alignment.
 FLARE_HD int64_t hopper_dq_padded_start(int64_t q_start, int b) { return aligned_sequence_start(q_start, b, kRowStatsBlockM); }
 FLARE_HD int64_t hopper_dq_padded_rows(int64_t total_q, int batch) {
   return aligned_sequence_rows(total_q, batch, kRowStatsBlockM);

@@ -177,12 +177,11 @@ void run_backward_kernels(const BwdKernelParams& P, bool bwd_2d) {
     cuda_emu::launch(dim3((p.seqlen_q + 7) / 8, p.heads, p.batch), 256, smem,
                      [&] { portable::bwd_dpsum_kernel<T>(P); });
   if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
-    if (bwd_2d && P.deterministic)  // the library's order per mode (launch_portable_bwd2_cfg)
-      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg2::kThreads, smem,
-                       [&] { portable::portable_bwd2_kernel<Cfg2, T, FLARE_PORTABLE_BWD2_DET_DQ_FIRST != 0>(P); });
-    else if (bwd_2d)
-      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg2::kThreads, smem,
-                       [&] { portable::portable_bwd2_kernel<Cfg2, T>(P); });
+    if (bwd_2d)  // the library's step order per mode (launch_portable_bwd2_cfg)
+      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg2::kThreads, smem, [&] {
+        if (P.deterministic) portable::portable_bwd2_kernel<Cfg2, T, FLARE_PORTABLE_BWD2_DET_DQ_FIRST != 0>(P);
+        else portable::portable_bwd2_kernel<Cfg2, T>(P);
+      });
     else
       cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg::kThreads, smem,
                        [&] { portable::portable_bwd_kernel<Cfg, T>(P); });

@@ -305,23 +305,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
       for (int mi = 0; mi < kDqM; ++mi)
         bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, DqPart<Cfg>(dq_row + 16 * mi, dq_col), lane, dq[mi]);
     };
+    if constexpr (!kDqFirst) dkv_gemm();
+    dq_gemm();
     int* sem = dq_turn_semaphore(P, b, h, m);
-    auto take_turn = [&] {
-      if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
-    };
-    if constexpr (kDqFirst) {
-      dq_gemm();
-      take_turn();
-      dq_add();
-      if (sem) pass_turn(sem);
-      dkv_gemm();
-    } else {
-      dkv_gemm();
-      dq_gemm();
-      take_turn();
-      dq_add();
-      if (sem) pass_turn(sem);
-    }
+    if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
+    dq_add();
+    if (sem) pass_turn(sem);
+    if constexpr (kDqFirst) dkv_gemm();
   }
 
   int* sem = dkv_turn_semaphore(P, b, hk, n);

@@ -522,6 +522,13 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
   const int len = q_side ? seq.seqlen_q : seq.seqlen_k;
   const int64_t start = q_side ? seq.q_start : seq.k_start;
   const int max_len = q_side ? p.seqlen_q : p.seqlen_k;
+  // Row i's place in the accumulator's row space, and a (row, column)'s float offset.
+  auto row_of = [&](int i) {
+    return q_side ? detail::portable_dq_row(p, b, start, i) : detail::accum_row(p, b, start, i, max_len);
+  };
+  auto offset = [&](int64_t row, int c) {
+    return q_side ? detail::portable_dq_offset(row, h, c, heads, p.head_dim) : (row * heads + h) * p.head_dim + c;
+  };
   // 8 elements a thread (two float4 loads, one 16-byte store) where the output's rows allow it:
   // one element a thread left a d128 row's 128 threads a 2-byte store each and a CTA per row.
   T* out0 = static_cast<T*>(out) + detail::row_offset(str, b, start, h);
@@ -530,9 +537,7 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
     for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < int64_t{len} * vecs;
          e += int64_t{gridDim.x} * blockDim.x) {
       const int i = static_cast<int>(e / vecs), c = static_cast<int>(e % vecs) * 8;
-      const float* src = q_side ? acc + detail::portable_dq_offset(detail::portable_dq_row(p, b, start, i), h, c,
-                                                                     heads, p.head_dim)
-                                : acc + (detail::accum_row(p, b, start, i, max_len) * heads + h) * p.head_dim + c;
+      const float* src = acc + offset(row_of(i), c);
       const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
       *reinterpret_cast<uint4*>(out0 + int64_t{i} * str.row + c) =
           make_uint4(ElemTraits<T>::pack(lo.x, lo.y), ElemTraits<T>::pack(lo.z, lo.w), ElemTraits<T>::pack(hi.x, hi.y),
@@ -541,11 +546,9 @@ __global__ void bwd_convert_kernel(const float* acc, void* out, detail::RowStrid
     return;
   }
   for (int i = blockIdx.x; i < len; i += gridDim.x) {
-    const int64_t row = q_side ? detail::portable_dq_row(p, b, start, i) : detail::accum_row(p, b, start, i, max_len);
+    const int64_t row = row_of(i);
     T* dst = static_cast<T*>(out) + detail::row_offset(str, b, start + i, h);
-    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x)
-      dst[c] = static_cast<T>(q_side ? acc[detail::portable_dq_offset(row, h, c, heads, p.head_dim)]
-                                     : acc[(row * heads + h) * p.head_dim + c]);
+    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) dst[c] = static_cast<T>(acc[offset(row, c)]);
   }
 }
 
