@@ -90,7 +90,7 @@ struct FwdSmem : FwdListSmem<kSparse> {
   cute::array_aligned<typename L::Elem, kQElems * kQStages, 1024> q;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> k;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> v;
-  StageBarriers<kQStages> q_ring;  // a Q stage is free again once every consumer warp's S GEMMs are done
+  StageBarriers<kQStages> q_ring;  // a Q stage is free again once every consumer thread is done with it
   StageBarriers<Cfg::kStages> k_ring, v_ring;
   int tile_of_q[kQStages];  // persistent: the tile whose Q a stage holds (-1: no tiles left)
 };
@@ -347,7 +347,7 @@ __device__ __forceinline__ void pass_tile_without_rows(Smem& sm, const FwdTile<W
   using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
   typename Walk::Cursor c = t.kv.begin();
   pass_tiles(sm, t, c, pos, wg, lane, INT_MAX);  // every tile
-  if (lane == 0) sm.q_ring.release(pos.q);
+  sm.q_ring.release(pos.q);  // every thread: its own reads of the stage's tile index
   pos.q.template advance<Smem::kQStages>();
   RingPos& vpos = pos.v;
   sm.v_ring.wait_full(vpos);  // P_last V_last
@@ -423,7 +423,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   unsigned long long* tl = timeline_of(hp);
   const bool marks = consumer_thread == 0;  // warpgroup 0's stamps (fwd_timeline.h)
   if (t.kv.empty() && has_q) {  // nothing to compute: hand the stage back at once
-    if (lane == 0) sm.q_ring.release(pos.q);
+    sm.q_ring.release(pos.q);  // every thread: its own reads of the stage's tile index
     pos.q.template advance<Smem::kQStages>();
   }
   // No rows here: nothing to compute or write. (Dense tiles only: in the block-sparse kernel,
@@ -515,7 +515,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
     };
     // The last P V, once every S GEMM has completed.
     auto last_pv = [&](auto& p_last) {
-      if (lane == 0) sm.q_ring.release(pos.q);
+      sm.q_ring.release(pos.q);  // every thread: its own reads of the stage's tile index
       pos.q.template advance<Smem::kQStages>();
       if constexpr (Cfg::kTwoP) {  // one P set: the step already waited for its PV GEMM
         wg_wait<0>(o_acc);
@@ -622,7 +622,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     cute::prefetch_tma_descriptor(hp.tma_v.get_tma_descriptor());
   }
   if (threadIdx.x == 0) {
-    sm.q_ring.init(4 * Cfg::kConsumerWGs);
+    sm.q_ring.init(128 * Cfg::kConsumerWGs);  // every consumer thread releases a Q stage
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
     if constexpr (kSparse) cutlass::arch::ClusterBarrier::init(&sm.list.full, 32);  // the writing warp's lanes
@@ -682,10 +682,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     if constexpr (kPersistent) {
       for (;;) {
         sm.q_ring.wait_full(pos.q);
+        // Every consumer thread releases the Q stage (consume) after this read: the producer, which
+        // rewrites the slot after the release, is ordered after each reader by that reader's own
+        // arrive (a lane-0 arrive after __syncwarp left racecheck hazards at d64).
         const int i = sm.tile_of_q[pos.q.index];
-        // Lane 0 alone releases the Q stage (consume), and the producer then rewrites this slot: every
-        // lane must have read it first (independent thread scheduling; racecheck flagged it).
-        __syncwarp();
         if (i < 0) return;
         consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
       }
