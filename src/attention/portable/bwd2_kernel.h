@@ -9,6 +9,8 @@
 //   P = exp2(S - lse), dS = P o (dP - dpsum)   in registers; P and dS to shared memory
 //   dV += P^T dO, dK += dS^T Q  warps 4 (keys) x 2 (head-dim columns); dK and dV stay in registers
 //   dQ = dS K                   warps 2 (query rows) x 4 (head-dim columns), added into fp32
+// dK/dV before dQ, except above head dim 128 in the ordinary mode, where odd warps take dQ first
+// (FLARE_PORTABLE_BWD2_STAGGER), and in the deterministic mode, where dQ goes first (its turn).
 // The pre-pass, the conversions, the masks, the deterministic turn order and the dK/dV epilogue
 // are the first design's (bwd_kernel.h).
 #pragma once
@@ -64,6 +66,14 @@ struct Bwd2TileConfig {
 #ifndef FLARE_PORTABLE_BWD2_DET_DQ_FIRST
 #define FLARE_PORTABLE_BWD2_DET_DQ_FIRST 1
 #endif
+// Ordinary mode, head dims above 128: odd warps take the step's dQ before its dK/dV, so that the
+// eight warps' dQ reductions (red.global, issued in a burst) do not all reach the memory queue at
+// once. d256: 8-11 % faster on the H200 (ncu: the reductions' memory-queue stalls had been 11 % of
+// the warps' samples); d64 and d128 within 1 %, and d128 then spills in its loop, so they keep one
+// order (bench/RESULTS.md, session 32). 0: every warp dK/dV first (A/B).
+#ifndef FLARE_PORTABLE_BWD2_STAGGER
+#define FLARE_PORTABLE_BWD2_STAGGER 1
+#endif
 template <int kHeadDim>
 struct Bwd2ConfigFor {
   static constexpr bool kWide = FLARE_PORTABLE_BWD2_GRIDS && kHeadDim > 128;
@@ -99,6 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
   constexpr int kKvM = Cfg::kDkvKeys / 16, kKvN = Cfg::kDkvCols / 8;     // dK/dV tiles a warp
   constexpr int kDqM = Cfg::kDqRows / 16, kDqN = Cfg::kDqCols / 8;       // dQ tiles a warp
   constexpr float kLog2e = static_cast<float>(M_LOG2E);
+  constexpr bool kStaggerDq = FLARE_PORTABLE_BWD2_STAGGER && Cfg::kHeadDim > 128;
   const detail::FwdKernelParams& p = P.fwd;
 
   const int h = blockIdx.y, b = blockIdx.z;
@@ -305,6 +316,18 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
       for (int mi = 0; mi < kDqM; ++mi)
         bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, DqPart<Cfg>(dq_row + 16 * mi, dq_col), lane, dq[mi]);
     };
+    if (kStaggerDq && !P.deterministic) {  // one copy of each part: a rolled loop
+#pragma unroll 1
+      for (int part = 0; part < 2; ++part) {
+        if (((warp ^ part) & 1) == 0) {
+          dkv_gemm();
+        } else {
+          dq_gemm();
+          dq_add();
+        }
+      }
+      continue;
+    }
     if constexpr (!kDqFirst) dkv_gemm();
     dq_gemm();
     int* sem = dq_turn_semaphore(P, b, h, m);
