@@ -9,8 +9,8 @@
 //   P = exp2(S - lse), dS = P o (dP - dpsum)   in registers; P and dS to shared memory
 //   dV += P^T dO, dK += dS^T Q  warps 4 (keys) x 2 (head-dim columns); dK and dV stay in registers
 //   dQ = dS K                   warps 2 (query rows) x 4 (head-dim columns), added into fp32
-// dK/dV before dQ, except above head dim 128 in the ordinary mode, where odd warps take dQ first
-// (FLARE_PORTABLE_BWD2_STAGGER), and in the deterministic mode, where dQ goes first (its turn).
+// dK/dV before dQ, except in the ordinary mode of head dims other than 128, where odd warps take dQ
+// first (FLARE_PORTABLE_BWD2_STAGGER), and in the deterministic mode, where dQ goes first (its turn).
 // The pre-pass, the conversions, the masks, the deterministic turn order and the dK/dV epilogue
 // are the first design's (bwd_kernel.h).
 #pragma once
@@ -66,11 +66,11 @@ struct Bwd2TileConfig {
 #ifndef FLARE_PORTABLE_BWD2_DET_DQ_FIRST
 #define FLARE_PORTABLE_BWD2_DET_DQ_FIRST 1
 #endif
-// Ordinary mode, head dims above 128: odd warps take the step's dQ before its dK/dV, so that the
-// eight warps' dQ reductions (red.global, issued in a burst) do not all reach the memory queue at
-// once. d256: 8-11 % faster on the H200 (ncu: the reductions' memory-queue stalls had been 11 % of
-// the warps' samples); d64 and d128 within 1 %, and d128 then spills in its loop, so they keep one
-// order (bench/RESULTS.md, session 32). 0: every warp dK/dV first (A/B).
+// Ordinary mode: odd warps take the step's dQ before their dK/dV, so that the eight warps' dQ
+// reductions (red.global, issued in a burst) do not all reach the memory queue at once. On the
+// H200 (bench/RESULTS.md, session 32): d256 8-11 % faster (ncu: the reductions' memory-queue stalls
+// had been 11 % of the warps' samples), d64 0.1-0.7 %; d128 within 1 % but then spilling in its
+// loop, so it keeps one order. 0: every warp dK/dV first (A/B).
 #ifndef FLARE_PORTABLE_BWD2_STAGGER
 #define FLARE_PORTABLE_BWD2_STAGGER 1
 #endif
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
   constexpr int kKvM = Cfg::kDkvKeys / 16, kKvN = Cfg::kDkvCols / 8;     // dK/dV tiles a warp
   constexpr int kDqM = Cfg::kDqRows / 16, kDqN = Cfg::kDqCols / 8;       // dQ tiles a warp
   constexpr float kLog2e = static_cast<float>(M_LOG2E);
-  constexpr bool kStaggerDq = FLARE_PORTABLE_BWD2_STAGGER && Cfg::kHeadDim > 128;
+  constexpr bool kStaggerDq = FLARE_PORTABLE_BWD2_STAGGER && Cfg::kHeadDim != 128;
   const detail::FwdKernelParams& p = P.fwd;
 
   const int h = blockIdx.y, b = blockIdx.z;
