@@ -1,20 +1,30 @@
 #!/usr/bin/env python3
 """Markdown table of flare's attention benchmark beside the SDPA peers of the same run: the portable
 kernels against FA2 (issue 3's bar), the Hopper kernels against cuDNN (issues 4 and 5).
-Usage: compare.py bench_attention.json peers_sdpa.json"""
+Usage: compare.py bench_attention.json[:D[,D...]] [more bench files...] peers_sdpa.json
+A bench file's ":D" suffix keeps only those head dims from it: a build with reduced FLARE_HEAD_DIMS
+also times the other head dims on the next instantiated kernel up (d64 on a d256 build's kernel),
+so merging several such builds' files needs it, e.g. d64.json:64 d128.json:128 d256.json:256."""
 import json
 import sys
 
 
 def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
     flare = {}
-    for r in json.load(open(sys.argv[1])):
+    records = []
+    for spec in sys.argv[1:-1]:
+        path, _, dims = spec.partition(":")
+        keep = set(dims.split(",")) if dims else None
+        records += [r for r in json.load(open(path)) if keep is None or r["tags"]["head_dim"] in keep]
+    for r in records:
         t = r["tags"]
         # "<case> backward <backend>" (older files: "<case> backward", the library's choice)
         kind = ("backward " + t["backend"]) if " backward" in r["name"] else t["backend"]
         flare.setdefault((t["head_dim"], t["seqlen"], t["causal"]), {})[kind] = r["metrics"]
     peers = {}
-    for r in json.load(open(sys.argv[2])):
+    for r in json.load(open(sys.argv[-1])):
         t = r["tags"]
         peers[(t["head_dim"], t["seqlen"], t["causal"], t["backend"])] = r["metrics"]
 
