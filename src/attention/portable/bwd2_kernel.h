@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
       for (int mi = 0; mi < kDqM; ++mi)
         bwd_add_dq<Cfg>(P, seq, b, h, row0, seq.seqlen_q, DqPart<Cfg>(dq_row + 16 * mi, dq_col), lane, dq[mi]);
     };
-    if (kStaggerDq && !P.deterministic) {  // one copy of each part: a rolled loop
+    if (kStaggerDq && !P.deterministic) {  // odd warps dQ first; one copy of each part (a rolled loop)
 #pragma unroll 1
       for (int part = 0; part < 2; ++part) {
         if (((warp ^ part) & 1) == 0) {
@@ -326,15 +326,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
           dq_add();
         }
       }
-      continue;
+    } else {
+      if constexpr (!kDqFirst) dkv_gemm();
+      dq_gemm();
+      int* sem = dq_turn_semaphore(P, b, h, m);
+      if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
+      dq_add();
+      if (sem) pass_turn(sem);
+      if constexpr (kDqFirst) dkv_gemm();
     }
-    if constexpr (!kDqFirst) dkv_gemm();
-    dq_gemm();
-    int* sem = dq_turn_semaphore(P, b, h, m);
-    if (sem) wait_turn(sem, dq_turn_of(P, band, m, n, kBlockM, kBlockN, seq.seqlen_q, seq.seqlen_k));
-    dq_add();
-    if (sem) pass_turn(sem);
-    if constexpr (kDqFirst) dkv_gemm();
   }
 
   int* sem = dkv_turn_semaphore(P, b, hk, n);
