@@ -67,6 +67,14 @@
 #define FLARE_HOPPER_BWD_EXPERIMENT 0
 #endif
 
+// Who arrives on the consumers' per-step barriers (a Q/dO stage's release, a dQ tile's full): 0 =
+// lane 0 of each warp after __syncwarp (4 arrivals a warpgroup); 1 = every consumer thread (128 a
+// warpgroup), as the forward releases its Q stage since session 32, where that was 3.5-5.7 %
+// faster at d64 (bench/RESULTS.md). Not yet measured here (A/B switch).
+#ifndef FLARE_HOPPER_BWD_THREAD_ARRIVES
+#define FLARE_HOPPER_BWD_THREAD_ARRIVES 0
+#endif
+
 namespace flare::hopper {
 
 template <typename Cfg, typename T>
@@ -99,6 +107,18 @@ struct BwdSmem {
   StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q, dO and the row statistics of one query block
   uint64_t dq_full[Cfg::kDqBufs], dq_empty[Cfg::kDqBufs];  // a dQ tile: written by the 8 consumer warps / read by the bulk adds
 };
+
+// The consumers' arrivals per warpgroup on a per-step barrier, and one consumer thread's part in
+// such an arrival (FLARE_HOPPER_BWD_THREAD_ARRIVES): after its reads of what the barrier releases.
+inline constexpr int kBwdArrivalsPerWG = FLARE_HOPPER_BWD_THREAD_ARRIVES ? 128 : 4;
+__device__ __forceinline__ void bwd_consumer_arrive(uint64_t* bar, int lane) {
+  if constexpr (FLARE_HOPPER_BWD_THREAD_ARRIVES) {
+    cutlass::arch::ClusterBarrier::arrive(bar);
+  } else {
+    __syncwarp();  // every lane's accesses precede lane 0's arrive
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
+  }
+}
 
 template <typename Cfg, typename T>
 constexpr int hopper_bwd_smem_bytes() {
@@ -669,8 +689,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       wg_wait<0>(dq_acc);
       cute::warpgroup_fence_operand(dv_acc);
       cute::warpgroup_fence_operand(dk_acc);
-      __syncwarp();  // every lane's reads of the stage precede the release
-      if (lane == 0) sm.qdo_ring.release(pos);
+      bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
       pos.template advance<Cfg::kStages>();
 
       // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
@@ -678,8 +697,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       const int buf = it % Cfg::kDqBufs;
       if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
       bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[buf]);
+      bwd_consumer_arrive(&sm.dq_full[buf], lane);  // the tile is written
     }
   }
 
@@ -700,9 +718,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   }
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
-    sm.qdo_ring.init(4 * Cfg::kConsumerWGs);
+    sm.qdo_ring.init(kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     for (int i = 0; i < Cfg::kDqBufs; ++i) {
-      cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4 * Cfg::kConsumerWGs);
+      cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], kBwdArrivalsPerWG * Cfg::kConsumerWGs);
       cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
     }
     cutlass::arch::fence_barrier_init();
