@@ -59,11 +59,12 @@ FLARE_HD int64_t aligned_sequence_rows(int64_t total, int batch, int align) {
   return (total + int64_t{align} * (batch + 1) - 1) / align * align;
 }
 
-// Portable dq_accum. Rows live in the aligned row space above with 8-row alignment. The floats are stored in blocks of 8 rows x 8 columns, row-major inside
-// a block, blocks ordered by (8-row group, head, 8-column group). A warp's reduction of an MMA
-// accumulator fragment (lane (g, t): row g, columns 2t and 2t + 1 of an 8 x 8 tile) is then one
-// contiguous 256-byte span: 2 L1 tag lookups where a row-major accumulator took 8 (the H100's
-// lg_throttle stalls of session 30; FlashAttention-2 keeps its accumulator in fragment order too).
+// Portable dq_accum. Rows live in the aligned row space above with 8-row alignment. The floats
+// are stored in blocks of 8 rows x 8 columns, row-major inside a block, blocks ordered by (8-row
+// group, head, 8-column group). A warp's reduction of an MMA accumulator fragment (lane (g, t):
+// row g, columns 2t and 2t + 1 of an 8 x 8 tile) is then one contiguous 256-byte span: 2 L1 tag
+// lookups where a row-major accumulator took 8 (the H100's lg_throttle stalls of session 30;
+// FlashAttention-2 keeps its accumulator in fragment order too).
 FLARE_HD int64_t portable_dq_padded_start(int64_t first_row, int b) { return aligned_sequence_start(first_row, b, 8); }
 FLARE_HD int64_t portable_dq_padded_rows(int64_t total_q, int batch) { return aligned_sequence_rows(total_q, batch, 8); }
 // Row i of sequence b (its rows start at q_start) in that row space.

@@ -47,7 +47,9 @@ struct StageBarriers {
   __device__ __forceinline__ void wait_full(const RingPos& pos) {
     cutlass::arch::ClusterTransactionBarrier::wait(&full[pos.index], pos.phase);
   }
-  // Consumer warp (one lane): its reads of the stage are complete.
+  // Consumer: its reads of the stage are complete. One arrival of the count given to init: lane 0
+  // of a warp after __syncwarp (K/V), or every consumer thread (the forward's Q: each thread's own
+  // reads are then ordered before the producer's rewrite).
   __device__ __forceinline__ void release(const RingPos& pos) {
     cutlass::arch::ClusterBarrier::arrive(&empty[pos.index]);
   }
