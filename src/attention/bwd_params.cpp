@@ -21,7 +21,7 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
   l.dpsum = take(rows_q * s.heads * sizeof(float));
   l.hopper_head_dim = hopper_head_dim;
   if (hopper_head_dim > 0) {
-    const std::size_t m_blocks = (s.seqlen_q + kRowStatsBlockM - 1) / kRowStatsBlockM;
+    const std::size_t m_blocks = static_cast<std::size_t>(hopper_row_blocks(s.seqlen_q));
     l.row_stats = take(std::size_t{1} * s.batch * s.heads * m_blocks * 2 * kRowStatsBlockM * sizeof(float));
     const std::size_t padded = static_cast<std::size_t>(hopper_dq_padded_rows(s.total_q, s.batch));
     l.dq_accum = take(padded * s.heads * hopper_head_dim * sizeof(float));
@@ -34,7 +34,9 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     l.dv_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
   }
   if (deterministic) {
-    const std::size_t m_blocks = (s.seqlen_q + block_m - 1) / block_m, n_blocks = (s.seqlen_k + block_n - 1) / block_n;
+    const std::size_t m_blocks = hopper_head_dim > 0 ? static_cast<std::size_t>(hopper_row_blocks(s.seqlen_q))
+                                                     : (s.seqlen_q + block_m - 1) / block_m;
+    const std::size_t n_blocks = (s.seqlen_k + block_n - 1) / block_n;
     const std::size_t dq_per_head =
         sparse_dq_per_head > 0 ? static_cast<std::size_t>(sparse_dq_per_head) : m_blocks * dq_chains;
     const std::size_t dkv_per_head = sparse_dkv_per_head > 0 ? static_cast<std::size_t>(sparse_dkv_per_head) : n_blocks;
@@ -94,7 +96,7 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
     k.dq_semaphore = reinterpret_cast<int*>(ws + l.dq_semaphore);
     k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
   }
-  k.num_m_blocks = (s.seqlen_q + block_m - 1) / block_m;
+  k.num_m_blocks = l.hopper_head_dim > 0 ? hopper_row_blocks(s.seqlen_q) : (s.seqlen_q + block_m - 1) / block_m;
   k.num_n_blocks = (s.seqlen_k + block_n - 1) / block_n;
   return k;
 }

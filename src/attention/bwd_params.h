@@ -34,15 +34,19 @@ struct BwdKernelParams {
   float* dq_accum = nullptr;
   float* dk_accum = nullptr;    // GQA only: row r of k, kv head, channel
   float* dv_accum = nullptr;
-  int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks, dQ chains]
+  int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks, dQ chains] (a block mask: its plan's)
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
-  int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths
+  int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths (Hopper: hopper_row_blocks)
   int dq_tile_elems = 0;        // Hopper: kRowStatsBlockM x the instantiated head dim
   int64_t dq_padded_rows = 0;   // Hopper: query rows of dq_accum per head, sequences 64-aligned
   bool deterministic = false;
 };
 
 inline constexpr int kRowStatsBlockM = 64;
+
+// The Hopper backward's 64-row query blocks per sequence (num_m_blocks): rounded up to an even
+// count, so a 128-row step's second block has statistics (padding rows: +inf, 0) and a semaphore.
+FLARE_HD int hopper_row_blocks(int seqlen_q) { return (seqlen_q + 2 * kRowStatsBlockM - 1) / (2 * kRowStatsBlockM) * 2; }
 
 // Rows of the q (or k) side: batch * seqlen when batched, total rows when varlen.
 FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i, int seqlen) {

@@ -48,6 +48,19 @@ struct Band {
     long long d = (long long)j - ((long long)i + offset);
     return d >= -(long long)left && d <= (long long)right;
   }
+  // The rows that see key j, as offsets from row `base` clamped to [-1, limit]: row base + r sees
+  // it for r in [lo, hi] (empty: lo > hi), for 0 <= r < limit. A backward's key row tests each of
+  // its elements' query offsets with two int compares against these.
+  struct RowSpan {
+    int lo, hi;
+    FLARE_HD bool contains(int r) const { return r >= lo && r <= hi; }
+  };
+  FLARE_HD RowSpan key_rows(int j, int base, int limit) const {
+    auto clamp = [&](long long r) { return (int)(r < -1 ? -1 : (r > limit ? limit : r)); };
+    const long long first = right >= kUnbounded ? -1 : (long long)j - offset - right - base;
+    const long long last = left >= kUnbounded ? limit : (long long)j - offset + left - base;
+    return RowSpan{clamp(first), clamp(last)};
+  }
 };
 
 // Key-block range [first, last) that rows [row_begin, row_end) of a sequence can touch, for

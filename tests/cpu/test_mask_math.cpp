@@ -40,6 +40,23 @@ TEST(Band, VisibleMatchesOracle) {
       }
 }
 
+// The rows that see a key, from a base row and within a limit, as the backward's key rows test them.
+TEST(Band, KeyRowsMatchVisible) {
+  for (const Case& c : kCases)
+    for (int sq : {1, 5, 13, 40})
+      for (int sk : {1, 6, 13, 20, 37}) {
+        const Band band = Band::make(c.causal, c.left, c.right, sq, sk);
+        for (int base : {0, 3, 8, 16})
+          for (int limit : {4, 8, 16})
+            for (int j = 0; j < sk; ++j) {
+              const Band::RowSpan span = band.key_rows(j, base, limit);
+              for (int r = 0; r < limit; ++r)
+                ASSERT_EQ(span.contains(r), band.visible(base + r, j))
+                    << sq << " " << sk << " base " << base << " limit " << limit << " key " << j << " row " << r;
+            }
+      }
+}
+
 // A tile of rows [t0, t1) walks its key blocks from the last down; each warpgroup-sized slice of
 // its rows passes the leading blocks that are empty for it: every passed block is empty for every
 // row of the slice, the next block is not (unless all are), and one block always stays.

@@ -2,9 +2,9 @@
 //
 // A CTA owns kBlockN = 128 keys of one (sequence, q head): a producer warpgroup (TMA) and two
 // consumer warpgroups of 64 keys each, which hold their keys' dK and dV in registers while the
-// query blocks (kBlockM = 64 rows of Q and dO, kStages deep) stream past. dK and dV take
+// query blocks (kBlockM rows of Q and dO, kStages deep) stream past. dK and dV take
 // 2 x head_dim / 2 registers a thread, so this tiling serves head dims up to 128; larger ones take
-// HopperBwdSplitConfig below.
+// HopperBwdSplitConfig below. kBlockM is 64, or 128 at head dims up to 64 (hopper_bwd_block_m).
 #pragma once
 
 #include <type_traits>
@@ -27,12 +27,14 @@ namespace flare::hopper {
 #define FLARE_HOPPER_BWD_DQ_BUFS 2
 #endif
 
-// What both tilings share: 64-row query steps, a producer warpgroup and two consumer warpgroups,
-// and the register split between them.
-template <int kHeadDim_, int kStages_>
+// What both tilings share: query steps of kBlockM rows (a multiple of the row statistics' 64-row
+// blocks), a producer warpgroup and two consumer warpgroups, and the register split between them.
+template <int kHeadDim_, int kStages_, int kBlockM_ = 64>
 struct HopperBwdWarps {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;  // query rows per step
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static_assert(kBlockM == 64 || kBlockM == 128, "one or two 64-row blocks a step");
+  static constexpr int kRowBlocks = kBlockM / detail::kRowStatsBlockM;  // 64-row blocks (statistics, dQ tiles) a step
   static constexpr int kConsumerWGs = 2;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
@@ -41,16 +43,25 @@ struct HopperBwdWarps {
   static_assert(fits_register_file(kThreads, kProducerRegs, kConsumerRegs), "setmaxnreg would wait forever");
 };
 
-template <int kHeadDim_, int kStages_ = 2>
-struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_> {
-  using Warps = HopperBwdWarps<kHeadDim_, kStages_>;
+// kBlockM 64: each consumer warpgroup computes one half of the step's dQ columns; 128: one 64-row
+// block of its rows (all columns), so a step's dQ is two consecutive 64-row tiles of dq_accum.
+template <int kHeadDim_, int kStages_ = 2, int kBlockM_ = 64>
+struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_, kBlockM_> {
+  using Warps = HopperBwdWarps<kHeadDim_, kStages_, kBlockM_>;
   static constexpr bool kSplitHeadDim = false;
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
-  static constexpr int kDqBufs = FLARE_HOPPER_BWD_DQ_BUFS;
+  static constexpr bool kDqRowHalves = kBlockM_ == 128;  // dQ split by rows between the warpgroups
+  // 128-row steps: their 32 KB dQ tile fits once beside two stages and two dS buffers.
+  static constexpr int kDqBufs = kDqRowHalves ? 1 : FLARE_HOPPER_BWD_DQ_BUFS;
   static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one writer warp per dQ tile: producer warps 1-3");
-  // Element i of consumer thread ct's dQ fragment in its 64-row tile (16-byte groups, thread order).
+  // Element i of consumer thread ct's dQ fragment in the step's tile (16-byte groups, thread order;
+  // with row halves, warpgroup w's in the tile of 64-row block w).
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
-    return detail::hopper_dq_tile_offset(Warps::kConsumerWGs * 128, ct, i);
+    if constexpr (kDqRowHalves) {
+      return (ct / 128) * detail::kRowStatsBlockM * kHeadDim_ + detail::hopper_dq_tile_offset(128, ct % 128, i);
+    } else {
+      return detail::hopper_dq_tile_offset(Warps::kConsumerWGs * 128, ct, i);
+    }
   }
 };
 
@@ -78,6 +89,7 @@ template <int kHeadDim_, int kQHalves_ = FLARE_HOPPER_BWD_SPLIT_Q_HALVES,
 struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kQHalves_> {
   using Warps = HopperBwdWarps<kHeadDim_, kQHalves_>;
   static constexpr bool kSplitHeadDim = true;
+  static constexpr bool kDqRowHalves = false;
   static constexpr int kBlockN = 64;  // keys per CTA, shared by both consumer warpgroups
   static constexpr int kQHalves = kQHalves_;
   static_assert(kQHalves >= 2, "a query block's two halves");
@@ -92,7 +104,15 @@ struct HopperBwdSplitConfig : HopperBwdWarps<kHeadDim_, kQHalves_> {
 // The instantiated head dims it serves: up to 128 (64 keys a warpgroup) and 256 (split; 192 would
 // split an MN-major swizzle atom of K^T at column 96).
 constexpr bool hopper_bwd_serves(int head_dim) { return head_dim > 0 && (head_dim <= 128 || head_dim == 256); }
-// Q/dO stages of the dense d <= 128 tiling. d64: 4, 1-3 % faster than 2 in the ordinary mode and
+// Query rows per step of the dense d <= 128 tiling: 128 at head dims up to 64 (FlashAttention-3's
+// d64 tile; bench/RESULTS.md session 33), else 64. -DFLARE_HOPPER_BWD_D64_BLOCK_M=64 restores 64
+// there (A/B builds).
+#ifndef FLARE_HOPPER_BWD_D64_BLOCK_M
+#define FLARE_HOPPER_BWD_D64_BLOCK_M 128
+#endif
+constexpr int hopper_bwd_block_m(int head_dim) { return head_dim <= 64 ? FLARE_HOPPER_BWD_D64_BLOCK_M : 64; }
+// Q/dO stages of the dense d <= 128 tiling. 128-row steps: 2 (their dS and dQ tiles leave no room
+// for more). Otherwise d64: 4, 1-3 % faster than 2 in the ordinary mode and
 // 0.4-4.6 % in the deterministic one (3 stages: no change; bench_attention, three alternating
 // rounds, H100, bench/RESULTS.md session 23). d128 has room for 2 only (3 exceed 227 KB); d96 is not
 // measured. -DFLARE_HOPPER_BWD_STAGES=N overrides it for every head dim that fits (A/B builds).
@@ -101,13 +121,15 @@ constexpr int hopper_bwd_stages(int head_dim) {
   (void)head_dim;
   return FLARE_HOPPER_BWD_STAGES;
 #else
-  return head_dim <= 64 ? 4 : 2;
+  return hopper_bwd_block_m(head_dim) == 128 ? 2 : head_dim <= 64 ? 4 : 2;
 #endif
 }
 template <int kHeadDim>
-using HopperBwdConfigFor = std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>,
-                                              HopperBwdConfig<kHeadDim, hopper_bwd_stages(kHeadDim)>>;
-// The block-sparse backward (d <= 128) keeps two stages: more are not measured there.
+using HopperBwdConfigFor =
+    std::conditional_t<(kHeadDim > 128), HopperBwdSplitConfig<kHeadDim>,
+                       HopperBwdConfig<kHeadDim, hopper_bwd_stages(kHeadDim), hopper_bwd_block_m(kHeadDim)>>;
+// The block-sparse backward (d <= 128) keeps two stages and 64-row steps: its lists and plans are
+// in 64-row steps.
 template <int kHeadDim>
 using HopperBwdSparseConfigFor = HopperBwdConfig<kHeadDim>;
 

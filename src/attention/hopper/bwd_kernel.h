@@ -3,7 +3,7 @@
 // A CTA owns kBlockN keys of one (sequence, q head). Warp 0 of the producer warpgroup loads K and
 // V once, then, per query block that sees these keys, Q, dO and the block's row statistics (LSE
 // in log2 units, rowsum(dO o O)) into a ring of stages. Each consumer warpgroup owns 64 keys and,
-// per query block of 64 rows,
+// per query block of kBlockM rows (64, or 128 at head dims up to 64),
 //
 //     S^T = K Q^T,  dP^T = V dO^T                     (wgmma, shared x shared; both issued)
 //     P^T = exp2(S^T scale log2e - LSE log2e)          (while dP^T is on the tensor cores)
@@ -12,7 +12,7 @@
 //                                                       shared memory)
 //     dK += dS^T Q                                     (wgmma, shared x shared)
 //     dQ[:, half w] = dS K[:, half w]                  (wgmma, shared x shared, both warpgroups'
-//                                                       keys)
+//                                                       keys; 128-row steps: dQ[half w, :])
 //
 // dQ goes to a shared fp32 tile (kDqBufs of them, alternating by step); one thread of producer
 // warp 1 + (step mod kDqBufs) adds it into dq_accum with one bulk reduction (cp.reduce.async.bulk),
@@ -219,21 +219,24 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   return t;
 }
 
-// The dQ tile of a 64-row query block in dq_accum, in thread order (detail::hopper_dq_tile_offset):
-// threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add;
-// hopper_dq_convert_kernel maps it back to (row, column).
-// Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
+// The dQ tile of 64-row query block m64 in dq_accum, in thread order (detail::hopper_dq_tile_offset):
+// threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add (the
+// tiles of consecutive blocks are consecutive); hopper_dq_convert_kernel maps it back to (row,
+// column). Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
 template <typename Cfg>
-__device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& P, int64_t q_start, int b, int h, int m) {
+__device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& P, int64_t q_start, int b, int h,
+                                                 int m64) {
+  constexpr int kRows = detail::kRowStatsBlockM;
   const int64_t first_row = detail::accum_row(P.fwd, b, q_start, 0, P.fwd.seqlen_q);
-  const int64_t row0 = detail::hopper_dq_padded_start(first_row, b) + int64_t{m} * Cfg::kBlockM;
-  if (row0 < 0 || row0 + Cfg::kBlockM > P.dq_padded_rows) return nullptr;
+  const int64_t row0 = detail::hopper_dq_padded_start(first_row, b) + int64_t{m64} * kRows;
+  if (row0 < 0 || row0 + kRows > P.dq_padded_rows) return nullptr;
   return P.dq_accum + (int64_t{h} * P.dq_padded_rows + row0) * Cfg::kHeadDim;
 }
 
 // Producer warp 0 (one thread) of both backward tilings: K and V once, then per step of the walk
-// `step_loads(m, q_src, q_dst, do_src, do_dst, stats_src)`, which issues that query block's Q, dO
-// and row statistics into the tiling's rings. The sources are (.., query block, piece) in pieces of
+// `step_loads(m, q_src, q_dst, do_src, do_dst, stats_src, stats_block)`, which issues that query
+// block's Q, dO and row statistics (stats_src's 64-row blocks from stats_block on) into the
+// tiling's rings. The sources are (.., query block, piece) in pieces of
 // L::QLoadShape (the whole head dim, or the split tiling's halves); q_dst is (.., L::SmemQ's last
 // mode) and do_dst (.., SmemDO's). SmemDO: dO's shared-memory layout.
 template <typename L, typename SmemDO, typename Params, typename Smem, typename Tile, typename StepLoads>
@@ -273,7 +276,7 @@ __device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, co
   Tensor do_dst = do_part.partition_D(sDO);
   for (int step = 0; step < t.steps(); ++step) {
     const int m = t.m_at(step);
-    step_loads(m, q_src, q_dst, do_src, do_dst, stats_src(_, _, _, stats_block0 + m));
+    step_loads(m, q_src, q_dst, do_src, do_dst, stats_src, stats_block0 + m * L::kRowBlocks);
   }
 }
 
@@ -285,12 +288,21 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   RingPos pos;
   auto stats_part = hp.tma_stats.get_slice(_0{});
   bwd_produce_tiles<L, typename L::SmemQ>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src, auto& do_dst,
-                                                          auto&& stats_src) {
+                                                          auto& stats_src, int stats_block) {
     uint64_t& bar = sm.qdo_ring.acquire(pos, 2 * L::kQBytes + L::kStatsBytes);
     copy(hp.tma_q.with(bar), q_src(_, _, _, m, 0), q_dst(_, _, _, pos.index));
     copy(hp.tma_do.with(bar), do_src(_, _, _, m, 0), do_dst(_, _, _, pos.index));
-    copy(hp.tma_stats.with(bar), stats_src,
-         stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[pos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
+    // [LSE of the step's rows, dpsum of its rows]: with two 64-row blocks, each block's halves apart.
+    float* stage_stats = &sm.stats[pos.index * 2 * Cfg::kBlockM];
+    CUTE_UNROLL
+    for (int r = 0; r < L::kRowBlocks; ++r) {
+      CUTE_UNROLL
+      for (int piece = 0; piece < L::kStatsPieces; ++piece) {
+        float* dst = stage_stats + (L::kStatsPieces == 1 ? 0 : piece * Cfg::kBlockM + r * detail::kRowStatsBlockM);
+        copy(hp.tma_stats.with(bar), stats_src(_, _, _, (stats_block + r) * L::kStatsPieces + piece),
+             stats_part.partition_D(make_tensor(make_smem_ptr(dst), typename L::SmemStats{})));
+      }
+    }
     pos.template advance<Cfg::kStages>();
   });
 }
@@ -351,7 +363,8 @@ __device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
 }
 
 // A dQ writer (one thread of a producer warp other than 0): adds each of its steps' dQ tiles into
-// dq_accum with one bulk reduction. Several writers keep several adds (and, in
+// dq_accum with one bulk reduction (a 128-row step's two 64-row blocks, or the first alone where
+// the second lies past the sequence; their turn is the first block's semaphore). Several writers keep several adds (and, in
 // deterministic mode, their turn handoffs) in flight. A block mask's step that adds nothing still
 // takes its turn.
 template <typename Cfg, typename Params, typename Tile>
@@ -366,13 +379,17 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
     if constexpr (Tile::kSparse) {
       if (P.deterministic) d = sparse_dq_turn(hp, t, it);
     } else {
-      d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m);
+      d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m * Cfg::kRowBlocks);
     }
     int* sem = d.sem;
     cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
     if (sem != nullptr) wait_for_dq_turn(sem, Tile::kSparse ? d.turn : sched::dq_turn_at(turns, hp.plan, dq_seq, m));
-    float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m) : nullptr;
-    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, part.smem, part.bytes);
+    float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m * Cfg::kRowBlocks) : nullptr;
+    uint32_t bytes = part.bytes;
+    if constexpr (Cfg::kRowBlocks == 2) {
+      if (m * Cfg::kBlockM + detail::kRowStatsBlockM >= t.seq.seqlen_q) bytes /= 2;
+    }
+    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, part.smem, bytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();
@@ -514,9 +531,10 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
     for (int i = 0; i < kN; ++i) p_out(i) = static_cast<Elem>(0.f);
     return;
   }
-  if (element != nullptr && step.element) {
-    // The structural predicates and the sequences' ends, a bit per element, and the lookups' bits.
-    static_assert(kN <= 32 && kN % 4 == 0, "a thread's S^T elements fit one mask word");
+  if (Tile::kSparse && element != nullptr && step.element) {
+    // The structural predicates and the sequences' ends, a bit per element, and the lookups' bits
+    // (the block-sparse kernel only: dense tiles may hold more than 32 elements a thread).
+    static_assert(!Tile::kSparse || (kN <= 32 && kN % 4 == 0), "a thread's S^T elements fit one mask word");
     uint32_t seen = ~0u;
     // Lookups alone (documents, bit masks) inside both sequences leave nothing structural to test.
     const bool lookups_only = !element->has_structural() && t.band.unmasked() &&
@@ -553,14 +571,21 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
     return;
   }
   auto probs = [&](auto masked) {
+    // Masked: the step's rows that each of the thread's two key rows sees (element i = 4 j + 2 r + c
+    // is key row r), two compares an element.
+    sched::Band::RowSpan rows[2];
+    if constexpr (decltype(masked)::value) {
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int key = t.col0 + cute::get<0>(s_coord(2 * r));
+        rows[r] = key < t.seq.seqlen_k ? t.band.key_rows(key, q0, Cfg::kBlockM) : sched::Band::RowSpan{1, 0};
+      }
+    }
     CUTE_UNROLL
     for (int i = 0; i < kN; ++i) {
       const int q_local = cute::get<1>(s_coord(i));
       float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[q_local]));
-      if constexpr (decltype(masked)::value) {
-        const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + q_local;
-        pv = (key < t.seq.seqlen_k && t.band.visible(q, key)) ? pv : 0.f;
-      }
+      if constexpr (decltype(masked)::value) pv = rows[(i / 2) % 2].contains(q_local) ? pv : 0.f;
       p_out(i) = static_cast<Elem>(pv);
     }
   };
@@ -764,8 +789,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 }
 
 // dQ from the tiles of dq_accum (already scaled) to the output dtype through dq's strides: one CTA
-// of the consumer warpgroups' size per (query block, head, sequence); each thread reads its own
-// elements back and finds their (row, column) through the dQ GEMM's partition.
+// of the consumer warpgroups' size per (kBlockM-row query block, head, sequence); each thread reads
+// its own elements back and finds their (row, column) through the dQ GEMM's partition (with 128-row
+// steps a thread's rows lie in one 64-row block, whose tile it reads).
 template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_kernel(const detail::BwdKernelParams P) {
   using namespace cute;
@@ -773,11 +799,13 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   const detail::FwdKernelParams& p = P.fwd;
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z, ct = threadIdx.x;
   const detail::SeqInfo seq = detail::seq_info(p, b);
-  if (m * Cfg::kBlockM >= seq.seqlen_q) return;
   typename L::MmaDQ mma_dq;
   Tensor dq_coord = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
-  const float* tile = hopper_dq_tile<Cfg>(P, seq.q_start, b, h, m);
+  const int half = get<0>(dq_coord(0)) / detail::kRowStatsBlockM;  // the 64-row block of the thread's rows
+  if (m * Cfg::kBlockM + half * detail::kRowStatsBlockM >= seq.seqlen_q) return;
+  const float* tile = hopper_dq_tile<Cfg>(P, seq.q_start, b, h, m * Cfg::kRowBlocks + half);
   if (tile == nullptr) return;
+  tile -= half * detail::kRowStatsBlockM * Cfg::kHeadDim;  // Cfg::dq_tile_offset counts from the step's first block
   // As bwd_store_dkv: where dQ's rows are 16-byte aligned and the fragment has the accumulator's
   // rows, 16 x 16 blocks through the quad transpose (accumulator_piece), one 16-byte store a lane.
   T* dq0 = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + m * Cfg::kBlockM, h);

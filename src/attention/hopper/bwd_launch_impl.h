@@ -43,7 +43,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     return e;
   }();
   if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");
-  if (P.row_stats == nullptr || P.dq_tile_elems != Cfg::kBlockM * Cfg::kHeadDim)
+  if (P.row_stats == nullptr || P.dq_tile_elems != detail::kRowStatsBlockM * Cfg::kHeadDim ||
+      P.num_m_blocks % Cfg::kRowBlocks != 0)
     return Status::InvalidArgument("workspace", "not laid out for this Hopper backward (head dim " +
                                                     std::to_string(Cfg::kHeadDim) + ")");
   if (p.seqlen_q > 0) {  // dpsum and the padded statistics, padding rows included
@@ -79,7 +80,7 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     hp.plan = sched::make_dq_plan(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
                                   int64_t{facts.l2_bytes} / 2, facts.num_sms,
                                   FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto : sched::DqScheme::kTileOrder);
-    const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks;
+    const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks * L::kStatsPieces;  // pieces
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
@@ -89,7 +90,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
   }
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
   if (P.num_m_blocks > 0)
-    hopper_dq_convert_kernel<Cfg, T><<<dim3(P.num_m_blocks, p.heads, p.batch), Cfg::kConsumerWGs * 128, 0, stream>>>(P);
+    hopper_dq_convert_kernel<Cfg, T>
+        <<<dim3(P.num_m_blocks / Cfg::kRowBlocks, p.heads, p.batch), Cfg::kConsumerWGs * 128, 0, stream>>>(P);
   portable::launch_bwd_dkv_convert<T>(P, stream);
   return detail::cuda_status(cudaGetLastError(), "hopper backward launch");
 }

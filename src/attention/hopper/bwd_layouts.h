@@ -48,11 +48,16 @@ struct BwdLayouts {
       cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HD, BM>, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
       KeysSplit{}));
-  // dQ = dS K: (q rows, head dim), k = keys; each warpgroup one half of the head dim.
-  using MmaDQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HalfHD, BN>, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::MN>(),
-      ColsSplit{}));
+  // dQ = dS K: (q rows, head dim), k = keys; each warpgroup one half of the head dim, or with
+  // 128-row steps (Cfg::kDqRowHalves) one 64-row half of the rows.
+  using MmaDQ = cute::conditional_t<
+      Cfg::kDqRowHalves,
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HD, BN>,
+                                                               cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+                                    KeysSplit{})),
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Elem, Elem, float, cute::Shape<cute::_64, HalfHD, BN>,
+                                                               cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+                                    ColsSplit{}))>;
 
   // What one Q or dO copy loads: the whole tile, or (the split tiling) one half of the head dim,
   // its 64-column swizzle atoms contiguous in shared memory at the half's offset.
@@ -63,11 +68,15 @@ struct BwdLayouts {
   using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, make_gtensor<Elem>(nullptr, GShape{}, GStride{}),
                                             SmemK{}, cute::Shape<BN, HD>{}, cute::_1{}));
 
-  // A stage's row statistics: LSE (log2 units) and dpsum of the block's rows, one bulk copy.
-  static_assert(kBlockM == detail::kRowStatsBlockM, "the padded row statistics are laid out per 64-row block");
+  // A stage's row statistics: the LSE (log2 units) of the step's kBlockM rows, then their dpsum.
+  // row_stats holds them per 64-row block (LSE, then dpsum): one copy of the whole block at 64-row
+  // steps; with two blocks a step, four copies of a half each (kStatsPieces).
+  static constexpr int kRowBlocks = kBlockM / detail::kRowStatsBlockM;
+  static_assert(kRowBlocks * detail::kRowStatsBlockM == kBlockM, "the padded row statistics are laid out per 64-row block");
   static constexpr uint32_t kStatsBytes = 2 * kBlockM * sizeof(float);
-  // The statistics as a tensor-map load: (2 kBlockM floats, block) over row_stats, one block a copy.
-  using StatsBlock = cute::Int<2 * kBlockM>;
+  static constexpr int kStatsPieces = kRowBlocks == 1 ? 1 : 2;  // copies a 64-row block takes
+  // The statistics as a tensor-map load: (floats a piece, piece) over row_stats, one piece a copy.
+  using StatsBlock = cute::Int<2 * detail::kRowStatsBlockM / kStatsPieces>;
   using StatsShape = cute::Shape<StatsBlock, int32_t>;
   using StatsStride = cute::Stride<cute::_1, StatsBlock>;
   using SmemStats = cute::Layout<cute::Shape<StatsBlock, cute::_1>>;

@@ -78,10 +78,10 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
   RingPos qpos, dpos;
   auto stats_part = hp.tma_stats.get_slice(_0{});
   bwd_produce_tiles<L, typename L::SmemDOHalves>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src,
-                                                                auto& do_dst, auto&& stats_src) {
+                                                                auto& do_dst, auto& stats_src, int stats_block) {
     uint64_t& q0bar = sm.q_ring.acquire(qpos, L::kQHalfBytes + L::kStatsBytes);
     copy(hp.tma_q.with(q0bar), q_src(_, _, _, m, 0), q_dst(_, _, _, qpos.index));
-    copy(hp.tma_stats.with(q0bar), stats_src,
+    copy(hp.tma_stats.with(q0bar), stats_src(_, _, _, stats_block),
          stats_part.partition_D(make_tensor(make_smem_ptr(&sm.stats[qpos.index * 2 * Cfg::kBlockM]), typename L::SmemStats{})));
     qpos.template advance<Cfg::kQHalves>();
     uint64_t& dbar = sm.do_ring.acquire(dpos, L::kQBytes);
