@@ -75,6 +75,12 @@
 #define FLARE_HOPPER_BWD_THREAD_ARRIVES 0
 #endif
 
+// The order of a step's last two GEMMs: 1 = dQ, then dK, the dQ tile stored while dK runs; 0 =
+// dK, then dQ, the tile stored after both (A/B builds).
+#ifndef FLARE_HOPPER_BWD_DQ_FIRST
+#define FLARE_HOPPER_BWD_DQ_FIRST 1
+#endif
+
 namespace flare::hopper {
 
 template <typename Cfg, typename T>
@@ -704,25 +710,43 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
       Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
-#if FLARE_HOPPER_BWD_EXPERIMENT != 3
-      wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
-#endif
       Tensor ds_desc = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
-#if FLARE_HOPPER_BWD_EXPERIMENT != 2
-      wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
-#endif
-      wg_wait<0>(dq_acc);
-      cute::warpgroup_fence_operand(dv_acc);
-      cute::warpgroup_fence_operand(dk_acc);
-      bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
-      pos.template advance<Cfg::kStages>();
-
       // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
       // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
-      const int buf = it % Cfg::kDqBufs;
-      if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
-      bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
-      bwd_consumer_arrive(&sm.dq_full[buf], lane);  // the tile is written
+      auto store_dq = [&] {
+        const int buf = it % Cfg::kDqBufs;
+        if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
+        bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
+        bwd_consumer_arrive(&sm.dq_full[buf], lane);  // the tile is written
+      };
+      if constexpr (FLARE_HOPPER_BWD_DQ_FIRST) {
+        // dQ first, and its tile stored while the dK GEMM runs.
+#if FLARE_HOPPER_BWD_EXPERIMENT != 2
+        wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
+#endif
+#if FLARE_HOPPER_BWD_EXPERIMENT != 3
+        wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
+#endif
+        wg_wait<1>(dq_acc);
+        cute::warpgroup_fence_operand(dv_acc);
+        store_dq();
+        wg_wait<0>(dk_acc);
+        bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
+        pos.template advance<Cfg::kStages>();
+      } else {
+#if FLARE_HOPPER_BWD_EXPERIMENT != 3
+        wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
+#endif
+#if FLARE_HOPPER_BWD_EXPERIMENT != 2
+        wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
+#endif
+        wg_wait<0>(dq_acc);
+        cute::warpgroup_fence_operand(dv_acc);
+        cute::warpgroup_fence_operand(dk_acc);
+        bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
+        pos.template advance<Cfg::kStages>();
+        store_dq();
+      }
     }
   }
 
