@@ -75,6 +75,12 @@
 #define FLARE_HOPPER_BWD_THREAD_ARRIVES 0
 #endif
 
+// dK += dS^T Q with dS^T from registers (1), as dV's P^T, or from its shared-memory tile (0; the
+// tile is written for dQ either way). Registers spare the tensor cores' shared-memory reads.
+#ifndef FLARE_HOPPER_BWD_DK_RS
+#define FLARE_HOPPER_BWD_DK_RS 1
+#endif
+
 // The order of a step's last two GEMMs: 1 = dQ, then dK, the dQ tile stored while dK runs; 0 =
 // dK, then dQ, the tile stored after both (A/B builds).
 #ifndef FLARE_HOPPER_BWD_DQ_FIRST
@@ -647,6 +653,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   Tensor do_frag = thr_sdp.partition_fragment_B(sDO);  // (.., stage)
   Tensor dot_frag = thr_dkv.partition_fragment_B(sDOt);
   Tensor qt_frag = thr_dk.partition_fragment_B(sQt);
+  Tensor qt_frag_rs = thr_dkv.partition_fragment_B(sQt);  // FLARE_HOPPER_BWD_DK_RS
   Tensor kt_frag = thr_dq.partition_fragment_B(sKt);
 
   Tensor s_acc = partition_fragment_C(mma_sdp, Shape<typename L::BN, typename L::BM>{});
@@ -662,6 +669,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   auto thr_r2s_ds = r2s_ds.get_thread_slice(ct);
   Tensor ds_reg = make_tensor<Elem>(shape(s_acc));
   Tensor ds_src = thr_r2s_ds.retile_S(ds_reg);
+  Tensor ds_frag = make_tensor<Elem>(partition_shape_A(mma_dkv, Shape<typename L::BN, typename L::BM>{}));
   // Coordinates (key, q) of each S^T element and (q, column) of each dQ element, (key, column) of dK/dV.
   Tensor s_coord = thr_sdp.partition_C(make_identity_tensor(Shape<typename L::BN, typename L::BM>{}));
   Tensor dq_coord = thr_dq.partition_C(make_identity_tensor(Shape<typename L::BM, typename L::HD>{}));
@@ -707,6 +715,10 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         ds_reg(i) = static_cast<Elem>(static_cast<float>(p_frag(i)) * (dp_acc(i) - dpsum[get<1>(s_coord(i))]));
 #endif
       copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
+      if constexpr (FLARE_HOPPER_BWD_DK_RS) {
+        CUTE_UNROLL
+        for (int i = 0; i < kN; ++i) ds_frag(i) = ds_reg(i);  // the same registers, as the dK GEMM's A operand
+      }
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
       Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
@@ -725,7 +737,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
 #endif
 #if FLARE_HOPPER_BWD_EXPERIMENT != 3
-        wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
+        if constexpr (FLARE_HOPPER_BWD_DK_RS) {
+          wg_gemm<false>(mma_dkv, ds_frag, qt_frag_rs(_, _, _, pos.index), dk_acc);
+        } else {
+          wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
+        }
 #endif
         wg_wait<1>(dq_acc);
         cute::warpgroup_fence_operand(dv_acc);
