@@ -46,7 +46,9 @@ inline constexpr int kRowStatsBlockM = 64;
 
 // The Hopper backward's 64-row query blocks per sequence (num_m_blocks): rounded up to an even
 // count, so a 128-row step's second block has statistics (padding rows: +inf, 0) and a semaphore.
-FLARE_HD int hopper_row_blocks(int seqlen_q) { return (seqlen_q + 2 * kRowStatsBlockM - 1) / (2 * kRowStatsBlockM) * 2; }
+FLARE_HD int hopper_row_blocks(int seqlen_q) {
+  return (seqlen_q + 2 * kRowStatsBlockM - 1) / (2 * kRowStatsBlockM) * 2;
+}
 
 // Rows of the q (or k) side: batch * seqlen when batched, total rows when varlen.
 FLARE_HD int64_t accum_row(const FwdKernelParams& p, int b, int64_t start, int i, int seqlen) {

@@ -376,9 +376,9 @@ __device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
 
 // A dQ writer (one thread of a producer warp other than 0): adds each of its steps' dQ tiles into
 // dq_accum with one bulk reduction (a 128-row step's two 64-row blocks, or the first alone where
-// the second lies past the sequence; their turn is the first block's semaphore). Several writers keep several adds (and, in
-// deterministic mode, their turn handoffs) in flight. A block mask's step that adds nothing still
-// takes its turn.
+// the second lies past the sequence; their turn is the first block's semaphore). Several writers
+// keep several adds (and, in deterministic mode, their turn handoffs) in flight. A block mask's
+// step that adds nothing still takes its turn.
 template <typename Cfg, typename Params, typename Tile>
 __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
@@ -722,9 +722,19 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
       Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
-      Tensor ds_desc = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
+      Tensor ds_desc =
+          thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
       // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
       // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
+      auto issue_dk = [&] {
+#if FLARE_HOPPER_BWD_EXPERIMENT != 3
+        if constexpr (FLARE_HOPPER_BWD_DK_RS) {
+          wg_gemm<false>(mma_dkv, ds_frag, qt_frag_rs(_, _, _, pos.index), dk_acc);
+        } else {
+          wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
+        }
+#endif
+      };
       auto store_dq = [&] {
         const int buf = it % Cfg::kDqBufs;
         if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
@@ -736,13 +746,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
 #if FLARE_HOPPER_BWD_EXPERIMENT != 2
         wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
 #endif
-#if FLARE_HOPPER_BWD_EXPERIMENT != 3
-        if constexpr (FLARE_HOPPER_BWD_DK_RS) {
-          wg_gemm<false>(mma_dkv, ds_frag, qt_frag_rs(_, _, _, pos.index), dk_acc);
-        } else {
-          wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
-        }
-#endif
+        issue_dk();
         wg_wait<1>(dq_acc);
         cute::warpgroup_fence_operand(dv_acc);
         store_dq();
@@ -750,9 +754,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
         pos.template advance<Cfg::kStages>();
       } else {
-#if FLARE_HOPPER_BWD_EXPERIMENT != 3
-        wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, pos.index), dk_acc);
-#endif
+        issue_dk();
 #if FLARE_HOPPER_BWD_EXPERIMENT != 2
         wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
 #endif

@@ -72,7 +72,8 @@ struct BwdLayouts {
   // row_stats holds them per 64-row block (LSE, then dpsum): one copy of the whole block at 64-row
   // steps; with two blocks a step, four copies of a half each (kStatsPieces).
   static constexpr int kRowBlocks = kBlockM / detail::kRowStatsBlockM;
-  static_assert(kRowBlocks * detail::kRowStatsBlockM == kBlockM, "the padded row statistics are laid out per 64-row block");
+  static_assert(kRowBlocks * detail::kRowStatsBlockM == kBlockM,
+                "the padded row statistics are laid out per 64-row block");
   static constexpr uint32_t kStatsBytes = 2 * kBlockM * sizeof(float);
   static constexpr int kStatsPieces = kRowBlocks == 1 ? 1 : 2;  // copies a 64-row block takes
   // The statistics as a tensor-map load: (floats a piece, piece) over row_stats, one piece a copy.
