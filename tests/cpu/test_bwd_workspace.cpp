@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "src/attention/bwd_params.h"
+#include "src/attention/hopper/bwd_config.h"
 
 namespace flare::detail {
 namespace {
@@ -111,6 +112,41 @@ TEST(BwdWorkspace, PortableDqHoldsThePaddedRows) {
   const BwdWorkspaceLayout l = bwd_workspace_layout(s, 64, 128, true);
   EXPECT_GE(l.dk_accum - l.dq_accum,
             static_cast<std::size_t>(portable_dq_padded_rows(406, 6)) * 4 * 80 * sizeof(float));
+}
+
+// 128-row steps (d64): warpgroup w's dQ fragment fills the tile of the step's 64-row block w, and
+// the two tiles together are a permutation of the step's 128 rows.
+TEST(HopperDqLayout, RowHalvesFillOneTileAWarpgroup) {
+  using Cfg = hopper::HopperBwdConfig<64, 2, 128>;
+  static_assert(Cfg::kDqRowHalves && Cfg::kRowBlocks == 2, "the 128-row tiling");
+  const int tile = kRowStatsBlockM * 64, per_thread = 2 * tile / 256;
+  std::set<int> seen;
+  for (int ct = 0; ct < 256; ++ct)
+    for (int i = 0; i < per_thread; ++i) {
+      const int at = Cfg::dq_tile_offset(ct, i - i % 4) + i % 4;
+      ASSERT_GE(at, (ct / 128) * tile) << "thread " << ct;
+      ASSERT_LT(at, (ct / 128 + 1) * tile) << "thread " << ct;
+      ASSERT_TRUE(seen.insert(at).second) << "offset " << at << " taken twice";
+    }
+  EXPECT_EQ(static_cast<int>(seen.size()), 2 * tile);
+}
+
+// The Hopper kernel's 64-row blocks per sequence are an even count (a 128-row step reads the
+// statistics of two blocks and takes the first one's semaphore), and the workspace holds them.
+TEST(BwdWorkspace, HopperRowBlocksAreEvenAndHeld) {
+  for (int seqlen : {1, 63, 64, 65, 127, 128, 129, 1000, 4096}) {
+    const int blocks = hopper_row_blocks(seqlen);
+    EXPECT_EQ(blocks % 2, 0) << seqlen;
+    EXPECT_GE(int64_t{blocks} * kRowStatsBlockM, seqlen);
+    EXPECT_LT(int64_t{blocks} * kRowStatsBlockM, seqlen + 2 * kRowStatsBlockM);
+    AttentionShape s;
+    s.batch = 3, s.heads = 4, s.heads_kv = 4, s.head_dim = 64;
+    s.seqlen_q = seqlen, s.seqlen_k = 200, s.total_q = 3 * seqlen, s.total_k = 600;
+    const BwdWorkspaceLayout l = bwd_workspace_layout(s, kRowStatsBlockM, 128, true, 64, 1);
+    const std::size_t per_head = static_cast<std::size_t>(blocks);
+    EXPECT_GE(l.dq_accum - l.row_stats, 3 * 4 * per_head * 2 * kRowStatsBlockM * sizeof(float)) << seqlen;
+    EXPECT_GE(l.dkv_semaphore - l.dq_semaphore, 3 * 4 * per_head * sizeof(int)) << seqlen;
+  }
 }
 
 TEST(HopperDqLayout, TileOrderIsAPermutationOfTheTile) {
