@@ -104,8 +104,8 @@ struct BwdWorkspaceLayout {
 };
 
 // `hopper_head_dim` > 0: the Hopper kernel's layout (its padded row statistics and dQ tiles, for
-// that instantiated head dim; block_m must be kRowStatsBlockM). `dq_chains`: dQ semaphores per
-// query block (independent turn chains of its parts). The deterministic block-sparse backward
+// that instantiated head dim; hopper_row_blocks query blocks, whatever block_m). `dq_chains`: dQ
+// semaphores per query block (independent turn chains of its parts). The deterministic block-sparse backward
 // counts its own semaphores: sparse_dq_per_head per (batch, head) and sparse_dkv_per_head per
 // (batch, kv head) when positive.
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,

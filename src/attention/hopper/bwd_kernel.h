@@ -67,14 +67,6 @@
 #define FLARE_HOPPER_BWD_EXPERIMENT 0
 #endif
 
-// Who arrives on the consumers' per-step barriers (a Q/dO stage's release, a dQ tile's full): 0 =
-// lane 0 of each warp after __syncwarp (4 arrivals a warpgroup); 1 = every consumer thread (128 a
-// warpgroup), as the forward releases its Q stage since session 32, where that was 3.5-5.7 %
-// faster at d64 (bench/RESULTS.md). Not yet measured here (A/B switch).
-#ifndef FLARE_HOPPER_BWD_THREAD_ARRIVES
-#define FLARE_HOPPER_BWD_THREAD_ARRIVES 0
-#endif
-
 // dK += dS^T Q with dS^T from registers (1), as dV's P^T, or from its shared-memory tile (0; the
 // tile is written for dQ either way). Registers spare the tensor cores' shared-memory reads.
 #ifndef FLARE_HOPPER_BWD_DK_RS
@@ -120,16 +112,14 @@ struct BwdSmem {
   uint64_t dq_full[Cfg::kDqBufs], dq_empty[Cfg::kDqBufs];  // a dQ tile: written by the 8 consumer warps / read by the bulk adds
 };
 
-// The consumers' arrivals per warpgroup on a per-step barrier, and one consumer thread's part in
-// such an arrival (FLARE_HOPPER_BWD_THREAD_ARRIVES): after its reads of what the barrier releases.
-inline constexpr int kBwdArrivalsPerWG = FLARE_HOPPER_BWD_THREAD_ARRIVES ? 128 : 4;
+// The consumers' arrivals per warpgroup on a per-step barrier (a Q/dO stage's release, a dQ tile's
+// full), and a consumer thread's part in one: lane 0 of each warp, after the warp's accesses.
+// (Every thread arriving, as the forward's Q stage does, measured the same here: bench/RESULTS.md,
+// session 33.)
+inline constexpr int kBwdArrivalsPerWG = 4;
 __device__ __forceinline__ void bwd_consumer_arrive(uint64_t* bar, int lane) {
-  if constexpr (FLARE_HOPPER_BWD_THREAD_ARRIVES) {
-    cutlass::arch::ClusterBarrier::arrive(bar);
-  } else {
-    __syncwarp();  // every lane's accesses precede lane 0's arrive
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
-  }
+  __syncwarp();  // every lane's accesses precede lane 0's arrive
+  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
 }
 
 template <typename Cfg, typename T>
@@ -543,44 +533,46 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
     for (int i = 0; i < kN; ++i) p_out(i) = static_cast<Elem>(0.f);
     return;
   }
-  if (Tile::kSparse && element != nullptr && step.element) {
-    // The structural predicates and the sequences' ends, a bit per element, and the lookups' bits
-    // (the block-sparse kernel only: dense tiles may hold more than 32 elements a thread).
-    static_assert(!Tile::kSparse || (kN <= 32 && kN % 4 == 0), "a thread's S^T elements fit one mask word");
-    uint32_t seen = ~0u;
-    // Lookups alone (documents, bit masks) inside both sequences leave nothing structural to test.
-    const bool lookups_only = !element->has_structural() && t.band.unmasked() &&
-                              q0 + Cfg::kBlockM <= t.seq.seqlen_q && t.col0 + Cfg::kBlockN <= t.seq.seqlen_k;
-    if (!lookups_only) {
-      seen = 0u;
-      if (element->diagonal_band_applies()) {
-        // Causal and windows: a band of q - key, two compares an element (unrolled: each element's
-        // offsets are constants), with the sequences' ends and the kernel's own band.
-        const block_sparse::ElementMaskParams::DiagonalBand diag = element->diagonal_band();
-        CUTE_UNROLL
-        for (int i = 0; i < kN; ++i) {
-          const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
-          if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) && diag.contains(q - key))
-            seen |= 1u << i;
-        }
-      } else {
-        // A prefix: the rows' intervals, a bit per element in a rolled loop.
+  if constexpr (Tile::kSparse) {
+    if (element != nullptr && step.element) {
+      // The structural predicates and the sequences' ends, a bit per element, and the lookups'
+      // bits (the block-sparse kernel only: dense tiles may hold more than 32 elements a thread).
+      static_assert(kN <= 32 && kN % 4 == 0, "a thread's S^T elements fit one mask word");
+      uint32_t seen = ~0u;
+      // Lookups alone (documents, bit masks) inside both sequences leave nothing structural to test.
+      const bool lookups_only = !element->has_structural() && t.band.unmasked() &&
+                                q0 + Cfg::kBlockM <= t.seq.seqlen_q && t.col0 + Cfg::kBlockN <= t.seq.seqlen_k;
+      if (!lookups_only) {
+        seen = 0u;
+        if (element->diagonal_band_applies()) {
+          // Causal and windows: a band of q - key, two compares an element (unrolled: each element's
+          // offsets are constants), with the sequences' ends and the kernel's own band.
+          const block_sparse::ElementMaskParams::DiagonalBand diag = element->diagonal_band();
+          CUTE_UNROLL
+          for (int i = 0; i < kN; ++i) {
+            const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
+            if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) && diag.contains(q - key))
+              seen |= 1u << i;
+          }
+        } else {
+          // A prefix: the rows' intervals, a bit per element in a rolled loop.
 #pragma unroll 2
-        for (int i = 0; i < kN; ++i) {
-          const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
-          if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
-              element->row_interval(q).contains(key))
-            seen |= 1u << i;
+          for (int i = 0; i < kN; ++i) {
+            const int key = t.col0 + cute::get<0>(s_coord(i)), q = q0 + cute::get<1>(s_coord(i));
+            if (key < t.seq.seqlen_k && q < t.seq.seqlen_q && t.band.visible(q, key) &&
+                element->row_interval(q).contains(key))
+              seen |= 1u << i;
+          }
         }
       }
+      seen &= lookups;
+      CUTE_UNROLL
+      for (int i = 0; i < kN; ++i) {
+        const float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[cute::get<1>(s_coord(i))]));
+        p_out(i) = static_cast<Elem>((seen >> i) & 1u ? pv : 0.f);
+      }
+      return;
     }
-    seen &= lookups;
-    CUTE_UNROLL
-    for (int i = 0; i < kN; ++i) {
-      const float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[cute::get<1>(s_coord(i))]));
-      p_out(i) = static_cast<Elem>((seen >> i) & 1u ? pv : 0.f);
-    }
-    return;
   }
   auto probs = [&](auto masked) {
     // Masked: the step's rows that each of the thread's two key rows sees (element i = 4 j + 2 r + c

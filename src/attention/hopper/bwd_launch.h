@@ -18,7 +18,9 @@ Status launch_hopper_bwd_sparse(const detail::BwdKernelParams& p, const block_sp
 // block mask, TMA-addressable operands), else why not. `head_dim` is the instantiated one.
 Status hopper_backward_check(const AttentionBackwardParams& p, int head_dim);
 
-// Query rows per step (keys per CTA: hopper_bwd_block_n in bwd_config.h; they size the workspace).
+// Query rows of the workspace's blocks (row statistics, dQ tiles, semaphores) and of the
+// block-sparse kernel's steps; the dense d64 tiling steps over two at a time (hopper_bwd_block_m).
+// Keys per CTA: hopper_bwd_block_n in bwd_config.h. Both size the workspace.
 inline constexpr int kHopperBwdBlockM = 64;
 
 Status hopper_attention_backward(const detail::BwdKernelParams& p, DType dtype, Stream stream);
