@@ -515,8 +515,35 @@ __device__ __forceinline__ uint32_t bwd_lookups(const block_sparse::ElementMaskP
   return spread;
 }
 
+// Two adjacent elements of a 16-bit register fragment as one 32-bit register: written packed, read
+// back as two floats. Element pairs (2k, 2k + 1) of a compact fragment share a register; written
+// one element at a time, ptxas split each packed conversion into two 16-bit halves (a PRMT each)
+// and widened them one by one again.
+template <typename Frag>
+__device__ __forceinline__ uint32_t& frag_pair(Frag& frag, int i) {
+  return cute::recast<uint32_t>(frag)(i / 2);
+}
+template <typename Elem>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  if constexpr (std::is_same_v<Elem, cutlass::half_t>) {
+    return portable::ElemTraits<__half>::pack(lo, hi);
+  } else {
+    return portable::ElemTraits<__nv_bfloat16>::pack(lo, hi);
+  }
+}
+template <typename Elem>
+__device__ __forceinline__ float2 unpack_pair(uint32_t v) {
+  if constexpr (std::is_same_v<Elem, cutlass::half_t>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  } else {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+  }
+}
+
 // P^T = exp2(S^T scale log2e - LSE log2e), rounded to the input dtype into `p_out` (a fragment of
-// the S^T accumulator's size), masked on the partial tiles only: rows past the sequence have
+// the S^T accumulator's size, written in packed pairs: elements 2k and 2k + 1 are query columns
+// q and q + 1 of one key, q even, so their statistics are one 8-byte load), masked on the partial
+// tiles only: rows past the sequence have
 // LSE = +inf, so P = 0 there without a mask. s_coord: the (key, q) of each accumulator element.
 // A block mask's step (the sparse kernel): P = 0 on an invalid step, and on a partial block's the
 // element predicate `element` too.
@@ -528,9 +555,10 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
                                           uint32_t lookups = ~0u) {
   using Elem = typename FragP::value_type;
   constexpr int kN = decltype(cute::size(s_acc))::value;
+  static_assert(kN % 2 == 0, "element pairs");
   if (!step.valid) {
     CUTE_UNROLL
-    for (int i = 0; i < kN; ++i) p_out(i) = static_cast<Elem>(0.f);
+    for (int i = 0; i < kN; i += 2) frag_pair(p_out, i) = 0u;
     return;
   }
   if constexpr (Tile::kSparse) {
@@ -567,9 +595,11 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
       }
       seen &= lookups;
       CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) {
-        const float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[cute::get<1>(s_coord(i))]));
-        p_out(i) = static_cast<Elem>((seen >> i) & 1u ? pv : 0.f);
+      for (int i = 0; i < kN; i += 2) {
+        const float2 lse = *reinterpret_cast<const float2*>(&lse_log2[cute::get<1>(s_coord(i))]);
+        const float p0 = fast_exp2(fmaf(s_acc(i), scale_log2, -lse.x));
+        const float p1 = fast_exp2(fmaf(s_acc(i + 1), scale_log2, -lse.y));
+        frag_pair(p_out, i) = pack_pair<Elem>((seen >> i) & 1u ? p0 : 0.f, (seen >> (i + 1)) & 1u ? p1 : 0.f);
       }
       return;
     }
@@ -586,11 +616,16 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
       }
     }
     CUTE_UNROLL
-    for (int i = 0; i < kN; ++i) {
+    for (int i = 0; i < kN; i += 2) {
       const int q_local = cute::get<1>(s_coord(i));
-      float pv = fast_exp2(fmaf(s_acc(i), scale_log2, -lse_log2[q_local]));
-      if constexpr (decltype(masked)::value) pv = rows[(i / 2) % 2].contains(q_local) ? pv : 0.f;
-      p_out(i) = static_cast<Elem>(pv);
+      const float2 lse = *reinterpret_cast<const float2*>(&lse_log2[q_local]);
+      float p0 = fast_exp2(fmaf(s_acc(i), scale_log2, -lse.x));
+      float p1 = fast_exp2(fmaf(s_acc(i + 1), scale_log2, -lse.y));
+      if constexpr (decltype(masked)::value) {
+        p0 = rows[(i / 2) % 2].contains(q_local) ? p0 : 0.f;
+        p1 = rows[(i / 2) % 2].contains(q_local + 1) ? p1 : 0.f;
+      }
+      frag_pair(p_out, i) = pack_pair<Elem>(p0, p1);
     }
   };
   // Two compares against the tile's precomputed span (sched::full_row_tiles) instead of
@@ -689,7 +724,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       // (freeing S^T's registers before dS^T).
 #if FLARE_HOPPER_BWD_EXPERIMENT == 1
       CUTE_UNROLL
-      for (int i = 0; i < kN; ++i) p_frag(i) = static_cast<Elem>(s_acc(i));
+      for (int i = 0; i < kN; i += 2) frag_pair(p_frag, i) = pack_pair<Elem>(s_acc(i), s_acc(i + 1));
 #else
       bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag, step, &hp.bs.element, lookups);
 #endif
@@ -700,16 +735,19 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
 
       // dS^T to shared memory while dV is on the tensor cores; dK and dQ read it there.
       CUTE_UNROLL
-      for (int i = 0; i < kN; ++i)
+      for (int i = 0; i < kN; i += 2) {
 #if FLARE_HOPPER_BWD_EXPERIMENT == 1
-        ds_reg(i) = static_cast<Elem>(dp_acc(i));
+        frag_pair(ds_reg, i) = pack_pair<Elem>(dp_acc(i), dp_acc(i + 1));
 #else
-        ds_reg(i) = static_cast<Elem>(static_cast<float>(p_frag(i)) * (dp_acc(i) - dpsum[get<1>(s_coord(i))]));
+        const float2 pv = unpack_pair<Elem>(frag_pair(p_frag, i));
+        const float2 dps = *reinterpret_cast<const float2*>(&dpsum[get<1>(s_coord(i))]);
+        frag_pair(ds_reg, i) = pack_pair<Elem>(pv.x * (dp_acc(i) - dps.x), pv.y * (dp_acc(i + 1) - dps.y));
 #endif
+      }
       copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
       if constexpr (FLARE_HOPPER_BWD_DK_RS) {
         CUTE_UNROLL
-        for (int i = 0; i < kN; ++i) ds_frag(i) = ds_reg(i);  // the same registers, as the dK GEMM's A operand
+        for (int i = 0; i < kN; i += 2) frag_pair(ds_frag, i) = frag_pair(ds_reg, i);  // the dK GEMM's A operand
       }
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in

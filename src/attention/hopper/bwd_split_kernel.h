@@ -229,14 +229,16 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sPt));
         named_arrive(kBarPReady);
         CUTE_UNROLL
-        for (int i = 0; i < kN; ++i) p_frag(i) = ew_reg(i);
+        for (int i = 0; i < kN; i += 2) frag_pair(p_frag, i) = frag_pair(ew_reg, i);
       } else {
         named_sync(kBarPReady);
         copy(s2r, thr_s2r.partition_S(sPt), thr_s2r.retile_D(ew_reg));
         CUTE_UNROLL
-        for (int i = 0; i < kN; ++i) {
-          p_frag(i) = ew_reg(i);
-          ew_reg(i) = static_cast<Elem>(static_cast<float>(ew_reg(i)) * (sdp_acc(i) - dpsum[get<1>(s_coord(i))]));
+        for (int i = 0; i < kN; i += 2) {
+          frag_pair(p_frag, i) = frag_pair(ew_reg, i);
+          const float2 pv = unpack_pair<Elem>(frag_pair(ew_reg, i));
+          const float2 dps = *reinterpret_cast<const float2*>(&dpsum[get<1>(s_coord(i))]);
+          frag_pair(ew_reg, i) = pack_pair<Elem>(pv.x * (sdp_acc(i) - dps.x), pv.y * (sdp_acc(i + 1) - dps.y));
         }
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sDSt));
         cutlass::arch::fence_view_async_shared();
