@@ -2,6 +2,7 @@
 #include "flare/attention.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "flare/block_mask.h"
@@ -18,6 +19,7 @@
 #include "src/attention/hopper/fwd_launch.h"
 #endif
 #include "src/common/cuda_check.h"
+#include "src/common/device_facts.h"
 
 namespace flare {
 namespace {
@@ -86,6 +88,7 @@ struct BackwardPlan {
   detail::BwdWorkspaceLayout layout;
   bool hopper = false;  // the Hopper kernel, else the portable one
   int dq_chains = 1;     // deterministic dQ semaphores per query block
+  sched::TailSplit tail;  // the Hopper grid's last tiles split (ordinary dense, uniform tiles)
   detail::BlockMaskShape mask_shape;  // with a block mask
 };
 
@@ -132,6 +135,24 @@ Status check_block_sparse_backward(const AttentionBackwardParams& p, const detai
   return Status::Ok();
 }
 
+#ifdef FLARE_WITH_HOPPER
+// The Hopper grid's split of its last tiles (sched::tail_split) where every tile has the same
+// steps: batched, no causal mask or window, ordinary mode (the deterministic grid follows its turn
+// order). FLARE_HOPPER_BWD_TAIL_SPLIT=0 turns it off (A/B runs).
+sched::TailSplit hopper_tail_split(const AttentionBackwardParams& p, const detail::AttentionShape& s,
+                                   const portable::BwdBlocks& blocks) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("FLARE_HOPPER_BWD_TAIL_SPLIT");
+    return e == nullptr || e[0] != '0';
+  }();
+  if (!enabled || s.varlen || p.mask.causal || p.mask.window_left >= 0 || p.mask.window_right >= 0) return {};
+  const int step_rows = hopper::hopper_bwd_block_m(blocks.head_dim);
+  const int steps = static_cast<int>((s.seqlen_q + step_rows - 1) / step_rows);
+  const int64_t tiles = int64_t{(s.seqlen_k + blocks.block_n - 1) / blocks.block_n} * s.heads * s.batch;
+  return sched::tail_split(tiles, steps, detail::current_device_facts().num_sms);
+}
+#endif
+
 Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
   FLARE_RETURN_IF_ERROR(detail::validate_attention_backward(p, DeviceKind::kCUDA, &plan->shape));
   if (p.backend == Backend::kReference)
@@ -152,6 +173,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
       plan->blocks.block_m = hopper::kHopperBwdBlockM;
       plan->blocks.block_n = hopper::hopper_bwd_block_n(plan->blocks.head_dim);
       plan->dq_chains = hopper::hopper_bwd_dq_chains(plan->blocks.head_dim);
+      if (!sparse && !p.deterministic) plan->tail = hopper_tail_split(p, plan->shape, plan->blocks);
     } else if (p.backend == Backend::kHopper) {
       return hop;
     }
@@ -167,9 +189,12 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
     sparse_dq = int64_t{plan->mask_shape.num_q_blocks} * q_tiles;
     sparse_dkv = int64_t{plan->mask_shape.num_kv_blocks} * kv_tiles;
   }
+  const int64_t dkv_tail = plan->tail.active() && plan->shape.heads_kv == plan->shape.heads
+                               ? plan->tail.tiles * plan->blocks.block_n * plan->shape.head_dim
+                               : 0;
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
                                               plan->hopper ? plan->blocks.head_dim : 0, plan->dq_chains, sparse_dq,
-                                              sparse_dkv);
+                                              sparse_dkv, dkv_tail);
   return Status::Ok();
 }
 
@@ -201,7 +226,7 @@ Status attention_backward(const AttentionBackwardParams& params) {
   if (st.ok()) {
     const detail::BwdKernelParams k = detail::make_bwd_kernel_params(
         params, detail::make_fwd_kernel_params(detail::forward_view(params), plan.shape), plan.shape, l, ws,
-        plan.blocks.block_m, plan.blocks.block_n);
+        plan.blocks.block_m, plan.blocks.block_n, plan.tail);
     if (params.block_mask != nullptr) {
       const block_sparse::BlockSparseParams bs =
           block_sparse::make_block_sparse_params(*params.block_mask, plan.shape.seqlen_q, plan.shape.seqlen_k);

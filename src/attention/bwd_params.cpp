@@ -9,7 +9,7 @@ std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
                                         int hopper_head_dim, int dq_chains, int64_t sparse_dq_per_head,
-                                        int64_t sparse_dkv_per_head) {
+                                        int64_t sparse_dkv_per_head, int64_t dkv_tail_elems) {
   BwdWorkspaceLayout l;
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
@@ -33,6 +33,7 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     l.dk_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
     l.dv_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
   }
+  if (dkv_tail_elems > 0) l.dkv_tail = take(2 * static_cast<std::size_t>(dkv_tail_elems) * sizeof(float));
   if (deterministic) {
     const std::size_t m_blocks = hopper_head_dim > 0 ? static_cast<std::size_t>(hopper_row_blocks(s.seqlen_q))
                                                      : (s.seqlen_q + block_m - 1) / block_m;
@@ -67,7 +68,7 @@ AttentionForwardParams forward_view(const AttentionBackwardParams& b) {
 
 BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const FwdKernelParams& fwd,
                                        const AttentionShape& s, const BwdWorkspaceLayout& l, void* workspace,
-                                       int block_m, int block_n) {
+                                       int block_m, int block_n, const sched::TailSplit& tail) {
   char* ws = static_cast<char*>(workspace);
   BwdKernelParams k;
   k.fwd = fwd;
@@ -95,6 +96,12 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
   if (p.deterministic) {
     k.dq_semaphore = reinterpret_cast<int*>(ws + l.dq_semaphore);
     k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
+  }
+  if (tail.active()) {
+    k.tail_whole = tail.whole;
+    k.tail_tiles = tail.tiles;
+    k.tail_parts = tail.parts;
+    if (l.dkv_tail > 0) k.dkv_tail = reinterpret_cast<float*>(ws + l.dkv_tail);
   }
   k.num_m_blocks = l.hopper_head_dim > 0 ? hopper_row_blocks(s.seqlen_q) : (s.seqlen_q + block_m - 1) / block_m;
   k.num_n_blocks = (s.seqlen_k + block_n - 1) / block_n;

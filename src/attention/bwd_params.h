@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "src/attention/fwd_params.h"
+#include "src/scheduling/tail_split.h"
 
 namespace flare::detail {
 
@@ -36,6 +37,12 @@ struct BwdKernelParams {
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks, dQ chains] (a block mask: its plan's)
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
+  // Hopper, ordinary dense grids: the last tiles split into parts (sched::tail_split; tail_parts 1:
+  // none). Without GQA the parts add their dK and dV (dK scaled) into dkv_tail, [tail_tiles,
+  // block_n keys, head_dim] for dK then the same for dV, converted after the grid.
+  int64_t tail_whole = 0, tail_tiles = 0;
+  int tail_parts = 1;
+  float* dkv_tail = nullptr;
   int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths (Hopper: hopper_row_blocks)
   int dq_tile_elems = 0;        // Hopper: kRowStatsBlockM x the instantiated head dim
   int64_t dq_padded_rows = 0;   // Hopper: query rows of dq_accum per head, sequences 64-aligned
@@ -100,6 +107,7 @@ FLARE_HD int hopper_dq_tile_offset(int threads, int ct, int i) { return ((i / 4)
 struct BwdWorkspaceLayout {
   int hopper_head_dim = 0;
   std::size_t dpsum = 0, row_stats = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
+  std::size_t dkv_tail = 0;  // dkv_tail_elems > 0: BwdKernelParams::dkv_tail
   std::size_t total = 0;
 };
 
@@ -107,17 +115,19 @@ struct BwdWorkspaceLayout {
 // that instantiated head dim; hopper_row_blocks query blocks, whatever block_m). `dq_chains`: dQ
 // semaphores per query block (independent turn chains of its parts). The deterministic block-sparse backward
 // counts its own semaphores: sparse_dq_per_head per (batch, head) and sparse_dkv_per_head per
-// (batch, kv head) when positive.
+// (batch, kv head) when positive. `dkv_tail_elems`: floats of the split tiles' partial dK (and as
+// many for dV), zeroed with the rest after dq_accum.
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
                                         int hopper_head_dim = 0, int dq_chains = 1, int64_t sparse_dq_per_head = 0,
-                                        int64_t sparse_dkv_per_head = 0);
+                                        int64_t sparse_dkv_per_head = 0, int64_t dkv_tail_elems = 0);
 
 // The forward's view of a backward call: the same inputs, mask and scalars.
 AttentionForwardParams forward_view(const AttentionBackwardParams& b);
 
-// Device params over a workspace laid out by `layout` at `workspace`.
+// Device params over a workspace laid out by `layout` at `workspace`; `tail` the grid's split
+// (sched::tail_split), its partial dK/dV in the layout's dkv_tail without GQA.
 BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const FwdKernelParams& fwd,
                                        const AttentionShape& s, const BwdWorkspaceLayout& layout, void* workspace,
-                                       int block_m, int block_n);
+                                       int block_m, int block_n, const sched::TailSplit& tail = sched::TailSplit{});
 
 }  // namespace flare::detail

@@ -11,6 +11,8 @@
 #include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
 #include "tests/gpu/unbuilt.h"
+#include "src/attention/hopper/bwd_config.h"
+#include "src/scheduling/tail_split.h"
 
 namespace flare::test {
 namespace {
@@ -78,6 +80,39 @@ TEST(HopperBackward, SinksVarlen) {
     const AttnCase c = varlen_sinks_case(d, 2, MaskParams{true, -1, -1}, 7000 + d);
     run_backward(c, false, Backend::kPortable);
     run_backward(c, d == 128, Backend::kAuto);
+  }
+}
+
+// The ordinary grid's last tiles split into parts (sched::tail_split): a few tiles more than the
+// SMs, so the last round is ragged. The parts add partial dK/dV into fp32 (a tail buffer without
+// GQA, the GQA accumulators with it) and a kernel converts them; ragged key blocks and query steps.
+TEST(HopperBackward, TailTilesSplitIntoParts) {
+  FLARE_REQUIRE_HOPPER();
+  int dev = 0, sms = 0;
+  FLARE_CUDA_OK(cudaGetDevice(&dev));
+  FLARE_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  struct Split {
+    int head_dim, ratio, extra_tiles;
+    DType dtype;
+  };
+  uint64_t seed = 8500;
+  for (const Split& t : {Split{64, 1, 3, DType::kBFloat16}, Split{128, 1, 5, DType::kFloat16},
+                         Split{128, 4, 4, DType::kBFloat16}, Split{256, 1, 6, DType::kBFloat16}}) {
+#ifndef FLARE_HAS_HEAD_DIM_256
+    if (t.head_dim == 256) continue;
+#endif
+    if (reduced() && t.head_dim != 128) continue;
+    AttnCase c;
+    c.head_dim = t.head_dim;
+    c.seqlen_q = 1500;  // 12 (d64) or 24 query steps, the last ragged
+    c.seqlen_k = hopper::hopper_bwd_block_n(t.head_dim) - 27;  // one ragged key block a head
+    c.heads = sms + t.extra_tiles + (t.ratio - (sms + t.extra_tiles) % t.ratio) % t.ratio;
+    c.heads_kv = c.heads / t.ratio;
+    c.dtype = t.dtype;
+    c.seed = seed++;
+    const int step_rows = hopper::hopper_bwd_block_m(t.head_dim);
+    ASSERT_TRUE(sched::tail_split(c.heads, (c.seqlen_q + step_rows - 1) / step_rows, sms).active()) << c.name();
+    run_backward(c, false);
   }
 }
 

@@ -148,11 +148,15 @@ struct BwdTileT {
   int slice = 0, key_slices = 1, step0 = 0;
   int* dkv_sem = nullptr;
   int dkv_turn = 0;
+  // Dense: the walk's steps [step0, step0 + walk_steps) (a split tile's part: sched::tail_work);
+  // dkv_part: where such a part adds its dK and dV without GQA (null otherwise).
+  int walk_steps = 0;
+  float* dkv_part = nullptr;
   __device__ __forceinline__ int steps() const {
     if constexpr (kSparse) {
       return sparse.count();
     } else {
-      return walk.count;
+      return walk_steps;
     }
   }
   __device__ __forceinline__ QStep step_at(int step) const {
@@ -160,7 +164,7 @@ struct BwdTileT {
       return sparse.at(step);
     } else {
       QStep s;
-      s.m = sched::q_block_at(walk, step);
+      s.m = sched::q_block_at(walk, step0 + step);
       return s;
     }
   }
@@ -187,6 +191,12 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   } else if (P.deterministic) {
     const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
     t.n = c.block, t.h = c.head, t.b = c.batch;
+  } else if (!kSparse && P.tail_parts > 1) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
+    const sched::TailSplit split{P.tail_whole, P.tail_tiles, P.tail_parts};
+    const sched::TailWork w = sched::tail_work(split, blockIdx.x, 0);
+    t.n = static_cast<int>(w.tile % P.num_n_blocks);
+    t.h = static_cast<int>(w.tile / P.num_n_blocks % p.heads);
+    t.b = static_cast<int>(w.tile / P.num_n_blocks / p.heads);
   } else {
     t.n = blockIdx.x, t.h = blockIdx.y, t.b = blockIdx.z;
   }
@@ -217,6 +227,15 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
     }
   } else {
     if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
+    t.walk_steps = t.walk.count;
+    if (!P.deterministic && P.tail_parts > 1) {
+      const sched::TailSplit split{P.tail_whole, P.tail_tiles, P.tail_parts};
+      const sched::TailWork w = sched::tail_work(split, blockIdx.x, t.walk.count);
+      t.step0 = w.begin;
+      t.walk_steps = w.end - w.begin;
+      if (w.part >= 0 && P.dkv_tail != nullptr)
+        t.dkv_part = P.dkv_tail + (w.tile - P.tail_whole) * Cfg::kBlockN * p.head_dim;
+    }
   }
   return t;
 }
@@ -440,6 +459,18 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
   if (sem != nullptr) {
     if (ct == 0) device_sync::wait_for_turn(sem, turn);
     consumers_sync();
+  }
+  if (t.dkv_part != nullptr) {  // a split tile's part: fp32 sums, converted after the grid
+    const int64_t dv_off = P.tail_tiles * Cfg::kBlockN * p.head_dim;
+    CUTE_UNROLL
+    for (int i = 0; i < size(dk_acc); i += 2) {
+      const int key = get<0>(dkv_coord(i)), col = get<1>(dkv_coord(i));
+      if (key >= t.keys || col >= p.head_dim) continue;
+      float* at = t.dkv_part + key * p.head_dim + col;
+      portable::red_add_f32x2(at, dk_acc(i) * p.scale, dk_acc(i + 1) * p.scale);
+      portable::red_add_f32x2(at + dv_off, dv_acc(i), dv_acc(i + 1));
+    }
+    return;
   }
   // Without GQA, where the rows are 16-byte aligned and the fragment has the accumulator's rows,
   // each 16 x 16 block leaves through the quad transpose (accumulator_piece), one 16-byte store a
@@ -857,6 +888,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
+  }
+}
+
+// A split tile's dK (scaled) and dV from their fp32 sums in dkv_tail (sched::tail_split; no GQA)
+// to the outputs: one CTA per split tile, two elements a thread at a time.
+template <typename Cfg, typename T>
+__global__ void hopper_dkv_tail_convert_kernel(const detail::BwdKernelParams P) {
+  const detail::FwdKernelParams& p = P.fwd;
+  const int64_t tile = P.tail_whole + blockIdx.x;
+  const int n = static_cast<int>(tile % P.num_n_blocks), h = static_cast<int>(tile / P.num_n_blocks % p.heads);
+  const int b = static_cast<int>(tile / P.num_n_blocks / p.heads);
+  const detail::SeqInfo seq = detail::seq_info(p, b);
+  const int col0 = n * Cfg::kBlockN;
+  const int keys = seq.seqlen_k - col0 < Cfg::kBlockN ? seq.seqlen_k - col0 : Cfg::kBlockN;
+  const float* dk = P.dkv_tail + int64_t{blockIdx.x} * Cfg::kBlockN * p.head_dim;
+  const float* dv = dk + P.tail_tiles * Cfg::kBlockN * p.head_dim;
+  for (int e = 2 * threadIdx.x; e < keys * p.head_dim; e += 2 * blockDim.x) {
+    const int key = e / p.head_dim, col = e % p.head_dim;  // head dims are even: a pair stays in its row
+    T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0 + key, h) + col;
+    T* dvp = static_cast<T*>(P.dv) + detail::row_offset(P.dv_str, b, seq.k_start + col0 + key, h) + col;
+    *reinterpret_cast<uint32_t*>(dkp) = portable::ElemTraits<T>::pack(dk[e], dk[e + 1]);
+    *reinterpret_cast<uint32_t*>(dvp) = portable::ElemTraits<T>::pack(dv[e], dv[e + 1]);
   }
 }
 
