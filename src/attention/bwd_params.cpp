@@ -98,9 +98,7 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
     k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
   }
   if (tail.active()) {
-    k.tail_whole = tail.whole;
-    k.tail_tiles = tail.tiles;
-    k.tail_parts = tail.parts;
+    k.tail = tail;
     if (l.dkv_tail > 0) k.dkv_tail = reinterpret_cast<float*>(ws + l.dkv_tail);
   }
   k.num_m_blocks = l.hopper_head_dim > 0 ? hopper_row_blocks(s.seqlen_q) : (s.seqlen_q + block_m - 1) / block_m;

@@ -37,11 +37,10 @@ struct BwdKernelParams {
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks, dQ chains] (a block mask: its plan's)
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
-  // Hopper, ordinary dense grids: the last tiles split into parts (sched::tail_split; tail_parts 1:
-  // none). Without GQA the parts add their dK and dV (dK scaled) into dkv_tail, [tail_tiles,
+  // Hopper, ordinary dense grids: the last tiles split into parts (sched::tail_split; inactive:
+  // none). Without GQA the parts add their dK and dV (dK scaled) into dkv_tail, [tail.tiles,
   // block_n keys, head_dim] for dK then the same for dV, converted after the grid.
-  int64_t tail_whole = 0, tail_tiles = 0;
-  int tail_parts = 1;
+  sched::TailSplit tail;
   float* dkv_tail = nullptr;
   int num_m_blocks = 0, num_n_blocks = 0;  // per sequence, from the max lengths (Hopper: hopper_row_blocks)
   int dq_tile_elems = 0;        // Hopper: kRowStatsBlockM x the instantiated head dim

@@ -172,7 +172,18 @@ struct BwdTileT {
 };
 using BwdTile = BwdTileT<false>;
 
-// Ordinary mode: the 3D grid (kv block, head, sequence). Deterministic: a 1D grid in the plan's
+// Tile `tile` of the ordinary grid's order: kv block fastest, then head, then sequence (its 3D grid's
+// blockIdx order; the 1D grid of a tail split numbers its tiles so too).
+__device__ __forceinline__ sched::TileCoord ordinary_bwd_tile(const detail::BwdKernelParams& P, int64_t tile) {
+  sched::TileCoord c;
+  c.block = static_cast<int>(tile % P.num_n_blocks);
+  c.head = static_cast<int>(tile / P.num_n_blocks % P.fwd.heads);
+  c.batch = static_cast<int>(tile / P.num_n_blocks / P.fwd.heads);
+  return c;
+}
+
+// Ordinary mode: the 3D grid (kv block, head, sequence), or with a tail split a 1D grid of whole
+// tiles and parts (sched::tail_work). Deterministic: a 1D grid in the plan's
 // tile order, which CTAs start in, as the turn order's deadlock freedom assumes. kSparse: the 3D
 // grid over the kernel's 128-key blocks, the steps from the block mask's lists.
 template <typename Cfg, bool kSparse = false, typename Params>
@@ -191,12 +202,9 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   } else if (P.deterministic) {
     const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
     t.n = c.block, t.h = c.head, t.b = c.batch;
-  } else if (!kSparse && P.tail_parts > 1) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
-    const sched::TailSplit split{P.tail_whole, P.tail_tiles, P.tail_parts};
-    const sched::TailWork w = sched::tail_work(split, blockIdx.x, 0);
-    t.n = static_cast<int>(w.tile % P.num_n_blocks);
-    t.h = static_cast<int>(w.tile / P.num_n_blocks % p.heads);
-    t.b = static_cast<int>(w.tile / P.num_n_blocks / p.heads);
+  } else if (!kSparse && P.tail.active()) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
+    const sched::TileCoord c = ordinary_bwd_tile(P, sched::tail_work(P.tail, blockIdx.x, 0).tile);
+    t.n = c.block, t.h = c.head, t.b = c.batch;
   } else {
     t.n = blockIdx.x, t.h = blockIdx.y, t.b = blockIdx.z;
   }
@@ -228,13 +236,12 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   } else {
     if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
     t.walk_steps = t.walk.count;
-    if (!P.deterministic && P.tail_parts > 1) {
-      const sched::TailSplit split{P.tail_whole, P.tail_tiles, P.tail_parts};
-      const sched::TailWork w = sched::tail_work(split, blockIdx.x, t.walk.count);
+    if (!P.deterministic && P.tail.active()) {
+      const sched::TailWork w = sched::tail_work(P.tail, blockIdx.x, t.walk.count);
       t.step0 = w.begin;
       t.walk_steps = w.end - w.begin;
       if (w.part >= 0 && P.dkv_tail != nullptr)
-        t.dkv_part = P.dkv_tail + (w.tile - P.tail_whole) * Cfg::kBlockN * p.head_dim;
+        t.dkv_part = P.dkv_tail + (w.tile - P.tail.whole) * Cfg::kBlockN * p.head_dim;
     }
   }
   return t;
@@ -461,7 +468,7 @@ __device__ __forceinline__ void bwd_store_dkv(const detail::BwdKernelParams& P, 
     consumers_sync();
   }
   if (t.dkv_part != nullptr) {  // a split tile's part: fp32 sums, converted after the grid
-    const int64_t dv_off = P.tail_tiles * Cfg::kBlockN * p.head_dim;
+    const int64_t dv_off = P.tail.tiles * Cfg::kBlockN * p.head_dim;
     CUTE_UNROLL
     for (int i = 0; i < size(dk_acc); i += 2) {
       const int key = get<0>(dkv_coord(i)), col = get<1>(dkv_coord(i));
@@ -546,29 +553,13 @@ __device__ __forceinline__ uint32_t bwd_lookups(const block_sparse::ElementMaskP
   return spread;
 }
 
-// Two adjacent elements of a 16-bit register fragment as one 32-bit register: written packed, read
-// back as two floats. Element pairs (2k, 2k + 1) of a compact fragment share a register; written
-// one element at a time, ptxas split each packed conversion into two 16-bit halves (a PRMT each)
-// and widened them one by one again.
+// Two adjacent elements of a 16-bit register fragment as one 32-bit register, written and read
+// through portable::ElemTraits<T>::pack / unpack. Element pairs (2k, 2k + 1) of a compact fragment
+// share a register; written one element at a time, ptxas split each packed conversion into two
+// 16-bit halves (a PRMT each) and widened them one by one again.
 template <typename Frag>
 __device__ __forceinline__ uint32_t& frag_pair(Frag& frag, int i) {
   return cute::recast<uint32_t>(frag)(i / 2);
-}
-template <typename Elem>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-  if constexpr (std::is_same_v<Elem, cutlass::half_t>) {
-    return portable::ElemTraits<__half>::pack(lo, hi);
-  } else {
-    return portable::ElemTraits<__nv_bfloat16>::pack(lo, hi);
-  }
-}
-template <typename Elem>
-__device__ __forceinline__ float2 unpack_pair(uint32_t v) {
-  if constexpr (std::is_same_v<Elem, cutlass::half_t>) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&v));
-  } else {
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-  }
 }
 
 // P^T = exp2(S^T scale log2e - LSE log2e), rounded to the input dtype into `p_out` (a fragment of
@@ -578,13 +569,12 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t v) {
 // LSE = +inf, so P = 0 there without a mask. s_coord: the (key, q) of each accumulator element.
 // A block mask's step (the sparse kernel): P = 0 on an invalid step, and on a partial block's the
 // element predicate `element` too.
-template <typename Cfg, typename AccS, typename Coord, typename FragP, typename Tile>
+template <typename Cfg, typename T, typename AccS, typename Coord, typename FragP, typename Tile>
 __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coord, const float* lse_log2,
                                           float scale_log2, const Tile& t, int q0, FragP& p_out,
                                           const QStep& step = QStep{},
                                           const block_sparse::ElementMaskParams* element = nullptr,
                                           uint32_t lookups = ~0u) {
-  using Elem = typename FragP::value_type;
   constexpr int kN = decltype(cute::size(s_acc))::value;
   static_assert(kN % 2 == 0, "element pairs");
   if (!step.valid) {
@@ -630,7 +620,8 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
         const float2 lse = *reinterpret_cast<const float2*>(&lse_log2[cute::get<1>(s_coord(i))]);
         const float p0 = fast_exp2(fmaf(s_acc(i), scale_log2, -lse.x));
         const float p1 = fast_exp2(fmaf(s_acc(i + 1), scale_log2, -lse.y));
-        frag_pair(p_out, i) = pack_pair<Elem>((seen >> i) & 1u ? p0 : 0.f, (seen >> (i + 1)) & 1u ? p1 : 0.f);
+        frag_pair(p_out, i) =
+            portable::ElemTraits<T>::pack((seen >> i) & 1u ? p0 : 0.f, (seen >> (i + 1)) & 1u ? p1 : 0.f);
       }
       return;
     }
@@ -656,7 +647,7 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
         p0 = rows[(i / 2) % 2].contains(q_local) ? p0 : 0.f;
         p1 = rows[(i / 2) % 2].contains(q_local + 1) ? p1 : 0.f;
       }
-      frag_pair(p_out, i) = pack_pair<Elem>(p0, p1);
+      frag_pair(p_out, i) = portable::ElemTraits<T>::pack(p0, p1);
     }
   };
   // Two compares against the tile's precomputed span (sched::full_row_tiles) instead of
@@ -755,9 +746,9 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       // (freeing S^T's registers before dS^T).
 #if FLARE_HOPPER_BWD_EXPERIMENT == 1
       CUTE_UNROLL
-      for (int i = 0; i < kN; i += 2) frag_pair(p_frag, i) = pack_pair<Elem>(s_acc(i), s_acc(i + 1));
+      for (int i = 0; i < kN; i += 2) frag_pair(p_frag, i) = portable::ElemTraits<T>::pack(s_acc(i), s_acc(i + 1));
 #else
-      bwd_probs<Cfg>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag, step, &hp.bs.element, lookups);
+      bwd_probs<Cfg, T>(s_acc, s_coord, lse_log2, p.scale_log2, t, q0, p_frag, step, &hp.bs.element, lookups);
 #endif
 #if FLARE_HOPPER_BWD_EXPERIMENT != 3
       wg_gemm<false>(mma_dkv, p_frag, dot_frag(_, _, _, pos.index), dv_acc);
@@ -768,11 +759,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
       CUTE_UNROLL
       for (int i = 0; i < kN; i += 2) {
 #if FLARE_HOPPER_BWD_EXPERIMENT == 1
-        frag_pair(ds_reg, i) = pack_pair<Elem>(dp_acc(i), dp_acc(i + 1));
+        frag_pair(ds_reg, i) = portable::ElemTraits<T>::pack(dp_acc(i), dp_acc(i + 1));
 #else
-        const float2 pv = unpack_pair<Elem>(frag_pair(p_frag, i));
+        const float2 pv = portable::ElemTraits<T>::unpack(frag_pair(p_frag, i));
         const float2 dps = *reinterpret_cast<const float2*>(&dpsum[get<1>(s_coord(i))]);
-        frag_pair(ds_reg, i) = pack_pair<Elem>(pv.x * (dp_acc(i) - dps.x), pv.y * (dp_acc(i + 1) - dps.y));
+        frag_pair(ds_reg, i) =
+            portable::ElemTraits<T>::pack(pv.x * (dp_acc(i) - dps.x), pv.y * (dp_acc(i + 1) - dps.y));
 #endif
       }
       copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
@@ -896,14 +888,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 template <typename Cfg, typename T>
 __global__ void hopper_dkv_tail_convert_kernel(const detail::BwdKernelParams P) {
   const detail::FwdKernelParams& p = P.fwd;
-  const int64_t tile = P.tail_whole + blockIdx.x;
-  const int n = static_cast<int>(tile % P.num_n_blocks), h = static_cast<int>(tile / P.num_n_blocks % p.heads);
-  const int b = static_cast<int>(tile / P.num_n_blocks / p.heads);
+  const sched::TileCoord c = ordinary_bwd_tile(P, P.tail.whole + blockIdx.x);
+  const int h = c.head, b = c.batch;
   const detail::SeqInfo seq = detail::seq_info(p, b);
-  const int col0 = n * Cfg::kBlockN;
+  const int col0 = c.block * Cfg::kBlockN;
   const int keys = seq.seqlen_k - col0 < Cfg::kBlockN ? seq.seqlen_k - col0 : Cfg::kBlockN;
   const float* dk = P.dkv_tail + int64_t{blockIdx.x} * Cfg::kBlockN * p.head_dim;
-  const float* dv = dk + P.tail_tiles * Cfg::kBlockN * p.head_dim;
+  const float* dv = dk + P.tail.tiles * Cfg::kBlockN * p.head_dim;
   for (int e = 2 * threadIdx.x; e < keys * p.head_dim; e += 2 * blockDim.x) {
     const int key = e / p.head_dim, col = e % p.head_dim;  // head dims are even: a pair stays in its row
     T* dkp = static_cast<T*>(P.dk) + detail::row_offset(P.dk_str, b, seq.k_start + col0 + key, h) + col;

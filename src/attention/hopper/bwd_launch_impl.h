@@ -85,12 +85,12 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
     dim3 grid = P.deterministic ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
-    if (!kSparse && !P.deterministic && P.tail_parts > 1)  // whole tiles, then the split ones' parts
-      grid = dim3(static_cast<unsigned>(sched::TailSplit{P.tail_whole, P.tail_tiles, P.tail_parts}.ctas()));
+    const bool split = !kSparse && !P.deterministic && P.tail.active();
+    if (split) grid = dim3(static_cast<unsigned>(P.tail.ctas()));  // whole tiles, then the split ones' parts
     if (kSparse && P.deterministic) grid = dim3(dq_plan->num_tiles() * (bs->kv_block_size / Cfg::kBlockN));
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
-    if (!kSparse && !P.deterministic && P.tail_parts > 1 && P.dkv_tail != nullptr)
-      hopper_dkv_tail_convert_kernel<Cfg, T><<<static_cast<unsigned>(P.tail_tiles), 256, 0, stream>>>(P);
+    if (split && P.dkv_tail != nullptr)
+      hopper_dkv_tail_convert_kernel<Cfg, T><<<static_cast<unsigned>(P.tail.tiles), 256, 0, stream>>>(P);
   }
   if (P.dsinks != nullptr) FLARE_RETURN_IF_ERROR(portable::launch_bwd_dsinks(P, stream));
   if (P.num_m_blocks > 0)

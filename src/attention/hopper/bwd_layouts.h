@@ -71,9 +71,7 @@ struct BwdLayouts {
   // A stage's row statistics: the LSE (log2 units) of the step's kBlockM rows, then their dpsum.
   // row_stats holds them per 64-row block (LSE, then dpsum): one copy of the whole block at 64-row
   // steps; with two blocks a step, four copies of a half each (kStatsPieces).
-  static constexpr int kRowBlocks = kBlockM / detail::kRowStatsBlockM;
-  static_assert(kRowBlocks * detail::kRowStatsBlockM == kBlockM,
-                "the padded row statistics are laid out per 64-row block");
+  static constexpr int kRowBlocks = Cfg::kRowBlocks;  // HopperBwdWarps: one or two 64-row blocks
   static constexpr uint32_t kStatsBytes = 2 * kBlockM * sizeof(float);
   static constexpr int kStatsPieces = kRowBlocks == 1 ? 1 : 2;  // copies a 64-row block takes
   // The statistics as a tensor-map load: (floats a piece, piece) over row_stats, one piece a copy.

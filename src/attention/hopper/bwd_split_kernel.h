@@ -225,7 +225,7 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
 
       if (w == 0) {
         // P^T, rounded once: dV's operand here and dS^T's factor in warpgroup 1.
-        bwd_probs<Cfg>(sdp_acc, s_coord, lse_log2, p.scale_log2, t, q0, ew_reg);
+        bwd_probs<Cfg, T>(sdp_acc, s_coord, lse_log2, p.scale_log2, t, q0, ew_reg);
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sPt));
         named_arrive(kBarPReady);
         CUTE_UNROLL
@@ -236,9 +236,10 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         CUTE_UNROLL
         for (int i = 0; i < kN; i += 2) {
           frag_pair(p_frag, i) = frag_pair(ew_reg, i);
-          const float2 pv = unpack_pair<Elem>(frag_pair(ew_reg, i));
+          const float2 pv = portable::ElemTraits<T>::unpack(frag_pair(ew_reg, i));
           const float2 dps = *reinterpret_cast<const float2*>(&dpsum[get<1>(s_coord(i))]);
-          frag_pair(ew_reg, i) = pack_pair<Elem>(pv.x * (sdp_acc(i) - dps.x), pv.y * (sdp_acc(i + 1) - dps.y));
+          frag_pair(ew_reg, i) =
+              portable::ElemTraits<T>::pack(pv.x * (sdp_acc(i) - dps.x), pv.y * (sdp_acc(i + 1) - dps.y));
         }
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sDSt));
         cutlass::arch::fence_view_async_shared();
