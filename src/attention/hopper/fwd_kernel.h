@@ -589,7 +589,10 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
     if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
   }
   if (marks) timeline_mark(tl, t.id, kMarkEpilogue0);
-  if (consumer_thread % 128 == 0) timeline_mark_latest(tl, t.id, kMarkEnd);
+  if (consumer_thread % 128 == 0) {
+    timeline_mark_latest(tl, t.id, kMarkEnd);
+    timeline_mark_global_latest(tl, t.id, kMarkGlobalEnd);
+  }
 }
 
 // kPersistent: one CTA per SM; its producer thread takes the next tile of the L2-grouped order
@@ -614,6 +617,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   const int cta = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
   if (!kPersistent && threadIdx.x == 0) {
     timeline_mark(tl, cta, kMarkStart);
+    timeline_mark_global(tl, cta, kMarkGlobalStart);
     timeline_set(tl, cta, kMarkSm, sm_id());
   }
   if (threadIdx.x == 32) {  // the tensor maps fetched while the barriers are set up (the producer's first loads need them)
@@ -663,6 +667,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         }
         sm.tile_of_q[pos.q.index] = i;
         timeline_mark(tl, tile.id, kMarkStart);
+        timeline_mark_global(tl, tile.id, kMarkGlobalStart);
         timeline_set(tl, tile.id, kMarkSm, sm_id());
         produce<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);  // Q even where no key is visible
       }

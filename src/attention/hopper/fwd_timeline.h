@@ -38,6 +38,10 @@ enum FwdMark : int {
   kMarkStepPVDone,   // the previous PV has completed (P_n may now overwrite its registers); with
                      // two P sets (kTwoP) no wait: stamped right after kMarkStepSoftmax
   kMarkStepNext,     // the next tile's turn begins
+  // %globaltimer (ns, one clock for every SM) at kMarkStart and kMarkEnd: the grid's fill, its
+  // makespan against each SM's busy time (the last round's idle SMs)
+  kMarkGlobalStart,
+  kMarkGlobalEnd,
   kMarks
 };
 inline constexpr int kTimelineCtas = 1 << 16;  // stamps kept for CTAs (tiles) below this index
@@ -63,6 +67,17 @@ __device__ __forceinline__ void timeline_mark_latest(unsigned long long* tl, int
 }
 __device__ __forceinline__ void timeline_set(unsigned long long* tl, int cta, FwdMark m, unsigned long long v) {
   if (tl != nullptr && cta < kTimelineCtas) tl[static_cast<int64_t>(cta) * kMarks + m] = v;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void timeline_mark_global(unsigned long long* tl, int cta, FwdMark m) {
+  if (tl != nullptr && cta < kTimelineCtas) tl[static_cast<int64_t>(cta) * kMarks + m] = global_ns();
+}
+__device__ __forceinline__ void timeline_mark_global_latest(unsigned long long* tl, int cta, FwdMark m) {
+  if (tl != nullptr && cta < kTimelineCtas) atomicMax(&tl[static_cast<int64_t>(cta) * kMarks + m], global_ns());
 }
 __device__ __forceinline__ unsigned sm_id() {
   unsigned id;

@@ -100,8 +100,33 @@ std::string fwd_timeline_summary() {
     const double span = static_cast<double>(list.back().second - list.front().first);
     if (span > 0) busy.push_back(inside / span);
   }
+  // The grid on one clock (%globaltimer): its makespan, the SMs' busy share of it, and the share
+  // lost after each SM's last CTA (the ragged last round a split of the last tiles would fill).
+  std::map<unsigned long long, std::pair<double, unsigned long long>> sm_busy_last;  // busy ns, last end
+  unsigned long long g0 = ~0ull, g1 = 0;
+  for (int c = 0; c < kTimelineCtas; ++c) {
+    const unsigned long long* m = &h[static_cast<size_t>(c) * kMarks];
+    if (m[kMarkGlobalStart] == 0 || m[kMarkGlobalEnd] == 0) continue;
+    g0 = std::min(g0, m[kMarkGlobalStart]);
+    g1 = std::max(g1, m[kMarkGlobalEnd]);
+    auto& e = sm_busy_last[m[kMarkSm]];
+    e.first += static_cast<double>(m[kMarkGlobalEnd] - m[kMarkGlobalStart]);
+    e.second = std::max(e.second, m[kMarkGlobalEnd]);
+  }
   std::string out;
   char line[256];
+  if (g1 > g0) {
+    const double span = static_cast<double>(g1 - g0);
+    double busy = 0, tail = 0;
+    for (auto& [sm, e] : sm_busy_last) busy += e.first, tail += static_cast<double>(g1 - e.second);
+    const double sms = static_cast<double>(sm_busy_last.size());
+    std::snprintf(line, sizeof line,
+                  "fwd grid: makespan %.2f us on %zu SMs; CTAs in flight %.1f%% of SM time, idle after each SM's "
+                  "last CTA %.1f%% (mean %.2f us)\n",
+                  span / 1e3, sm_busy_last.size(), 100 * busy / (sms * span), 100 * tail / (sms * span),
+                  tail / sms / 1e3);
+    out += line;
+  }
   std::snprintf(line, sizeof line, "fwd timeline: %d CTAs on %zu SMs (clock %.0f MHz; cycles, then us)\n", ctas,
                 per_sm.size(), cycles_per_us);
   out += line;
