@@ -33,7 +33,7 @@ struct Case {
 
 struct Buffers {
   __nv_bfloat16 *q, *k, *v, *out, *ref, *dout, *dq, *dk, *dv;
-  GrowingDeviceBuffer workspace;
+  GrowingDeviceBuffer workspace, fwd_workspace;
   float* lse;
   int64_t n;
 };
@@ -105,6 +105,11 @@ int run(int argc, char** argv) {
       const char* bname = backend == Backend::kHopper ? "hopper" : "portable";
       AttentionForwardParams fp = make_params(c, b, backend, b.out);
       fp.stream = stream;
+      std::size_t fwd_need = 0;
+      if (attention_forward_workspace_size(fp, &fwd_need).ok() && fwd_need > 0) {
+        fp.workspace = b.fwd_workspace.reserve(fwd_need);
+        fp.workspace_bytes = b.fwd_workspace.bytes;
+      }
       FLARE_BENCH_CHECK(cudaMemsetAsync(b.out, 0xFF, b.n * 2, stream));
       Status run_status = attention_forward(fp);
       if (!run_status.ok()) {

@@ -36,6 +36,10 @@ struct AttentionForwardParams {
                                // denominator (gpt-oss attention sinks); contributes no value
   MaskParams mask;
   const BlockMask* block_mask = nullptr;  // block-sparse attention when set
+  // Scratch from attention_forward_workspace_size() (0 bytes for most problems); nullptr: allocated
+  // on `stream` per call where one is needed.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
   Backend backend = Backend::kAuto;
   Stream stream = nullptr;
 };
@@ -65,6 +69,9 @@ struct AttentionBackwardParams {
   Stream stream = nullptr;
 };
 
+// The scratch the forward needs on the current device (the Hopper kernel splits the ragged last
+// round of some grids into key ranges merged after it); 0 when none.
+Status attention_forward_workspace_size(const AttentionForwardParams& params, std::size_t* bytes);
 Status attention_forward(const AttentionForwardParams& params);
 Status attention_backward_workspace_size(const AttentionBackwardParams& params, std::size_t* bytes);
 Status attention_backward(const AttentionBackwardParams& params);

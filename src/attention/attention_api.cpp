@@ -53,6 +53,21 @@ Status block_sparse_forward(const AttentionForwardParams& params, const detail::
 
 }  // namespace
 
+Status attention_forward_workspace_size(const AttentionForwardParams& params, std::size_t* bytes) {
+  if (bytes == nullptr) return Status::InvalidArgument("bytes", "null pointer");
+  *bytes = 0;
+  detail::AttentionShape shape;
+  FLARE_RETURN_IF_ERROR(detail::validate_attention_forward(params, DeviceKind::kCUDA, &shape));
+#ifdef FLARE_WITH_HOPPER
+  // Only the dense Hopper kernel takes scratch (the backend it would run: hopper_forward_check).
+  const detail::FwdKernelParams kp = detail::make_fwd_kernel_params(params, shape);
+  const bool hopper = params.backend == Backend::kHopper || params.backend == Backend::kAuto;
+  if (params.block_mask == nullptr && hopper && hopper::hopper_forward_check(kp, params.q.dtype).ok())
+    *bytes = hopper::hopper_forward_workspace_bytes(kp, params.q.dtype);
+#endif
+  return Status::Ok();
+}
+
 Status attention_forward(const AttentionForwardParams& params) {
   detail::AttentionShape shape;
   FLARE_RETURN_IF_ERROR(detail::validate_attention_forward(params, DeviceKind::kCUDA, &shape));

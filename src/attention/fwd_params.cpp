@@ -69,6 +69,8 @@ FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const At
   k.causal = p.mask.causal;
   k.window_left = p.mask.window_left;
   k.window_right = p.mask.window_right;
+  k.workspace = p.workspace;
+  k.workspace_bytes = p.workspace_bytes;
   return k;
 }
 

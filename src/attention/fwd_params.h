@@ -1,6 +1,7 @@
 // The attention forward as the kernels see it: host params turned into device params once.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "flare/attention.h"
@@ -37,6 +38,10 @@ struct FwdKernelParams {
   // Persistent launches: CTA c works on tiles c, c + gridDim.x, ... of `order` (heads grouped so
   // their K/V stay in L2, longest work first).
   sched::TileOrder order;
+  // Scratch from attention_forward_workspace_size() (the Hopper grid's split tiles); nullptr:
+  // allocated on the stream where a launch needs it.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // A sequence's place in the packed or batched tensors.

@@ -32,15 +32,18 @@ struct TailWork {
 
 // The split for `tiles` uniform tiles of `steps` steps on `slots` CTA slots. A part costs
 // `part_cost` steps beyond its share and keeps at least `min_part_steps` steps. Parts only where
-// the last round gets shorter by more than one step's worth.
-FLARE_HD TailSplit tail_split(int64_t tiles, int steps, int slots, int part_cost = 2, int min_part_steps = 4) {
+// the last round gets shorter by more than one step's worth. `one_round`: only as many parts as
+// fit the slots at once (tiles that do not end together make later rounds of parts ragged too).
+FLARE_HD TailSplit tail_split(int64_t tiles, int steps, int slots, int part_cost = 2, int min_part_steps = 4,
+                              bool one_round = false) {
   TailSplit s;
   s.whole = tiles;
   if (tiles <= 0 || steps <= 0 || slots <= 1 || min_part_steps < 1) return s;
   const int64_t tail = tiles % slots;
   if (tail == 0) return s;
   // The last round: unsplit, `steps`; with p parts, ceil(tail p / slots) rounds of steps / p + cost.
-  const int max_parts = steps / min_part_steps < slots ? steps / min_part_steps : slots;
+  int max_parts = steps / min_part_steps < slots ? steps / min_part_steps : slots;
+  if (one_round && max_parts > slots / tail) max_parts = static_cast<int>(slots / tail);
   int best_parts = 1;
   double best_time = static_cast<double>(steps);
   for (int p = 2; p <= max_parts; ++p) {

@@ -57,6 +57,18 @@ TEST(TailSplit, CoversEveryStepOnce) {
   }
 }
 
+// One round: every part resident at once (the Hopper forward's split).
+TEST(TailSplit, OneRoundFitsTheSlots) {
+  for (int64_t tiles : {133, 136, 200, 1376, 1408, 4096})
+    for (int steps : {16, 64, 128, 256}) {
+      const TailSplit s = tail_split(tiles, steps, 132, 8, 4, /*one_round=*/true);
+      if (s.active()) EXPECT_LE(s.tiles * s.parts, 132) << tiles << " tiles, " << steps << " steps";
+    }
+  EXPECT_EQ(tail_split(1376, 128, 132, 8, 4, true).parts, 2);   // 56 tiles: two parts each
+  EXPECT_FALSE(tail_split(1408, 64, 132, 8, 4, true).active());  // 88 tiles: one part each
+  EXPECT_GT(tail_split(1376, 128, 132, 4, 4).parts, 2);          // several rounds of parts without it
+}
+
 TEST(TailSplit, NoSplitWhereRoundsAreWhole) {
   EXPECT_FALSE(tail_split(264, 128, 132).active());  // two whole rounds
   EXPECT_FALSE(tail_split(4096, 3, 132).active());   // too few steps to part

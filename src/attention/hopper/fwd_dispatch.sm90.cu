@@ -5,6 +5,8 @@
 #include <string>
 
 #include "src/attention/hopper/fwd_config.h"
+#include "src/attention/hopper/fwd_grid.h"
+#include "src/common/device_facts.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/attention/hopper/operand_checks.h"
 #include "src/attention/hopper/sparse_tile_list.h"
@@ -34,6 +36,20 @@ Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, S
   return portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto elem) {
     return launch_hopper_fwd<decltype(hd)::value, decltype(elem)>(p, stream);
   });
+}
+
+std::size_t hopper_forward_workspace_bytes(const detail::FwdKernelParams& p, DType dtype) {
+  std::size_t bytes = 0;
+  (void)portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto) {
+    constexpr int kHeadDim = decltype(hd)::value;
+    using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
+    if (!hopper_fwd_persistent<kHeadDim>(p)) {
+      const sched::TailSplit s = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
+      bytes = hopper_fwd_tail_bytes(s, Cfg::kBlockM, Cfg::kHeadDim);
+    }
+    return Status::Ok();
+  });
+  return bytes;
 }
 
 Status hopper_forward_sparse_check(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,

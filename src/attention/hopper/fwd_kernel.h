@@ -34,6 +34,7 @@
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/smem_struct.h"
+#include "src/scheduling/tail_split.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
 #include "src/block_sparse/block_sparse_params.h"
@@ -55,6 +56,11 @@ struct HopperFwdParams {
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
   int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
+  // One CTA per tile, dense: the last tiles split into key ranges (fwd_grid.h; inactive: none), a 1D
+  // grid of the whole tiles in (m block, head, sequence) order, then the parts; each part's O and
+  // LSE go to its slot of `partial` (hopper_fwd_part_floats each, [tile, part]).
+  sched::TailSplit tail;
+  float* partial = nullptr;
 #if FLARE_HOPPER_FWD_TIMELINE
   unsigned long long* timeline = nullptr;  // fwd_timeline.h
 #endif
@@ -370,6 +376,67 @@ __device__ __forceinline__ int leading_masked_tiles(const FwdTile<Walk>& t, int 
   }
 }
 
+// A CTA's part of a split tile (HopperFwdParams::tail): its index (-1: a whole tile) and slot.
+struct FwdTailPart {
+  int index = -1;
+  float* slot = nullptr;
+};
+template <typename Cfg, typename T>
+__device__ __forceinline__ FwdTailPart fwd_tail_part(const HopperFwdParams<Cfg, T>& hp) {
+  FwdTailPart part;
+  if (hp.tail.active() && blockIdx.x >= hp.tail.whole) {
+    const sched::TailWork w = sched::tail_work(hp.tail, blockIdx.x, 0);
+    part.index = w.part;
+    part.slot = hp.partial + ((w.tile - hp.tail.whole) * hp.tail.parts + w.part) * (Cfg::kBlockM * (Cfg::kHeadDim + 1));
+  }
+  return part;
+}
+
+// A split tile's output: its parts' O merged by their LSE (out = sum_i e^(lse_i - lse) O_i, lse =
+// log sum_i e^lse_i; parts that saw no key, lse +inf, weigh nothing), in the output dtype, and the
+// LSE. A warp per row (kFwdMergeRows rows a CTA, grid: split tiles x row groups), lane l holding
+// columns l, l + 32, ...: the parts' loads are independent and coalesced.
+inline constexpr int kFwdMergeRows = 8;
+template <typename Cfg, typename T>
+__global__ void __launch_bounds__(32 * kFwdMergeRows)
+    hopper_fwd_tail_merge_kernel(const detail::FwdKernelParams p, const sched::TailSplit tail, const float* partial) {
+  constexpr int kCols = Cfg::kHeadDim / 32;
+  static_assert(Cfg::kHeadDim % 32 == 0, "head dims of the Hopper forward are multiples of 32");
+  constexpr int64_t kSlot = Cfg::kBlockM * (Cfg::kHeadDim + 1);
+  const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const int64_t i = tail.whole + blockIdx.x;
+  const int m = static_cast<int>(i % m_blocks), h = static_cast<int>(i / m_blocks % p.heads);
+  const int b = static_cast<int>(i / m_blocks / p.heads);
+  const int lane = threadIdx.x % 32, r = blockIdx.y * kFwdMergeRows + threadIdx.x / 32;
+  const int row = m * Cfg::kBlockM + r;
+  if (row >= p.seqlen_q) return;
+  const float* slots = partial + int64_t{blockIdx.x} * tail.parts * kSlot;
+  auto lse_of = [&](int q) { return slots[q * kSlot + Cfg::kBlockM * Cfg::kHeadDim + r]; };
+  float top = -INFINITY;
+  for (int q = lane; q < tail.parts; q += 32) {
+    const float l = lse_of(q);
+    if (l != INFINITY) top = fmaxf(top, l);
+  }
+  for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+  float sum = 0.f, acc[kCols] = {};
+  for (int q = 0; q < tail.parts; ++q) {
+    const float l = lse_of(q);  // one address for the warp
+    if (l == INFINITY) continue;
+    const float w = __expf(l - top);
+    sum += w;
+    const float* o = slots + q * kSlot + r * Cfg::kHeadDim + lane;
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) acc[c] += w * o[32 * c];
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, b, row, h) + lane;
+  CUTE_UNROLL
+  for (int c = 0; c < kCols; ++c)
+    if (lane + 32 * c < p.head_dim) out[32 * c] = static_cast<T>(acc[c] * inv);
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row] = sum > 0.f ? top + logf(sum) : INFINITY;
+}
+
 // One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
 // tile's Q stage to fill (the persistent grid, where every tile has one).
 template <typename Cfg, typename T, typename Walk, typename Smem>
@@ -408,7 +475,9 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   const sched::BlockRange full =
       sched::full_kv_blocks(t.band, wg_row0 > 0 ? wg_row0 : 0, wg_row0 + 64, t.seq.seqlen_k, Cfg::kBlockN);
   OnlineSoftmax softmax;
-  softmax.init(p.sinks ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, p.sinks != nullptr && lane % 4 == 0);
+  // A split tile's sink joins the softmax of its first part only (fwd_tail_part).
+  const bool sink = p.sinks != nullptr && fwd_tail_part(hp).index <= 0;
+  softmax.init(sink ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, sink && lane % 4 == 0);
   clear(o_acc);
 
   auto to_p = [&](auto& p_out) {
@@ -559,6 +628,24 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   // a lane, whole 32-byte sectors, instead of four 4-byte stores filling half of each (the store
   // phase took about 1.6 us of a 15 us CTA at d128 s1024: bench/RESULTS.md, session 17).
   const RowScale inv = softmax.finish();
+  if (const FwdTailPart part = fwd_tail_part(hp); part.slot != nullptr) {  // a split tile's part: O (normalized) and the LSE to its slot, fp32
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int local = 64 * wg + quad_row + 8 * r;
+      if (t.row0 + local >= t.seq.seqlen_q) continue;
+      float* row = part.slot + local * Cfg::kHeadDim;
+      CUTE_UNROLL
+      for (int j = 0; j < size(o_acc) / 4; ++j)
+        *reinterpret_cast<float2*>(row + 8 * j + quad_col) =
+            make_float2(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
+      if (lane % 4 == 0) part.slot[Cfg::kBlockM * Cfg::kHeadDim + local] = softmax.lse(r);
+    }
+    if (consumer_thread % 128 == 0) {
+      timeline_mark_latest(tl, t.id, kMarkEnd);
+      timeline_mark_global_latest(tl, t.id, kMarkGlobalEnd);
+    }
+    return;
+  }
   const bool varlen = p.cu_seqlens_q != nullptr;
   T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, varlen ? 0 : t.b, t.seq.q_start, t.h);
   float* lse = p.lse ? p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start : nullptr;
@@ -641,6 +728,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     return tile;
   };
   auto this_ctas_tile = [&] {  // one CTA per tile: longest first where rows see different key counts
+    if (!kSparse && hp.tail.active()) {  // a 1D grid: whole tiles, then the split ones' parts
+      const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+      const int64_t i = sched::tail_work(hp.tail, blockIdx.x, 0).tile;
+      FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, static_cast<int>(i % m_blocks),
+                                                  static_cast<int>(i / m_blocks % p.heads),
+                                                  static_cast<int>(i / m_blocks / p.heads));
+      if constexpr (!kSparse) {
+        const sched::BlockRange r = tile.kv.range;  // every block unmasked: any range of them is a part
+        const sched::TailWork w = sched::tail_work(hp.tail, blockIdx.x, r.last - r.first);
+        tile.kv.range = sched::BlockRange{r.first + w.begin, r.first + w.end};
+      }
+      tile.id = cta;
+      return tile;
+    }
     const bool longest_first = kSparse || p.causal || p.window_left >= 0;
     FwdTile<Walk> tile =
         fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);

@@ -21,6 +21,9 @@ Status hopper_forward_check(const detail::FwdKernelParams& p, DType dtype);
 // hopper_forward_check accepted.
 Status hopper_attention_forward(const detail::FwdKernelParams& p, DType dtype, Stream stream);
 
+// The scratch hopper_attention_forward needs for this problem (fwd_grid.h: the split tiles' slots).
+std::size_t hopper_forward_workspace_bytes(const detail::FwdKernelParams& p, DType dtype);
+
 // The block-sparse forward (a block mask's lists `bs`): Ok when it can run the problem (as
 // hopper_forward_check, and q blocks of a multiple of 128 rows, kv blocks of a multiple of its key
 // tile: 128 up to head dim 128, 64 above, and at most 8192 key tiles of keys: sparse_tile_list.h),

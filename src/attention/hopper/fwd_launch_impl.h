@@ -7,6 +7,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "src/attention/hopper/fwd_grid.h"
 #include "src/attention/hopper/fwd_kernel.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/common/cuda_check.h"
@@ -62,8 +63,30 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.v, hp.shape_k, v_stride),
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
   if constexpr (!kPersistent) {
-    const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+    dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+    void* owned = nullptr;  // the split's slots, where the caller gave no workspace
+    if constexpr (!kSparse) {
+      hp.tail = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
+      const std::size_t bytes = hopper_fwd_tail_bytes(hp.tail, Cfg::kBlockM, Cfg::kHeadDim);
+      if (bytes > 0) {
+        if (p.workspace == nullptr) {
+          FLARE_CUDA_RETURN(cudaMallocAsync(&owned, bytes, stream));
+          hp.partial = static_cast<float*>(owned);
+        } else if (p.workspace_bytes < bytes) {
+          return Status::InvalidArgument("workspace", "needs " + std::to_string(bytes) + " bytes, got " +
+                                                          std::to_string(p.workspace_bytes));
+        } else {
+          hp.partial = static_cast<float*>(p.workspace);
+        }
+        grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
+      }
+    }
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+    if (hp.tail.active())
+      hopper_fwd_tail_merge_kernel<Cfg, T>
+          <<<dim3(static_cast<unsigned>(hp.tail.tiles), Cfg::kBlockM / kFwdMergeRows), 32 * kFwdMergeRows, 0, stream>>>(
+              p, hp.tail, hp.partial);
+    if (owned != nullptr) FLARE_CUDA_RETURN(cudaFreeAsync(owned, stream));
   } else {
     const detail::DeviceFacts dev = detail::current_device_facts();
     hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
@@ -78,36 +101,6 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
   }
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
-}
-
-// Head dims with a persistent form in the library (HopperFwdPersistentConfigFor).
-constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128; }
-
-// Whether a dense forward takes the persistent grid (batched, no window: varlen and windows are not
-// measured there, so they keep one CTA per tile). There the one-CTA-per-tile grid's start (first
-// loads) and end (epilogue) are a large part of a short tile's time, and the persistent producer
-// loads the next tile under the current one. Measured on the H100 (bench/RESULTS.md):
-//   d128, causal: the two-P persistent configuration against one CTA per tile, +1 to +6 % at 1k-16k
-//     (bench_attention, five alternating rounds, session 22); non-causal -1.4 to -3.6 %.
-//   d64, causal at every length and non-causal up to 8k keys: the default configuration (three
-//     consumer warpgroups, no spills since session 19's changes) persistent, 4-7 % faster at 1k-8k
-//     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
-//     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
-//   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
-// FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
-// A/B); other head dims run one CTA per tile whatever it says (launch_hopper_fwd).
-
-template <int kHeadDim>
-inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
-  static_assert(hopper_fwd_has_persistent(kHeadDim), "the rule below covers d64 and d128 only");
-  static const int forced = [] {
-    const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
-    return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
-  }();
-  if (forced >= 0) return forced == 1;
-  if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
-  if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
-  return p.causal;
 }
 
 template <int kHeadDim, typename T>

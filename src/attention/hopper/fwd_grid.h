@@ -1,0 +1,79 @@
+// Which grid the Hopper dense forward takes: the persistent grid, or one CTA per tile with the
+// ragged last round split into key ranges (sched::tail_split) whose partial outputs are merged by
+// their LSE. Host side; shared by the launcher (fwd_launch_impl.h) and the workspace size
+// (fwd_dispatch.sm90.cu), which must agree.
+#pragma once
+
+#include <cstddef>
+#include <cstdlib>
+
+#include "src/attention/fwd_params.h"
+#include "src/attention/hopper/fwd_config.h"
+#include "src/scheduling/tail_split.h"
+
+namespace flare::hopper {
+
+// Head dims with a persistent form in the library (HopperFwdPersistentConfigFor).
+constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// Whether a dense forward takes the persistent grid (batched, no window: varlen and windows are not
+// measured there, so they keep one CTA per tile). There the one-CTA-per-tile grid's start (first
+// loads) and end (epilogue) are a large part of a short tile's time, and the persistent producer
+// loads the next tile under the current one. Measured on the H100 (bench/RESULTS.md):
+//   d128, causal: the two-P persistent configuration against one CTA per tile, +1 to +6 % at 1k-16k
+//     (bench_attention, five alternating rounds, session 22); non-causal -1.4 to -3.6 %.
+//   d64, causal at every length and non-causal up to 8k keys: the default configuration (three
+//     consumer warpgroups, no spills since session 19's changes) persistent, 4-7 % faster at 1k-8k
+//     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
+//     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
+//   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
+// FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
+// A/B); other head dims run one CTA per tile whatever it says.
+template <int kHeadDim>
+inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
+  if constexpr (!hopper_fwd_has_persistent(kHeadDim)) {
+    (void)p;
+    return false;
+  } else {
+    static const int forced = [] {
+      const char* e = std::getenv("FLARE_HOPPER_FWD_PERSISTENT");
+      return e == nullptr ? -1 : (e[0] == '1' ? 1 : 0);
+    }();
+    if (forced >= 0) return forced == 1;
+    if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
+    if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
+    return p.causal;
+  }
+}
+
+// The one-CTA-per-tile grid of uniform tiles (batched, no causal mask, no window): tiles of
+// block_m query rows visit every key block, so the grid's last round of tiles % SMs tiles leaves
+// the other SMs idle (d128, 16k tokens: 1,376 tiles of 192 rows on 132 SMs, 10.4 waves; the
+// timeline measured 4.4-5.6 % of SM time idle after each SM's last CTA, bench/RESULTS.md session
+// 35). Those tiles are split into key ranges; each part stores its O (normalized, fp32) and LSE in
+// its own workspace slot and a kernel merges them by LSE. A part costs about its prologue and
+// epilogue and the merge, counted as kFwdPartCost key blocks; parts only as many as fit the idle
+// SMs at once (the first version, up to 7 parts in 3 rounds of parts and a merge of one CTA a
+// tile, was 6-11 % slower: session 35). FLARE_HOPPER_FWD_TAIL_SPLIT=0 turns it off (A/B).
+inline constexpr int kFwdPartCost = 8;
+inline sched::TailSplit hopper_fwd_tail_split(const detail::FwdKernelParams& p, int block_m, int block_n, int slots) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("FLARE_HOPPER_FWD_TAIL_SPLIT");
+    return e == nullptr || e[0] != '0';
+  }();
+  if (!enabled || p.cu_seqlens_q != nullptr || p.causal || p.window_left >= 0 || p.window_right >= 0 ||
+      p.seqlen_q <= 0 || p.seqlen_k <= 0)
+    return {};
+  const int64_t tiles = int64_t{(p.seqlen_q + block_m - 1) / block_m} * p.heads * p.batch;
+  return sched::tail_split(tiles, (p.seqlen_k + block_n - 1) / block_n, slots, kFwdPartCost, /*min_part_steps=*/4,
+                           /*one_round=*/true);
+}
+
+// A part's slot in the workspace: O [block_m rows, head_dim] then the LSE [block_m], fp32.
+constexpr int64_t hopper_fwd_part_floats(int block_m, int head_dim) { return int64_t{block_m} * (head_dim + 1); }
+inline std::size_t hopper_fwd_tail_bytes(const sched::TailSplit& s, int block_m, int head_dim) {
+  return s.active() ? static_cast<std::size_t>(s.tiles * s.parts * hopper_fwd_part_floats(block_m, head_dim)) * sizeof(float)
+                    : 0;
+}
+
+}  // namespace flare::hopper
