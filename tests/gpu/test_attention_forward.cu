@@ -149,51 +149,51 @@ TEST(HopperForward, TailTilesSplitIntoKeyRanges) {
   FLARE_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   uint64_t seed = 9100;
   auto run_case = [&](int d, int shape) {  // a lambda: FLARE_ASSERT_OK_OR_UNBUILT returns from it
-      AttnCase c;
-      c.head_dim = d;
-      c.seqlen_k = 1000;  // 16 key blocks of 64, the last ragged (d96: 8 of 128)
-      if (shape == 0) {   // one ragged query block a head
-        c.seqlen_q = 150;
-        c.heads = c.heads_kv = sms + 3;
-      } else {  // three query blocks (d128: 192, 192, 16 rows) of two sequences, GQA 2, sinks, softcap
-        c.seqlen_q = 400;
-        c.seqlen_k = 2000;  // 32 key blocks: two parts pay at d256 too (tiles % SMs = 60)
-        c.batch = 2;
-        c.heads = 2 * ((sms + 12) / 12);
-        c.heads_kv = c.heads / 2;
-        c.sinks = true;
-        c.softcap = 20.f;
-        c.dtype = DType::kFloat16;
-      }
-      c.seed = seed++;
-      SCOPED_TRACE(c.name());
-      AttnProblem prob(c);
-      prob.run_oracle();
-      AttentionForwardParams p = prob.forward_params(Backend::kHopper);
-      std::size_t bytes = 0;
-      ASSERT_TRUE(attention_forward_workspace_size(p, &bytes).ok());
-      if (bytes == 0) {  // the head dim unbuilt, or its tiles not split here
-        FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(p));
-        ADD_FAILURE() << "no split: the case should leave a ragged last round";
-        return;
-      }
-      void* ws = nullptr;
-      FLARE_CUDA_OK(cudaMalloc(&ws, bytes));
-      FLARE_CUDA_OK(cudaMemset(ws, 0xFF, bytes));
-      p.workspace = ws;
-      p.workspace_bytes = bytes - 4;  // too small: named
-      const Status small = attention_forward(p);
-      EXPECT_FALSE(small.ok());
-      EXPECT_NE(small.message().find("workspace"), std::string::npos) << small.message();
-      p.workspace_bytes = bytes;
-      ASSERT_TRUE(attention_forward(p).ok());
-      FLARE_CUDA_OK(cudaDeviceSynchronize());
-      prob.check_forward();
-      p = prob.forward_params(Backend::kHopper);  // poisoned again; no workspace: allocated
-      ASSERT_TRUE(attention_forward(p).ok());
-      FLARE_CUDA_OK(cudaDeviceSynchronize());
-      prob.check_forward();
-      FLARE_CUDA_OK(cudaFree(ws));
+    AttnCase c;
+    c.head_dim = d;
+    c.seqlen_k = 1000;  // 16 key blocks of 64, the last ragged
+    if (shape == 0) {   // one ragged query block a head
+      c.seqlen_q = 150;
+      c.heads = c.heads_kv = sms + 3;
+    } else {  // three query blocks (d128: 192, 192, 16 rows) of two sequences, GQA 2, sinks, softcap
+      c.seqlen_q = 400;
+      c.seqlen_k = 2000;  // 32 key blocks: two parts pay at d256 too (tiles % SMs = 60)
+      c.batch = 2;
+      c.heads = 2 * ((sms + 12) / 12);
+      c.heads_kv = c.heads / 2;
+      c.sinks = true;
+      c.softcap = 20.f;
+      c.dtype = DType::kFloat16;
+    }
+    c.seed = seed++;
+    SCOPED_TRACE(c.name());
+    AttnProblem prob(c);
+    prob.run_oracle();
+    AttentionForwardParams p = prob.forward_params(Backend::kHopper);
+    std::size_t bytes = 0;
+    ASSERT_TRUE(attention_forward_workspace_size(p, &bytes).ok());
+    if (bytes == 0) {  // the head dim unbuilt, or its tiles not split here
+      FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(p));
+      ADD_FAILURE() << "no split: the case should leave a ragged last round";
+      return;
+    }
+    void* ws = nullptr;
+    FLARE_CUDA_OK(cudaMalloc(&ws, bytes));
+    FLARE_CUDA_OK(cudaMemset(ws, 0xFF, bytes));
+    p.workspace = ws;
+    p.workspace_bytes = bytes - 4;  // too small: named
+    const Status small = attention_forward(p);
+    EXPECT_FALSE(small.ok());
+    EXPECT_NE(small.message().find("workspace"), std::string::npos) << small.message();
+    p.workspace_bytes = bytes;
+    ASSERT_TRUE(attention_forward(p).ok());
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_forward();
+    p = prob.forward_params(Backend::kHopper);  // poisoned again; no workspace: allocated
+    ASSERT_TRUE(attention_forward(p).ok());
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_forward();
+    FLARE_CUDA_OK(cudaFree(ws));
   };
   for (int d : {128, 256})
     for (int shape = 0; shape < 2; ++shape) run_case(d, shape);

@@ -242,6 +242,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
                       causal, window_left, window_right);
   p.lse = view(lse, "lse");
   p.sinks = view(sinks, "sinks");
+  std::size_t bytes = 0;  // the Hopper grid's split tiles (most problems: none)
+  throw_if_error(flare::attention_forward_workspace_size(p, &bytes), kAttentionNames);
+  const at::Tensor workspace = workspace_tensor(bytes, q.device());
+  p.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
+  p.workspace_bytes = bytes;
   throw_if_error(flare::attention_forward(p), kAttentionNames);
   return {out, lse};
 }
