@@ -54,19 +54,20 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
 // its own workspace slot and a kernel merges them by LSE. A part costs about its prologue and
 // epilogue and the merge, counted as kFwdPartCost key blocks; parts only as many as fit the idle
 // SMs at once (the first version, up to 7 parts in 3 rounds of parts and a merge of one CTA a
-// tile, was 6-11 % slower: session 35). FLARE_HOPPER_FWD_TAIL_SPLIT=0 turns it off (A/B).
+// tile, was 6-11 % slower: session 35). FLARE_HOPPER_FWD_TAIL_SPLIT=0 turns it off, =2 allows
+// rounds of parts (A/B).
 inline constexpr int kFwdPartCost = 8;
 inline sched::TailSplit hopper_fwd_tail_split(const detail::FwdKernelParams& p, int block_m, int block_n, int slots) {
-  static const bool enabled = [] {
+  static const int mode = [] {  // 0 off, 1 one round of parts, 2 rounds of parts allowed (A/B)
     const char* e = std::getenv("FLARE_HOPPER_FWD_TAIL_SPLIT");
-    return e == nullptr || e[0] != '0';
+    return e == nullptr ? 1 : (e[0] == '0' ? 0 : e[0] == '2' ? 2 : 1);
   }();
-  if (!enabled || p.cu_seqlens_q != nullptr || p.causal || p.window_left >= 0 || p.window_right >= 0 ||
+  if (mode == 0 || p.cu_seqlens_q != nullptr || p.causal || p.window_left >= 0 || p.window_right >= 0 ||
       p.seqlen_q <= 0 || p.seqlen_k <= 0)
     return {};
   const int64_t tiles = int64_t{(p.seqlen_q + block_m - 1) / block_m} * p.heads * p.batch;
   return sched::tail_split(tiles, (p.seqlen_k + block_n - 1) / block_n, slots, kFwdPartCost, /*min_part_steps=*/4,
-                           /*one_round=*/true);
+                           /*one_round=*/mode == 1);
 }
 
 // A part's slot in the workspace: O [block_m rows, head_dim] then the LSE [block_m], fp32.
