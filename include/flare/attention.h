@@ -36,8 +36,8 @@ struct AttentionForwardParams {
                                // denominator (gpt-oss attention sinks); contributes no value
   MaskParams mask;
   const BlockMask* block_mask = nullptr;  // block-sparse attention when set
-  // Scratch from attention_forward_workspace_size() (0 bytes for most problems); nullptr: allocated
-  // on `stream` per call where one is needed.
+  // Scratch from attention_forward_workspace_size() (0 bytes for most problems), 16-byte aligned;
+  // nullptr: allocated on `stream` per call where one is needed.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   Backend backend = Backend::kAuto;

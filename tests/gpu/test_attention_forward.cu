@@ -141,7 +141,7 @@ TEST_P(Forward, StridedInputs) {
 // The Hopper grid's last tiles split into key ranges (fwd_grid.h: a few tiles more than the SMs,
 // so the last round is ragged): each part's O and LSE in its workspace slot, merged by LSE after
 // the grid. Ragged query and key blocks, sinks (the first part's) and soft-capping; the workspace
-// the caller gives (poisoned), and the one the call allocates.
+// the caller gives (poisoned; one too small or misaligned is refused), and the one the call allocates.
 TEST(HopperForward, TailTilesSplitIntoKeyRanges) {
   FLARE_REQUIRE_HOPPER();
   int dev = 0, sms = 0;
@@ -186,6 +186,11 @@ TEST(HopperForward, TailTilesSplitIntoKeyRanges) {
     EXPECT_FALSE(small.ok());
     EXPECT_NE(small.message().find("workspace"), std::string::npos) << small.message();
     p.workspace_bytes = bytes;
+    p.workspace = static_cast<char*>(ws) + 4;  // misaligned: named (refused before any launch)
+    const Status misaligned = attention_forward(p);
+    EXPECT_FALSE(misaligned.ok());
+    EXPECT_NE(misaligned.message().find("aligned"), std::string::npos) << misaligned.message();
+    p.workspace = ws;
     ASSERT_TRUE(attention_forward(p).ok());
     FLARE_CUDA_OK(cudaDeviceSynchronize());
     prob.check_forward();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 
 #include <cute/tensor.hpp>
@@ -75,6 +76,8 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
         } else if (p.workspace_bytes < bytes) {
           return Status::InvalidArgument("workspace", "needs " + std::to_string(bytes) + " bytes, got " +
                                                           std::to_string(p.workspace_bytes));
+        } else if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
+          return Status::InvalidArgument("workspace", "must be 16-byte aligned");
         } else {
           hp.partial = static_cast<float*>(p.workspace);
         }
