@@ -6,7 +6,6 @@
 
 #include "src/attention/hopper/fwd_config.h"
 #include "src/attention/hopper/fwd_grid.h"
-#include "src/common/device_facts.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/attention/hopper/operand_checks.h"
 #include "src/attention/hopper/sparse_tile_list.h"
@@ -42,11 +41,7 @@ std::size_t hopper_forward_workspace_bytes(const detail::FwdKernelParams& p, DTy
   std::size_t bytes = 0;
   (void)portable::visit_instantiation(p.head_dim, dtype, [&](auto hd, auto) {
     constexpr int kHeadDim = decltype(hd)::value;
-    using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
-    if (!hopper_fwd_persistent<kHeadDim>(p)) {
-      const sched::TailSplit s = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
-      bytes = hopper_fwd_tail_bytes(s, Cfg::kBlockM, Cfg::kHeadDim);
-    }
+    bytes = hopper_fwd_tail_bytes<typename HopperFwdConfigFor<kHeadDim>::type>(hopper_fwd_grid<kHeadDim>(p).tail);
     return Status::Ok();
   });
   return bytes;

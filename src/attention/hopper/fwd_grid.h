@@ -1,7 +1,7 @@
 // Which grid the Hopper dense forward takes: the persistent grid, or one CTA per tile with the
 // ragged last round split into key ranges (sched::tail_split) whose partial outputs are merged by
-// their LSE. Host side; shared by the launcher (fwd_launch_impl.h) and the workspace size
-// (fwd_dispatch.sm90.cu), which must agree.
+// their LSE. The choice is hopper_fwd_grid, which the launcher (fwd_launch_impl.h) and the
+// workspace size (fwd_dispatch.sm90.cu) both take; FwdPartSlot is the slots' layout (device too).
 #pragma once
 
 #include <cstddef>
@@ -9,6 +9,7 @@
 
 #include "src/attention/fwd_params.h"
 #include "src/attention/hopper/fwd_config.h"
+#include "src/common/device_facts.h"
 #include "src/scheduling/tail_split.h"
 
 namespace flare::hopper {
@@ -70,11 +71,31 @@ inline sched::TailSplit hopper_fwd_tail_split(const detail::FwdKernelParams& p, 
                            /*one_round=*/mode == 1);
 }
 
-// A part's slot in the workspace: O [block_m rows, head_dim] then the LSE [block_m], fp32.
-constexpr int64_t hopper_fwd_part_floats(int block_m, int head_dim) { return int64_t{block_m} * (head_dim + 1); }
-inline std::size_t hopper_fwd_tail_bytes(const sched::TailSplit& s, int block_m, int head_dim) {
-  return s.active() ? static_cast<std::size_t>(s.tiles * s.parts * hopper_fwd_part_floats(block_m, head_dim)) * sizeof(float)
-                    : 0;
+// A part's slot in the workspace, fp32: O [kBlockM rows, kHeadDim] (normalized), then the LSE
+// [kBlockM]; slots [split tile, part].
+template <typename Cfg>
+struct FwdPartSlot {
+  static constexpr int64_t kLse = int64_t{Cfg::kBlockM} * Cfg::kHeadDim;  // the LSE's offset
+  static constexpr int64_t kFloats = kLse + Cfg::kBlockM;
+};
+
+// The dense forward's grid at head dim kHeadDim (what launch_hopper_fwd launches and what the
+// workspace size counts): persistent, or one CTA per tile of HopperFwdConfigFor with `tail` split.
+struct HopperFwdGrid {
+  bool persistent = false;
+  sched::TailSplit tail;
+};
+template <int kHeadDim>
+inline HopperFwdGrid hopper_fwd_grid(const detail::FwdKernelParams& p) {
+  using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
+  HopperFwdGrid g;
+  g.persistent = hopper_fwd_persistent<kHeadDim>(p);
+  if (!g.persistent) g.tail = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
+  return g;
+}
+template <typename Cfg>
+inline std::size_t hopper_fwd_tail_bytes(const sched::TailSplit& s) {
+  return s.active() ? static_cast<std::size_t>(s.tiles * s.parts * FwdPartSlot<Cfg>::kFloats) * sizeof(float) : 0;
 }
 
 }  // namespace flare::hopper

@@ -33,8 +33,8 @@
 #include "src/attention/hopper/fwd_timeline.h"
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
+#include "src/attention/hopper/fwd_grid.h"
 #include "src/attention/hopper/smem_struct.h"
-#include "src/scheduling/tail_split.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
 #include "src/block_sparse/block_sparse_params.h"
@@ -58,7 +58,7 @@ struct HopperFwdParams {
   int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
   // One CTA per tile, dense: the last tiles split into key ranges (fwd_grid.h; inactive: none), a 1D
   // grid of the whole tiles in (m block, head, sequence) order, then the parts; each part's O and
-  // LSE go to its slot of `partial` (hopper_fwd_part_floats each, [tile, part]).
+  // LSE go to its slot of `partial` (FwdPartSlot, [split tile, part]).
   sched::TailSplit tail;
   float* partial = nullptr;
 #if FLARE_HOPPER_FWD_TIMELINE
@@ -376,6 +376,18 @@ __device__ __forceinline__ int leading_masked_tiles(const FwdTile<Walk>& t, int 
   }
 }
 
+// Tile i of the one-CTA-per-tile grid's order: m block fastest, then head, then sequence (its 3D
+// grid's blockIdx order; a tail split's 1D grid numbers its tiles so too).
+template <typename Cfg>
+__device__ __forceinline__ sched::TileCoord split_fwd_tile(const detail::FwdKernelParams& p, int64_t i) {
+  const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  sched::TileCoord c;
+  c.block = static_cast<int>(i % m_blocks);
+  c.head = static_cast<int>(i / m_blocks % p.heads);
+  c.batch = static_cast<int>(i / m_blocks / p.heads);
+  return c;
+}
+
 // A CTA's part of a split tile (HopperFwdParams::tail): its index (-1: a whole tile) and slot.
 struct FwdTailPart {
   int index = -1;
@@ -387,7 +399,7 @@ __device__ __forceinline__ FwdTailPart fwd_tail_part(const HopperFwdParams<Cfg, 
   if (hp.tail.active() && blockIdx.x >= hp.tail.whole) {
     const sched::TailWork w = sched::tail_work(hp.tail, blockIdx.x, 0);
     part.index = w.part;
-    part.slot = hp.partial + ((w.tile - hp.tail.whole) * hp.tail.parts + w.part) * (Cfg::kBlockM * (Cfg::kHeadDim + 1));
+    part.slot = hp.partial + ((w.tile - hp.tail.whole) * hp.tail.parts + w.part) * FwdPartSlot<Cfg>::kFloats;
   }
   return part;
 }
@@ -402,16 +414,14 @@ __global__ void __launch_bounds__(32 * kFwdMergeRows)
     hopper_fwd_tail_merge_kernel(const detail::FwdKernelParams p, const sched::TailSplit tail, const float* partial) {
   constexpr int kCols = Cfg::kHeadDim / 32;
   static_assert(Cfg::kHeadDim % 32 == 0, "head dims of the Hopper forward are multiples of 32");
-  constexpr int64_t kSlot = Cfg::kBlockM * (Cfg::kHeadDim + 1);
-  const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const int64_t i = tail.whole + blockIdx.x;
-  const int m = static_cast<int>(i % m_blocks), h = static_cast<int>(i / m_blocks % p.heads);
-  const int b = static_cast<int>(i / m_blocks / p.heads);
+  using Slot = FwdPartSlot<Cfg>;
+  const sched::TileCoord c = split_fwd_tile<Cfg>(p, tail.whole + blockIdx.x);
+  const int h = c.head, b = c.batch;
   const int lane = threadIdx.x % 32, r = blockIdx.y * kFwdMergeRows + threadIdx.x / 32;
-  const int row = m * Cfg::kBlockM + r;
+  const int row = c.block * Cfg::kBlockM + r;
   if (row >= p.seqlen_q) return;
-  const float* slots = partial + int64_t{blockIdx.x} * tail.parts * kSlot;
-  auto lse_of = [&](int q) { return slots[q * kSlot + Cfg::kBlockM * Cfg::kHeadDim + r]; };
+  const float* slots = partial + int64_t{blockIdx.x} * tail.parts * Slot::kFloats;
+  auto lse_of = [&](int q) { return slots[q * Slot::kFloats + Slot::kLse + r]; };
   float top = -INFINITY;
   for (int q = lane; q < tail.parts; q += 32) {
     const float l = lse_of(q);
@@ -424,7 +434,7 @@ __global__ void __launch_bounds__(32 * kFwdMergeRows)
     if (l == INFINITY) continue;
     const float w = __expf(l - top);
     sum += w;
-    const float* o = slots + q * kSlot + r * Cfg::kHeadDim + lane;
+    const float* o = slots + q * Slot::kFloats + r * Cfg::kHeadDim + lane;
     CUTE_UNROLL
     for (int c = 0; c < kCols; ++c) acc[c] += w * o[32 * c];
   }
@@ -638,7 +648,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
       for (int j = 0; j < size(o_acc) / 4; ++j)
         *reinterpret_cast<float2*>(row + 8 * j + quad_col) =
             make_float2(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
-      if (lane % 4 == 0) part.slot[Cfg::kBlockM * Cfg::kHeadDim + local] = softmax.lse(r);
+      if (lane % 4 == 0) part.slot[FwdPartSlot<Cfg>::kLse + local] = softmax.lse(r);
     }
     if (consumer_thread % 128 == 0) {
       timeline_mark_latest(tl, t.id, kMarkEnd);
@@ -729,11 +739,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   };
   auto this_ctas_tile = [&] {  // one CTA per tile: longest first where rows see different key counts
     if (!kSparse && hp.tail.active()) {  // a 1D grid: whole tiles, then the split ones' parts
-      const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-      const int64_t i = sched::tail_work(hp.tail, blockIdx.x, 0).tile;
-      FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, static_cast<int>(i % m_blocks),
-                                                  static_cast<int>(i / m_blocks % p.heads),
-                                                  static_cast<int>(i / m_blocks / p.heads));
+      const sched::TileCoord c = split_fwd_tile<Cfg>(p, sched::tail_work(hp.tail, blockIdx.x, 0).tile);
+      FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch);
       if constexpr (!kSparse) {
         const sched::BlockRange r = tile.kv.range;  // every block unmasked: any range of them is a part
         const sched::TailWork w = sched::tail_work(hp.tail, blockIdx.x, r.last - r.first);

@@ -30,9 +30,11 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
 // Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal work; the dynamic
 // version with two Q stages wins at d128 causal (hopper_fwd_persistent below), where the library
 // takes it. kSparse: the key tiles of the block mask `bs`.
+// `tail` (one CTA per tile, dense): the last tiles split into key ranges (hopper_fwd_grid).
 template <typename Cfg, typename T, bool kPersistent = false, bool kSparse = false>
 Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
-                             const block_sparse::BlockSparseParams* bs = nullptr) {
+                             const block_sparse::BlockSparseParams* bs = nullptr,
+                             const sched::TailSplit& tail = sched::TailSplit{}) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, hopper_fwd_q_stages<Cfg, T, kPersistent>(), kSparse>();
@@ -67,8 +69,8 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
     dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
     void* owned = nullptr;  // the split's slots, where the caller gave no workspace
     if constexpr (!kSparse) {
-      hp.tail = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
-      const std::size_t bytes = hopper_fwd_tail_bytes(hp.tail, Cfg::kBlockM, Cfg::kHeadDim);
+      hp.tail = tail;
+      const std::size_t bytes = hopper_fwd_tail_bytes<Cfg>(tail);
       if (bytes > 0) {
         if (p.workspace == nullptr) {
           FLARE_CUDA_RETURN(cudaMallocAsync(&owned, bytes, stream));
@@ -108,11 +110,11 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
 
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
-  using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
+  const HopperFwdGrid grid = hopper_fwd_grid<kHeadDim>(p);
   if constexpr (hopper_fwd_has_persistent(kHeadDim))
-    if (hopper_fwd_persistent<kHeadDim>(p))
+    if (grid.persistent)
       return launch_hopper_fwd_cfg<typename HopperFwdPersistentConfigFor<kHeadDim>::type, T, true>(p, stream);
-  return launch_hopper_fwd_cfg<Cfg, T>(p, stream);
+  return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream, nullptr, grid.tail);
 }
 
 // The block-sparse forward: one CTA per tile. A persistent form (the producer loading the next
