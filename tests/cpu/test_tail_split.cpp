@@ -102,5 +102,14 @@ TEST(TailSplit, ShortensTheRaggedRound) {
     }
   }
 }
+TEST(PaddedShare, RowsPastTheEnd) {
+  EXPECT_DOUBLE_EQ(padded_share(1024, 192), 128.0 / 1152);
+  EXPECT_DOUBLE_EQ(padded_share(2048, 192), 64.0 / 2112);
+  EXPECT_DOUBLE_EQ(padded_share(1, 128), 127.0 / 128);
+  EXPECT_DOUBLE_EQ(padded_share(3072, 192), 0.0);
+  EXPECT_DOUBLE_EQ(padded_share(1024, 128), 0.0);
+  EXPECT_DOUBLE_EQ(padded_share(0, 128), 0.0);
+}
+
 }  // namespace
 }  // namespace flare::sched

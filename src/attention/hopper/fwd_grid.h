@@ -28,8 +28,14 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
 //     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
 //   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
+//   d128 non-causal where the three-warpgroup tiles of 192 rows compute many padded rows
+//   (sched::padded_share above kFwdPersistentPaddedShare): H200, three alternating rounds
+//   (bench/RESULTS.md, session 36), persistent / one CTA per tile: 1k (11 % padded) 0.962, 2k and
+//   4k (3 %) 1.028 and 1.009. The persistent tiles of 128 rows pad nothing there, and the
+//   three-warpgroup tile's last warpgroups idle.
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says.
+inline constexpr double kFwdPersistentPaddedShare = 0.06;
 template <int kHeadDim>
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
   if constexpr (!hopper_fwd_has_persistent(kHeadDim)) {
@@ -43,7 +49,8 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
     if (forced >= 0) return forced == 1;
     if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
     if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
-    return p.causal;
+    return p.causal ||
+           sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) > kFwdPersistentPaddedShare;
   }
 }
 
