@@ -102,6 +102,7 @@ TEST(TailSplit, ShortensTheRaggedRound) {
     }
   }
 }
+
 TEST(PaddedShare, RowsPastTheEnd) {
   EXPECT_DOUBLE_EQ(padded_share(1024, 192), 128.0 / 1152);
   EXPECT_DOUBLE_EQ(padded_share(2048, 192), 64.0 / 2112);

@@ -32,14 +32,17 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //   (sched::padded_share above kFwdPersistentPaddedShare): H200, three alternating rounds
 //   (bench/RESULTS.md, session 36), persistent / one CTA per tile: 1k (11 % padded) 0.962, 2k and
 //   4k (3 %) 1.028 and 1.009. The persistent tiles of 128 rows pad nothing there, and the
-//   three-warpgroup tile's last warpgroups idle.
+//   three-warpgroup tile's last warpgroups idle. Not where the one-CTA-per-tile grid splits its
+//   last round (`tail_splits`, hopper_fwd_tail_split below): a few query rows against many keys
+//   (100 rows, 8 heads, 32k keys: 8 tiles) pad most of a tile, but their parts fill the SMs where
+//   the persistent grid would run 8 CTAs.
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says.
 inline constexpr double kFwdPersistentPaddedShare = 0.06;
 template <int kHeadDim>
-inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
+inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_splits) {
   if constexpr (!hopper_fwd_has_persistent(kHeadDim)) {
-    (void)p;
+    (void)p, (void)tail_splits;
     return false;
   } else {
     static const int forced = [] {
@@ -49,8 +52,8 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p) {
     if (forced >= 0) return forced == 1;
     if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
     if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
-    return p.causal ||
-           sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) > kFwdPersistentPaddedShare;
+    return p.causal || (!tail_splits && sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) >
+                                            kFwdPersistentPaddedShare);
   }
 }
 
@@ -96,8 +99,9 @@ template <int kHeadDim>
 inline HopperFwdGrid hopper_fwd_grid(const detail::FwdKernelParams& p) {
   using Cfg = typename HopperFwdConfigFor<kHeadDim>::type;
   HopperFwdGrid g;
-  g.persistent = hopper_fwd_persistent<kHeadDim>(p);
-  if (!g.persistent) g.tail = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
+  const sched::TailSplit tail = hopper_fwd_tail_split(p, Cfg::kBlockM, Cfg::kBlockN, detail::current_device_facts().num_sms);
+  g.persistent = hopper_fwd_persistent<kHeadDim>(p, tail.active());
+  if (!g.persistent) g.tail = tail;
   return g;
 }
 template <typename Cfg>
