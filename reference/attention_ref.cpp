@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "reference/numeric.h"
+#include "reference/parallel.h"
 
 namespace flare::ref {
 namespace {
@@ -225,10 +226,12 @@ Status attention_forward(const AttentionForwardParams& p, const AttentionRefOpti
   FLARE_RETURN_IF_ERROR(make_problem(p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k,
                                      p.softmax_scale, p.softcap, opt.emulate_input_dtype, &pr));
   const int64_t group = pr.heads / pr.heads_kv;
-  std::vector<double> s, cap_grad, prob;
-  for (int64_t b = 0; b < pr.lq.batch; ++b) {
+  // One task per (sequence, head): it writes only that head's rows of out and lse.
+  parallel_tasks(pr.lq.batch * pr.heads, [&](int64_t task) {
+    const int64_t b = task / pr.heads, h = task % pr.heads;
     const int64_t sq = pr.lq.lens[b], sk = pr.lk.lens[b];
-    for (int64_t h = 0; h < pr.heads; ++h) {
+    std::vector<double> s, cap_grad, prob;
+    {
       Slice q = gather(p.q, pr.lq, b, h);
       Slice k = gather(p.k, pr.lk, b, h / group);
       Slice v = gather(p.v, pr.lk, b, h / group);
@@ -248,7 +251,7 @@ Status attention_forward(const AttentionForwardParams& p, const AttentionRefOpti
         for (double& x : o.data) x = pr.rule.r(x);
       scatter(p.out, pr.lq, b, h, o);
     }
-  }
+  });
   return Status::Ok();
 }
 
@@ -258,11 +261,16 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
                                      p.softmax_scale, p.softcap, opt.emulate_input_dtype, &pr));
   const int64_t group = pr.heads / pr.heads_kv;
   const ScoreRule& rule = pr.rule;
-  std::vector<double> s, cap_grad, prob;
-  std::vector<double> dsinks(static_cast<size_t>(pr.heads), 0.0);
-  for (int64_t b = 0; b < pr.lq.batch; ++b) {
+  // One task per (sequence, KV head): it writes that KV head's dK, dV and its query heads' dQ, and
+  // its own share of dsinks (summed below in task order).
+  const int64_t tasks = pr.lq.batch * pr.heads_kv;
+  std::vector<double> dsink_parts(static_cast<size_t>(tasks * group), 0.0);
+  parallel_tasks(tasks, [&](int64_t task) {
+    const int64_t b = task / pr.heads_kv, hk = task % pr.heads_kv;
     const int64_t sq = pr.lq.lens[b], sk = pr.lk.lens[b];
-    for (int64_t hk = 0; hk < pr.heads_kv; ++hk) {
+    std::vector<double> s, cap_grad, prob;
+    double* dsinks = dsink_parts.data() + task * group - hk * group;  // indexed by the head h
+    {
       Slice k = gather(p.k, pr.lk, b, hk);
       Slice v = gather(p.v, pr.lk, b, hk);
       Slice dk{sk, pr.dim, std::vector<double>(static_cast<size_t>(sk * pr.dim), 0.0)};
@@ -324,9 +332,14 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
       scatter(p.dk, pr.lk, b, hk, dk);
       scatter(p.dv, pr.lk, b, hk, dv);
     }
-  }
+  });
   if (p.dsinks.defined())
-    for (int64_t h = 0; h < pr.heads; ++h) store(p.dsinks, h * p.dsinks.stride[0], dsinks[h]);
+    for (int64_t h = 0; h < pr.heads; ++h) {
+      double sum = 0;
+      for (int64_t b = 0; b < pr.lq.batch; ++b)
+        sum += dsink_parts[static_cast<size_t>((b * pr.heads_kv + h / group) * group + h % group)];
+      store(p.dsinks, h * p.dsinks.stride[0], sum);
+    }
   return Status::Ok();
 }
 

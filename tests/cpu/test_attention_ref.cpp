@@ -8,6 +8,7 @@
 
 #include "reference/attention_ref.h"
 #include "reference/host_tensor.h"
+#include "reference/parallel.h"
 
 namespace flare::ref {
 namespace {
@@ -335,6 +336,52 @@ void check_gradients(const GradCase& gc, uint64_t seed) {
 TEST(AttentionRefGrad, Plain) { check_gradients({1, 5, 6, 2, 2, 4, {}, 0.f, false}, 11); }
 TEST(AttentionRefGrad, CausalGqaSqGreater) { check_gradients({2, 6, 4, 4, 2, 4, {true, -1, -1}, 0.f, false}, 12); }
 TEST(AttentionRefGrad, WindowSoftcapSinks) { check_gradients({1, 7, 7, 2, 1, 4, {false, 2, 1}, 1.5f, true}, 13); }
+// dsinks summed over sequences and over each KV head's group, from per-task parts.
+TEST(AttentionRefGrad, BatchesGqaSinks) { check_gradients({3, 5, 6, 4, 2, 4, {true, -1, -1}, 0.f, true}, 14); }
+
+// The oracles' tasks run on threads (reference/parallel.h): every output is the same, bit for
+// bit, on one thread and on several.
+TEST(AttentionRef, SameOnOneThreadAndOnSeveral) {
+  const int64_t b = 3, sq = 9, sk = 11, h = 6, hk = 2, d = 8;
+  Inputs in = make_inputs(b, sq, sk, h, hk, d, 21);
+  std::mt19937_64 rng(22);
+  HostTensor dout(F64, {b, sq, h, d}), sinks(F64, {h});
+  dout.fill_normal(rng);
+  sinks.fill_normal(rng);
+  auto run = [&](int threads) {
+    reference_threads_override() = threads;
+    std::vector<HostTensor> outs(6);
+    outs[0].reset(F64, {b, sq, h, d});
+    outs[1].reset(F64, {b, h, sq});
+    AttentionForwardParams p = fwd_params(in);
+    p.out = outs[0];
+    p.lse = outs[1];
+    p.mask = MaskParams{true, -1, -1};
+    p.sinks = sinks;
+    EXPECT_TRUE(ref::attention_forward(p).ok());
+    outs[2].reset(F64, {b, sq, h, d});
+    outs[3].reset(F64, {b, sk, hk, d});
+    outs[4].reset(F64, {b, sk, hk, d});
+    outs[5].reset(F64, {h});
+    AttentionBackwardParams bp;
+    bp.q = in.q; bp.k = in.k; bp.v = in.v; bp.out = outs[0]; bp.dout = dout; bp.lse = outs[1];
+    bp.dq = outs[2]; bp.dk = outs[3]; bp.dv = outs[4]; bp.dsinks = outs[5];
+    bp.mask = p.mask;
+    bp.sinks = sinks;
+    EXPECT_TRUE(ref::attention_backward(bp).ok());
+    reference_threads_override() = 0;
+    return outs;
+  };
+  const std::vector<HostTensor> one = run(1), several = run(4);
+  for (size_t t = 0; t < one.size(); ++t) {
+    double nonzero = 0;
+    for (int64_t i = 0; i < one[t].numel(); ++i) {
+      EXPECT_EQ(one[t].get(i), several[t].get(i)) << "output " << t << " element " << i;
+      nonzero += std::abs(one[t].get(i));
+    }
+    EXPECT_GT(nonzero, 0.0) << "output " << t << " all zero: the test cannot fail";
+  }
+}
 
 TEST(DecodeRef, ContiguousEqualsDenseBottomRightCausal) {
   std::mt19937_64 rng(21);
