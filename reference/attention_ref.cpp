@@ -376,10 +376,12 @@ Status decode_forward(const DecodeParams& p) {
     int64_t page = load_index(p.page_table, b * p.page_table.stride[0] + (tok / page_size) * p.page_table.stride[1]);
     return page * t.stride[0] + (tok % page_size) * t.stride[1] + hk * t.stride[2] + c * t.stride[3];
   };
-  std::vector<double> qrow(static_cast<size_t>(dim)), s, prob;
-  for (int64_t b = 0; b < batch; ++b) {
+  // One task per (sequence, query head): it writes only that head's rows of out and lse.
+  parallel_tasks(batch * heads, [&](int64_t task) {
+    const int64_t b = task / heads, h = task % heads;
     const int64_t len = load_index(p.cache_seqlens, b * p.cache_seqlens.stride[0]);
-    for (int64_t h = 0; h < heads; ++h) {
+    std::vector<double> qrow(static_cast<size_t>(dim)), s, prob;
+    {
       const int64_t hk = h / (heads / heads_kv);
       for (int64_t t = 0; t < q_len; ++t) {
         for (int64_t c = 0; c < dim; ++c)
@@ -404,7 +406,7 @@ Status decode_forward(const DecodeParams& p) {
           store(p.lse, b * p.lse.stride[0] + h * p.lse.stride[1] + t * p.lse.stride[2], lse);
       }
     }
-  }
+  });
   return Status::Ok();
 }
 

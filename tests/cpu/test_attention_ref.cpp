@@ -408,6 +408,30 @@ TEST(DecodeRef, ContiguousEqualsDenseBottomRightCausal) {
   }
 }
 
+TEST(DecodeRef, SameOnOneThreadAndOnSeveral) {
+  std::mt19937_64 rng(23);
+  const int B = 3, qlen = 2, H = 4, HK = 2, d = 8, maxlen = 20;
+  HostTensor q(F64, {B, qlen, H, d}), k(F64, {B, maxlen, HK, d}), v(F64, {B, maxlen, HK, d}), cl(D::kInt32, {B});
+  q.fill_normal(rng); k.fill_normal(rng); v.fill_normal(rng);
+  for (int b = 0; b < B; ++b) cl.set(b, 7 + 6 * b);
+  auto run = [&](int threads, HostTensor& out, HostTensor& lse) {
+    reference_threads_override() = threads;
+    out.reset(F64, {B, qlen, H, d});
+    lse.reset(F64, {B, H, qlen});
+    DecodeParams p;
+    p.q = q; p.k_cache = k; p.v_cache = v; p.cache_seqlens = cl; p.out = out; p.lse = lse;
+    p.causal = true;
+    EXPECT_TRUE(ref::decode_forward(p).ok());
+    reference_threads_override() = 0;
+  };
+  HostTensor o1, l1, o4, l4;
+  run(1, o1, l1);
+  run(4, o4, l4);
+  for (int64_t i = 0; i < o1.numel(); ++i) EXPECT_EQ(o1.get(i), o4.get(i)) << i;
+  for (int64_t i = 0; i < l1.numel(); ++i) EXPECT_EQ(l1.get(i), l4.get(i)) << i;
+  EXPECT_GT(std::abs(o1.get(0)) + std::abs(o1.get(o1.numel() - 1)), 0.0);
+}
+
 TEST(DecodeRef, PagedEqualsContiguous) {
   std::mt19937_64 rng(22);
   const int B = 2, H = 2, HK = 1, d = 8, page = 4, pages_per_seq = 5, maxlen = page * pages_per_seq;
