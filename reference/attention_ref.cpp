@@ -263,13 +263,12 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
   const ScoreRule& rule = pr.rule;
   // One task per (sequence, KV head): it writes that KV head's dK, dV and its query heads' dQ, and
   // its own share of dsinks (summed below in task order).
-  const int64_t tasks = pr.lq.batch * pr.heads_kv;
-  std::vector<double> dsink_parts(static_cast<size_t>(tasks * group), 0.0);
-  parallel_tasks(tasks, [&](int64_t task) {
+  std::vector<double> dsink_parts(static_cast<size_t>(pr.lq.batch * pr.heads), 0.0);  // [sequence, head]
+  parallel_tasks(pr.lq.batch * pr.heads_kv, [&](int64_t task) {
     const int64_t b = task / pr.heads_kv, hk = task % pr.heads_kv;
     const int64_t sq = pr.lq.lens[b], sk = pr.lk.lens[b];
     std::vector<double> s, cap_grad, prob;
-    double* dsinks = dsink_parts.data() + task * group - hk * group;  // indexed by the head h
+    double* dsinks = dsink_parts.data() + b * pr.heads;  // this sequence's, indexed by the head h
     {
       Slice k = gather(p.k, pr.lk, b, hk);
       Slice v = gather(p.v, pr.lk, b, hk);
@@ -336,8 +335,7 @@ Status attention_backward(const AttentionBackwardParams& p, const AttentionRefOp
   if (p.dsinks.defined())
     for (int64_t h = 0; h < pr.heads; ++h) {
       double sum = 0;
-      for (int64_t b = 0; b < pr.lq.batch; ++b)
-        sum += dsink_parts[static_cast<size_t>((b * pr.heads_kv + h / group) * group + h % group)];
+      for (int64_t b = 0; b < pr.lq.batch; ++b) sum += dsink_parts[static_cast<size_t>(b * pr.heads + h)];
       store(p.dsinks, h * p.dsinks.stride[0], sum);
     }
   return Status::Ok();

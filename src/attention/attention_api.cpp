@@ -51,6 +51,15 @@ Status block_sparse_forward(const AttentionForwardParams& params, const detail::
   return portable::portable_attention_forward_sparse(kp, bs, params.q.dtype, params.stream);
 }
 
+#ifdef FLARE_WITH_HOPPER
+// Whether a dense forward runs the Hopper kernel: the backend allows it (kAuto, kHopper) and
+// hopper_forward_check accepts the problem. attention_forward and its workspace size both ask.
+bool dense_forward_on_hopper(const AttentionForwardParams& params, const detail::FwdKernelParams& kp) {
+  return (params.backend == Backend::kAuto || params.backend == Backend::kHopper) &&
+         hopper::hopper_forward_check(kp, params.q.dtype).ok();
+}
+#endif
+
 }  // namespace
 
 Status attention_forward_workspace_size(const AttentionForwardParams& params, std::size_t* bytes) {
@@ -59,10 +68,9 @@ Status attention_forward_workspace_size(const AttentionForwardParams& params, st
   detail::AttentionShape shape;
   FLARE_RETURN_IF_ERROR(detail::validate_attention_forward(params, DeviceKind::kCUDA, &shape));
 #ifdef FLARE_WITH_HOPPER
-  // Only the dense Hopper kernel takes scratch (the backend it would run: hopper_forward_check).
+  // Only the dense Hopper kernel takes scratch.
   const detail::FwdKernelParams kp = detail::make_fwd_kernel_params(params, shape);
-  const bool hopper = params.backend == Backend::kHopper || params.backend == Backend::kAuto;
-  if (params.block_mask == nullptr && hopper && hopper::hopper_forward_check(kp, params.q.dtype).ok())
+  if (params.block_mask == nullptr && dense_forward_on_hopper(params, kp))
     *bytes = hopper::hopper_forward_workspace_bytes(kp, params.q.dtype);
 #endif
   return Status::Ok();
@@ -78,16 +86,15 @@ Status attention_forward(const AttentionForwardParams& params) {
       return detail::naive_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kAuto:
 #ifdef FLARE_WITH_HOPPER
-      if (hopper::hopper_forward_check(kp, params.q.dtype).ok())
-        return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
+      if (dense_forward_on_hopper(params, kp)) return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
 #endif
       return portable::portable_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kPortable:
       return portable::portable_attention_forward(kp, params.q.dtype, params.stream);
     case Backend::kHopper:
 #ifdef FLARE_WITH_HOPPER
-      FLARE_RETURN_IF_ERROR(hopper::hopper_forward_check(kp, params.q.dtype));
-      return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
+      if (dense_forward_on_hopper(params, kp)) return hopper::hopper_attention_forward(kp, params.q.dtype, params.stream);
+      return hopper::hopper_forward_check(kp, params.q.dtype);  // its error
 #else
       return Status::NotSupported("backend: this build has no Hopper kernels (FLARE_HOPPER_ARCHS is empty)");
 #endif

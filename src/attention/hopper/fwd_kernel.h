@@ -738,16 +738,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     return tile;
   };
   auto this_ctas_tile = [&] {  // one CTA per tile: longest first where rows see different key counts
-    if (!kSparse && hp.tail.active()) {  // a 1D grid: whole tiles, then the split ones' parts
-      const sched::TileCoord c = split_fwd_tile<Cfg>(p, sched::tail_work(hp.tail, blockIdx.x, 0).tile);
-      FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch);
-      if constexpr (!kSparse) {
+    if constexpr (!kSparse) {
+      if (hp.tail.active()) {  // a 1D grid: whole tiles, then the split ones' parts
+        const sched::TileCoord c = split_fwd_tile<Cfg>(p, sched::tail_work(hp.tail, blockIdx.x, 0).tile);
+        FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, c.block, c.head, c.batch);
         const sched::BlockRange r = tile.kv.range;  // every block unmasked: any range of them is a part
         const sched::TailWork w = sched::tail_work(hp.tail, blockIdx.x, r.last - r.first);
         tile.kv.range = sched::BlockRange{r.first + w.begin, r.first + w.end};
+        tile.id = cta;
+        return tile;
       }
-      tile.id = cta;
-      return tile;
     }
     const bool longest_first = kSparse || p.causal || p.window_left >= 0;
     FwdTile<Walk> tile =
