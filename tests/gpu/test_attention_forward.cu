@@ -151,20 +151,19 @@ TEST(HopperForward, TailTilesSplitIntoKeyRanges) {
   auto run_case = [&](int d, int shape) {  // a lambda: FLARE_ASSERT_OK_OR_UNBUILT returns from it
     AttnCase c;
     c.head_dim = d;
-    c.seqlen_k = 1000;  // 16 key blocks of 64, the last ragged
-    // Query lengths that pad few rows of d128's 192-row tiles: more would take the persistent grid
-    // (fwd_grid.h, hopper_fwd_persistent), which has no split.
-    if (shape == 0) {  // one ragged query block a head at d128 (185 rows), two at d256
+    // 3,000 keys: 24 key blocks of 128 at d128, 47 of 64 at d256, the last ragged; tiles this long
+    // take one CTA per tile (fwd_grid.h, hopper_fwd_persistent), where the last round splits.
+    c.seqlen_k = 3000;
+    if (shape == 0) {  // one ragged query block a head (185 rows: 128 + 57), 6 tiles past two rounds
       c.seqlen_q = 185;
       c.heads = c.heads_kv = sms + 3;
     } else if (shape == 2) {  // a few rows against many keys: 8 tiles, mostly padding, split anyway
       c.seqlen_q = 100;
-      c.seqlen_k = 3000;
       c.heads = c.heads_kv = 8;
-    } else {  // d128: 192 + 192 + 176 rows, d256: 4 x 128 + 48, of two sequences, GQA 2, sinks, softcap
+    } else {  // 4 x 128 + 48 rows of two sequences, GQA 2, sinks, softcap
       c.seqlen_q = 560;
       c.batch = 2;
-      c.heads = 2 * ((sms + 36) / 12);  // 132 SMs: 28 heads, 168 and 280 tiles (36 and 16 split)
+      c.heads = 2 * ((sms + 36) / 12);  // 132 SMs: 28 heads, 280 tiles (16 split)
       c.heads_kv = c.heads / 2;
       c.sinks = true;
       c.softcap = 20.f;

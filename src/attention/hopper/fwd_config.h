@@ -77,7 +77,19 @@ template <int kHeadDim>
 struct HopperFwdConfigFor;
 template <> struct HopperFwdConfigFor<64> { using type = HopperFwdConfig<64, 128, 3>; };
 template <> struct HopperFwdConfigFor<96> { using type = HopperFwdConfig<96, 128, 2>; };
-template <> struct HopperFwdConfigFor<128> { using type = HopperFwdConfig<128, 64, 3>; };
+// d128: on the H200 (tune_hopper_fwd, bench/RESULTS.md session 37) two warpgroups on key blocks of
+// 128 with two P sets (the persistent grid's configuration) beat three warpgroups on 64 by 3-4 % at
+// 4k-16k; -DFLARE_HOPPER_FWD_D128_TILE=0 restores the three (A/B).
+#ifndef FLARE_HOPPER_FWD_D128_TILE
+#define FLARE_HOPPER_FWD_D128_TILE 1
+#endif
+template <> struct HopperFwdConfigFor<128> {
+#if FLARE_HOPPER_FWD_D128_TILE
+  using type = HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, /*kTwoP=*/true>;
+#else
+  using type = HopperFwdConfig<128, 64, 3>;
+#endif
+};
 template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
 template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
 

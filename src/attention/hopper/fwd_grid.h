@@ -28,17 +28,22 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
 //     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
 //   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
-//   d128 non-causal where the three-warpgroup tiles of 192 rows compute many padded rows
-//   (sched::padded_share above kFwdPersistentPaddedShare): H200, three alternating rounds
-//   (bench/RESULTS.md, session 36), persistent / one CTA per tile: 1k (11 % padded) 0.962, 2k and
-//   4k (3 %) 1.028 and 1.009. The persistent tiles of 128 rows pad nothing there, and the
-//   three-warpgroup tile's last warpgroups idle. Not where the one-CTA-per-tile grid splits its
-//   last round (`tail_splits`, hopper_fwd_tail_split below): a few query rows against many keys
-//   (100 rows, 8 heads, 32k keys: 8 tiles) pad most of a tile, but their parts fill the SMs where
-//   the persistent grid would run 8 CTAs.
+//   d128 (both grids on the two-P configuration since session 37), H200, three alternating rounds
+//   of bench_attention (bench/RESULTS.md, session 37), one CTA per tile / persistent:
+//   - causal: 1k-8k 1.10, 1.08, 1.04, 1.06; 16k 0.969. Persistent up to kFwdCausalPersistentMaxKeys.
+//   - non-causal: 1k 1.044 (tiles of 8 key blocks: the prologue and epilogue the persistent
+//     producer hides are a large part of them), 2k-16k within 1 %. Persistent up to
+//     kFwdPersistentMaxKeys keys, or where the tiles of 128 rows compute many padded rows
+//     (sched::padded_share above kFwdPersistentPaddedShare; session 36 measured 192-row tiles).
+//   Neither where the one-CTA-per-tile grid splits its last round (`tail_splits`,
+//   hopper_fwd_tail_split below): a few query rows against many keys (100 rows, 8 heads, 32k keys:
+//   8 tiles) pad most of a tile, but their parts fill the SMs where the persistent grid would run
+//   8 CTAs.
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says.
 inline constexpr double kFwdPersistentPaddedShare = 0.06;
+inline constexpr int kFwdPersistentMaxKeys = 1024;
+inline constexpr int kFwdCausalPersistentMaxKeys = 8192;
 template <int kHeadDim>
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_splits) {
   if constexpr (!hopper_fwd_has_persistent(kHeadDim)) {
@@ -52,8 +57,10 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_sp
     if (forced >= 0) return forced == 1;
     if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
     if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
-    return p.causal || (!tail_splits && sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) >
-                                            kFwdPersistentPaddedShare);
+    if (p.causal) return p.seqlen_k <= kFwdCausalPersistentMaxKeys;
+    return !tail_splits && (p.seqlen_k <= kFwdPersistentMaxKeys ||
+                            sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) >
+                                kFwdPersistentPaddedShare);
   }
 }
 
