@@ -15,7 +15,7 @@
 namespace flare::hopper {
 
 // Head dims with a persistent form in the library (HopperFwdPersistentConfigFor).
-constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 // Whether a dense forward takes the persistent grid (batched, no window: varlen and windows are not
 // measured there, so they keep one CTA per tile). There the one-CTA-per-tile grid's start (first
@@ -27,13 +27,16 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //     consumer warpgroups, no spills since session 19's changes) persistent, 4-7 % faster at 1k-8k
 //     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
 //     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
-//   d256: one CTA per tile (persistent lost 0-12 %, session 23's sweep).
+//   d256, causal up to kFwdD256CausalPersistentMaxKeys keys. On the H100 the persistent grid lost
+//     0-12 % (session 23's sweep). On the H200 (session 37; the tiles kernel spills 60 bytes, the
+//     persistent one none), three alternating rounds of bench_attention, persistent / one CTA per
+//     tile: causal 1k, 2k, 4k 0.944, 0.947, 0.948; 8k 1.017, 16k 0.989; non-causal 1k-16k 0.98-1.003.
 //   d128 (both grids on the two-P configuration since session 37), H200, three alternating rounds
 //   of bench_attention (bench/RESULTS.md, session 37), one CTA per tile / persistent:
-//   - causal: 1k-8k 1.10, 1.08, 1.04, 1.06; 16k 0.969. Persistent up to kFwdCausalPersistentMaxKeys.
+//   - causal: 1k-8k 1.10, 1.08, 1.04, 1.06; 16k 0.969. Persistent up to kFwdD128CausalPersistentMaxKeys.
 //   - non-causal: 1k 1.044 (tiles of 8 key blocks: the prologue and epilogue the persistent
 //     producer hides are a large part of them), 2k-16k within 1 %. Persistent up to
-//     kFwdPersistentMaxKeys keys, or where the tiles of 128 rows compute many padded rows
+//     kFwdD128PersistentMaxKeys keys, or where the tiles of 128 rows compute many padded rows
 //     (sched::padded_share above kFwdPersistentPaddedShare; session 36 measured 192-row tiles).
 //   Neither where the one-CTA-per-tile grid splits its last round (`tail_splits`,
 //   hopper_fwd_tail_split below): a few query rows against many keys (100 rows, 8 heads, 32k keys:
@@ -42,8 +45,9 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says.
 inline constexpr double kFwdPersistentPaddedShare = 0.06;
-inline constexpr int kFwdPersistentMaxKeys = 1024;
-inline constexpr int kFwdCausalPersistentMaxKeys = 8192;
+inline constexpr int kFwdD128PersistentMaxKeys = 1024;
+inline constexpr int kFwdD128CausalPersistentMaxKeys = 8192;
+inline constexpr int kFwdD256CausalPersistentMaxKeys = 4096;
 template <int kHeadDim>
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_splits) {
   if constexpr (!hopper_fwd_has_persistent(kHeadDim)) {
@@ -57,8 +61,9 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_sp
     if (forced >= 0) return forced == 1;
     if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
     if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
-    if (p.causal) return p.seqlen_k <= kFwdCausalPersistentMaxKeys;
-    return !tail_splits && (p.seqlen_k <= kFwdPersistentMaxKeys ||
+    if constexpr (kHeadDim == 256) return p.causal && p.seqlen_k <= kFwdD256CausalPersistentMaxKeys;
+    if (p.causal) return p.seqlen_k <= kFwdD128CausalPersistentMaxKeys;
+    return !tail_splits && (p.seqlen_k <= kFwdD128PersistentMaxKeys ||
                             sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) >
                                 kFwdPersistentPaddedShare);
   }
