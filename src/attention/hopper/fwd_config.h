@@ -71,7 +71,8 @@ struct HopperFwdConfig {
 // at d128, 80 lost 30 % to 64 at d256 (and 48 lost 33 %), 96 beat 64 by 14 % at d192; three
 // consumer warpgroups beat two at d64, and at d128 with key blocks of 64 (the softmax of one
 // warpgroup under the GEMMs of two: -2 to -5 % non-causal, 0 to -2 % causal one CTA per tile; 96
-// and 80 do not fit three warpgroups' registers). The exp2 polynomial lost at every head dim (kept
+// and 80 do not fit three warpgroups' registers); on the H200 two warpgroups on 128 keys with two P
+// sets win at d128 (below). The exp2 polynomial lost at every head dim (kept
 // off). Lazy rescaling won 4-5 % at d256, 0.5 % at d128 and lost 2-4 % at d64 (off there).
 template <int kHeadDim>
 struct HopperFwdConfigFor;
@@ -94,10 +95,11 @@ template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 9
 template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
 
 // The persistent grid's configuration where the launcher takes it (hopper_fwd_persistent,
-// fwd_launch_impl.h). d128: two warpgroups, key blocks of 128 and two P sets; two P sets won 4-6 %
-// on it and lost 2-3 % on three warpgroups, and this grid beat the three-warpgroup tile by 2-6 %
-// causal (ncu, H100, bench/RESULTS.md session 20). d64: the default configuration; two P sets and
-// two warpgroups lost 5-20 % to it there (session 23).
+// fwd_launch_impl.h). d128: two warpgroups, key blocks of 128 and two P sets (the tiles' too since
+// session 37; this one stays with -DFLARE_HOPPER_FWD_D128_TILE=0); two P sets won 4-6 % on it and
+// lost 2-3 % on three warpgroups, and this grid beat the three-warpgroup tile by 2-6 % causal (ncu,
+// H100, bench/RESULTS.md session 20). d64 and d256: the default configuration; at d64 two P sets
+// and two warpgroups lost 5-20 % to it (session 23).
 template <int kHeadDim>
 struct HopperFwdPersistentConfigFor {
   using type = typename HopperFwdConfigFor<kHeadDim>::type;
