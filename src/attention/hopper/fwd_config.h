@@ -80,7 +80,8 @@ template <> struct HopperFwdConfigFor<64> { using type = HopperFwdConfig<64, 128
 template <> struct HopperFwdConfigFor<96> { using type = HopperFwdConfig<96, 128, 2>; };
 // d128: on the H200 (tune_hopper_fwd, bench/RESULTS.md session 37) two warpgroups on key blocks of
 // 128 with two P sets (the persistent grid's configuration) beat three warpgroups on 64 by 3-4 % at
-// 4k-16k; -DFLARE_HOPPER_FWD_D128_TILE=0 restores the three (A/B).
+// 4k-16k in the sweep, 1-2 % non-causal in the library (whose tail split had helped the three);
+// -DFLARE_HOPPER_FWD_D128_TILE=0 restores the three (A/B).
 #ifndef FLARE_HOPPER_FWD_D128_TILE
 #define FLARE_HOPPER_FWD_D128_TILE 1
 #endif

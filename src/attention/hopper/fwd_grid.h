@@ -28,14 +28,16 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
 //     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
 //   d256, causal up to kFwdD256CausalPersistentMaxKeys keys. On the H100 the persistent grid lost
-//     0-12 % (session 23's sweep). On the H200 (session 37; the tiles kernel spills 60 bytes, the
-//     persistent one none), three alternating rounds of bench_attention, persistent / one CTA per
-//     tile: causal 1k, 2k, 4k 0.944, 0.947, 0.948; 8k 1.017, 16k 0.989; non-causal 1k-16k 0.98-1.003.
+//     0-12 % (session 23's sweep). On the H200 (session 37; the tiles kernel spills 60 bytes, at a
+//     tile's start and end and in the producer's waits, the persistent one none), three alternating
+//     rounds of bench_attention, persistent / one CTA per tile: causal 1k, 2k, 4k 0.944, 0.947,
+//     0.948; 8k 1.017, 16k 0.989; non-causal 1k-16k 0.98-1.003.
 //   d128 (both grids on the two-P configuration since session 37), H200, three alternating rounds
 //   of bench_attention (bench/RESULTS.md, session 37), one CTA per tile / persistent:
 //   - causal: 1k-8k 1.10, 1.08, 1.04, 1.06; 16k 0.969. Persistent up to kFwdD128CausalPersistentMaxKeys.
 //   - non-causal: 1k 1.044 (tiles of 8 key blocks: the prologue and epilogue the persistent
-//     producer hides are a large part of them), 2k-16k within 1 %. Persistent up to
+//     producer hides are a large part of them); at 4k and 16k tune_hopper_fwd (no tail split) put
+//     one CTA per tile 3 % and 1 % ahead. Persistent up to
 //     kFwdD128PersistentMaxKeys keys, or where the tiles of 128 rows compute many padded rows
 //     (sched::padded_share above kFwdPersistentPaddedShare; session 36 measured 192-row tiles).
 //   Neither where the one-CTA-per-tile grid splits its last round (`tail_splits`,
