@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <queue>
+#include <random>
 
 namespace flare::sched {
 
@@ -211,6 +212,168 @@ class GridSimulation {
   double total_wait_ = 0;
 };
 
+// Buffered adds: the consumer side of a CTA computes steps back to back and hands each add to a
+// buffer; the buffers' adds wait for their turns independently (a writer each).
+class BufferedGridSimulation {
+ public:
+  BufferedGridSimulation(const SimWorkload& work, const SimOptions& options)
+      : work_(work), options_(options), ctas_(options.resident_ctas < 1 ? 1 : options.resident_ctas),
+        semaphores_(work.num_semaphores, 0), waiters_(work.num_semaphores) {
+    std::mt19937 rng(options.seed);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    compute_.resize(work.tiles.size());
+    for (size_t t = 0; t < work.tiles.size(); ++t)
+      for (const SimStep& st : work.tiles[t])
+        compute_[t].push_back(st.compute * (1.0 + options.compute_jitter * u(rng)));
+    for (Cta& c : ctas_) c.free_slots = options.add_slots < 1 ? 1 : options.add_slots;
+  }
+
+  SimResult run() {
+    for (int c = 0; c < (int)ctas_.size(); ++c) begin_step(c, 0.0);
+    while (!events_.empty()) {
+      const Event e = events_.top();
+      events_.pop();
+      end_ = std::max(end_, e.time);
+      switch (e.kind) {
+        case kComputeDone: compute_done(e.who, e.time); break;
+        case kSlotFree: slot_free(e.who, e.time); break;
+        case kAddDone: add_done(e.who, e.time); break;
+      }
+    }
+    SimResult out;
+    out.completed = adds_done_ == (int)adds_.size();
+    for (const Cta& c : ctas_) out.completed = out.completed && c.done;
+    for (const Add& a : adds_)
+      if (!a.done) out.stuck_tiles.push_back(a.tile);
+    std::sort(out.stuck_tiles.begin(), out.stuck_tiles.end());
+    out.stuck_tiles.erase(std::unique(out.stuck_tiles.begin(), out.stuck_tiles.end()), out.stuck_tiles.end());
+    out.makespan = end_;
+    out.total_wait = total_wait_;
+    out.total_work = total_work_;
+    out.final_semaphores = semaphores_;
+    return out;
+  }
+
+ private:
+  enum Kind { kComputeDone, kSlotFree, kAddDone };
+  struct Event {
+    double time;
+    int64_t order;  // equal times: first scheduled first, so a run is reproducible
+    Kind kind;
+    int who;  // the CTA (compute, slot) or the add
+    bool operator>(const Event& o) const { return time != o.time ? time > o.time : order > o.order; }
+  };
+  struct Cta {
+    int tile = -1, step = 0, tiles_taken = 0;
+    int free_slots = 1;
+    bool stalled = false, done = false;
+    double stall_start = 0;
+  };
+  struct Add {
+    int cta = 0, tile = 0, semaphore = -1, turn = 0;
+    double hold = 0;
+    bool done = false;
+  };
+
+  void schedule(double time, Kind kind, int who) { events_.push(Event{time, next_order_++, kind, who}); }
+  bool ordered(const SimStep& s) const { return s.semaphore >= 0 && options_.use_semaphores; }
+
+  int take_tile(Cta& c, int cta) {
+    const int num_tiles = (int)work_.tiles.size();
+    if (options_.dispatch == Dispatch::kDynamic) return next_dynamic_ < num_tiles ? next_dynamic_++ : -1;
+    const int64_t index = cta + (int64_t)c.tiles_taken++ * ctas_.size();
+    return index < num_tiles ? (int)index : -1;
+  }
+
+  void begin_step(int cta, double now) {
+    Cta& c = ctas_[cta];
+    while (c.tile < 0 || c.step >= (int)work_.tiles[c.tile].size()) {
+      c.tile = take_tile(c, cta);
+      c.step = 0;
+      if (c.tile < 0) {
+        c.done = true;
+        return;
+      }
+    }
+    const double t = compute_[c.tile][c.step];
+    total_work_ += t;
+    schedule(now + t, kComputeDone, cta);
+  }
+
+  void compute_done(int cta, double now) {
+    Cta& c = ctas_[cta];
+    if (c.free_slots == 0) {
+      c.stalled = true;
+      c.stall_start = now;
+      return;
+    }
+    hand_over(cta, now);
+  }
+
+  // The finished step's add takes a buffer; the CTA goes on to its next step.
+  void hand_over(int cta, double now) {
+    Cta& c = ctas_[cta];
+    const SimStep& s = work_.tiles[c.tile][c.step];
+    --c.free_slots;
+    Add a;
+    a.cta = cta, a.tile = c.tile, a.semaphore = s.semaphore, a.turn = s.turn, a.hold = s.add;
+    const int id = (int)adds_.size();
+    adds_.push_back(a);
+    total_work_ += s.add;
+    if (!ordered(s) || semaphores_[s.semaphore] == s.turn) {
+      start_add(id, now);
+    } else {
+      waiters_[s.semaphore].push_back(id);
+    }
+    ++c.step;
+    begin_step(cta, now);
+  }
+
+  void start_add(int id, double now) {
+    schedule(now + options_.slot_read, kSlotFree, adds_[id].cta);
+    schedule(now + adds_[id].hold, kAddDone, id);
+  }
+
+  void slot_free(int cta, double now) {
+    Cta& c = ctas_[cta];
+    ++c.free_slots;
+    if (c.stalled) {
+      c.stalled = false;
+      total_wait_ += now - c.stall_start;
+      hand_over(cta, now);
+    }
+  }
+
+  void add_done(int id, double now) {
+    Add& a = adds_[id];
+    a.done = true;
+    ++adds_done_;
+    if (a.semaphore < 0 || !options_.use_semaphores) return;
+    const int sem = a.semaphore;
+    ++semaphores_[sem];
+    std::vector<int>& waiting = waiters_[sem];
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      if (adds_[waiting[i]].turn != semaphores_[sem]) continue;
+      const int w = waiting[i];
+      waiting.erase(waiting.begin() + (long)i);
+      start_add(w, now);
+      return;
+    }
+  }
+
+  const SimWorkload& work_;
+  SimOptions options_;
+  std::vector<std::vector<double>> compute_;
+  std::vector<Cta> ctas_;
+  std::vector<int> semaphores_;
+  std::vector<std::vector<int>> waiters_;
+  std::vector<Add> adds_;
+  std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
+  int64_t next_order_ = 0;
+  int next_dynamic_ = 0, adds_done_ = 0;
+  double end_ = 0, total_wait_ = 0, total_work_ = 0;
+};
+
 int length_of(const std::vector<int>& lengths, int b, int max_length) {
   return lengths.empty() ? max_length : lengths[b];
 }
@@ -228,6 +391,10 @@ double block_cost(const TileShape& s, const Band& band, int seqlen_q, int seqlen
 
 SimResult simulate_grid(const SimWorkload& work, const SimOptions& options) {
   return GridSimulation(work, options).run();
+}
+
+SimResult simulate_grid_buffered(const SimWorkload& work, const SimOptions& options) {
+  return BufferedGridSimulation(work, options).run();
 }
 
 int dq_semaphore(const TileShape& s, int b, int h, int m) { return (b * s.heads + h) * s.num_q_blocks() + m; }

@@ -36,6 +36,14 @@ struct SimOptions {
   int resident_ctas = 132;
   Dispatch dispatch = Dispatch::kStatic;
   bool use_semaphores = true;  // false: every add unordered (what the ordinary kernel does)
+  // Buffered adds (simulate_grid_buffered): a step's dQ goes into one of `add_slots` buffers of its
+  // CTA, whose writer waits for the turn and adds, while the CTA computes on; a buffer is free again
+  // `slot_read` after its add starts (the bulk add has read it), and the semaphore moves when the
+  // add ends (SimStep::add after its start). A CTA whose buffers are all taken waits for one.
+  int add_slots = 1;
+  double slot_read = 0.0;
+  double compute_jitter = 0.0;  // every step's compute scaled by 1 + U(-j, j), drawn from `seed`
+  unsigned seed = 1;
 };
 
 // One step on the critical path.
@@ -60,6 +68,11 @@ struct SimResult {
 };
 
 SimResult simulate_grid(const SimWorkload& work, const SimOptions& options);
+
+// The same grid with buffered adds (SimOptions::add_slots >= 1): the kernels' form, where a CTA
+// only waits when all its dQ buffers still wait for their turns. total_wait is the CTAs' time
+// waiting for a free buffer; no critical path.
+SimResult simulate_grid_buffered(const SimWorkload& work, const SimOptions& options);
 
 // ---- backward workloads: one step per visited q-block, plus the GQA dK/dV add ------------------
 

@@ -304,5 +304,128 @@ TEST(DeterministicBackward, ReportsTheCostOfDeterminismOnRealisticShapes) {
       }
 }
 
+// ---- buffered adds: the kernels' form ------------------------------------------------------------
+
+// One CTA, two steps on their own semaphores: each add starts as its compute ends; the buffer of the
+// first is read back 0.1 later, before the second needs it.
+TEST(BufferedGridSim, AddsRunBesideTheNextStep) {
+  SimWorkload w;
+  w.num_semaphores = 2;
+  w.tiles = {{ordered(0, 0, 1.0, 0.5), ordered(1, 0, 1.0, 0.5)}};
+  SimOptions o;
+  o.resident_ctas = 1, o.add_slots = 1, o.slot_read = 0.1;
+  const SimResult r = simulate_grid_buffered(w, o);
+  ASSERT_TRUE(r.completed);
+  EXPECT_NEAR(r.makespan, 2.5, 1e-12);
+  EXPECT_NEAR(r.total_wait, 0.0, 1e-12);
+  EXPECT_EQ(r.final_semaphores, (std::vector<int>{1, 1}));
+}
+
+// Tile 0's first add waits for tile 1's (turn 1 after a 4-unit compute). With one buffer tile 0
+// waits for it at the end of its second step; with two the other buffer serves steps 2-4.
+TEST(BufferedGridSim, BuffersAreTheSlackBeforeACtaWaits) {
+  SimWorkload w;
+  w.num_semaphores = 4;
+  w.tiles = {{ordered(0, 1, 1.0, 0.5), ordered(1, 0, 1.0, 0.5), ordered(2, 0, 1.0, 0.5), ordered(3, 0, 1.0, 0.5)},
+             {ordered(0, 0, 4.0, 0.5)}};
+  SimOptions o;
+  o.resident_ctas = 2, o.slot_read = 0.1;
+  o.add_slots = 1;
+  SimResult r = simulate_grid_buffered(w, o);
+  ASSERT_TRUE(r.completed);
+  EXPECT_NEAR(r.total_wait, 2.6, 1e-12);  // step 2 ends at 2; the buffer is read at 4.5 + 0.1
+  EXPECT_NEAR(r.makespan, 7.1, 1e-12);    // steps 3-4 from 4.6, the last add 6.6-7.1
+  o.add_slots = 2;
+  r = simulate_grid_buffered(w, o);
+  ASSERT_TRUE(r.completed);
+  EXPECT_NEAR(r.total_wait, 0.0, 1e-12);
+  EXPECT_NEAR(r.makespan, 5.0, 1e-12);  // tile 0's first add, 4.5-5.0
+  o.use_semaphores = false;             // unordered: every add starts at once
+  EXPECT_NEAR(simulate_grid_buffered(w, o).makespan, 4.5, 1e-12);
+}
+
+TEST(BufferedGridSim, ReportsADeadlock) {
+  SimWorkload queue;  // tile 0 waits for tile 1, which never gets a CTA: its buffer is never read
+  queue.num_semaphores = 1;
+  queue.tiles = {{ordered(0, 1), ordered(-1, 0)}, {ordered(0, 0)}};
+  SimOptions o;
+  o.resident_ctas = 1, o.add_slots = 1;
+  const SimResult r = simulate_grid_buffered(queue, o);
+  EXPECT_FALSE(r.completed);
+  EXPECT_EQ(r.stuck_tiles, std::vector<int>{0});
+  o.resident_ctas = 2;
+  EXPECT_TRUE(simulate_grid_buffered(queue, o).completed);
+}
+
+// Buffers only take waits away: every plan of the blocking test's grid completes with them too,
+// with every semaphore at its count.
+TEST(BufferedGridSim, EveryTurnOrderCompletesWithBuffers) {
+  std::mt19937 rng(11);
+  int runs = 0;
+  for (const BandCase& bc : kBands)
+    for (int ctas : {1, 7, 132})
+      for (int slots : {1, 2})
+        for (DqScheme scheme : {DqScheme::kAuto, DqScheme::kTileOrder}) {
+          TileShape s;
+          s.batch = 3, s.heads = 4, s.heads_kv = 2, s.seqlen_q = 700, s.seqlen_k = 900, s.q_block = 64, s.kv_block = 64;
+          s.causal = bc.causal, s.window_left = bc.left, s.window_right = bc.right;
+          const DqPlan plan = make_dq_plan(s, 1LL << 30, ctas, scheme);
+          const SeqLengths lengths = random_lengths(s, rng);
+          const SimWorkload w = deterministic_backward_workload(plan, s, lengths, BackwardCosts{});
+          SimOptions o;
+          o.resident_ctas = ctas, o.dispatch = Dispatch::kDynamic, o.add_slots = slots, o.slot_read = 0.02;
+          o.compute_jitter = 0.1;
+          const SimResult r = simulate_grid_buffered(w, o);
+          ASSERT_TRUE(r.completed) << bc.name << " P=" << ctas << " slots=" << slots;
+          for (int b = 0; b < s.batch; ++b) {
+            const DqSequence seq = dq_sequence(plan, lengths.q[b], lengths.k[b]);
+            for (int h = 0; h < s.heads; ++h)
+              for (int m = 0; m < seq.num_q_blocks; ++m)
+                ASSERT_EQ(r.final_semaphores[dq_semaphore(s, b, h, m)], dq_num_turns(plan, seq, m));
+          }
+          ++runs;
+        }
+  EXPECT_EQ(runs, 4 * 3 * 2 * 2);
+}
+
+// Deterministic / ordinary makespan with buffered adds on the Hopper backward's two tilings, issue
+// 5's shapes (16k tokens, hidden 2048: d128 16 heads, 128-key tiles; d256 8 heads, 64-key tiles;
+// 64-row query steps, a step 1 unit), 132 CTAs taking tiles from a counter, each step's compute
+// +-5 %. A semaphore is held `hold` from the turn (the bulk add issued, completed, the release
+// seen), a buffer read 0.1 after it. Measured on the H200 (bench/RESULTS.md, session 37): d128
+// 0.91-0.97, d256 0.79-0.94 with one buffer per half.
+TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
+  const int ctas = 132;
+  const int64_t l2_budget = 25LL << 20;
+  std::printf("%-4s %-6s %6s | %5s | %22s\n", "d", "mask", "seqlen", "hold", "det / ord: 1, 2, 3 buffers");
+  for (int d : {128, 256})
+    for (bool causal : {false, true})
+      for (int seqlen : {4096, 16384})
+        for (double hold : {0.5, 1.0, 1.5}) {
+          TileShape s;
+          s.batch = 16384 / seqlen, s.heads = s.heads_kv = 2048 / d, s.seqlen_q = s.seqlen_k = seqlen;
+          s.q_block = 64, s.kv_block = d == 128 ? 128 : 64, s.causal = causal;
+          BackwardCosts costs;
+          costs.full_block = costs.partial_block = 1.0, costs.dq_add = hold;
+          SimOptions o;
+          o.resident_ctas = ctas, o.dispatch = Dispatch::kDynamic, o.slot_read = 0.1, o.compute_jitter = 0.05;
+          o.use_semaphores = false;
+          const SimWorkload ordinary =
+              ordinary_backward_workload(make_backward_order(s, l2_budget, false), s, SeqLengths{}, costs);
+          const double ord = simulate_grid_buffered(ordinary, o).makespan;
+          const SimWorkload det =
+              deterministic_backward_workload(make_dq_plan(s, l2_budget, ctas), s, SeqLengths{}, costs);
+          o.use_semaphores = true;
+          std::printf("%-4d %-6s %6d | %5.2f |", d, causal ? "causal" : "full", seqlen, hold);
+          for (int slots : {1, 2, 3}) {
+            o.add_slots = slots;
+            const SimResult r = simulate_grid_buffered(det, o);
+            ASSERT_TRUE(r.completed);
+            std::printf(" %6.3f", ord / r.makespan);
+          }
+          std::printf("\n");
+        }
+}
+
 }  // namespace
 }  // namespace flare::sched
