@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include "src/common/device_clock.h"
+
 namespace flare::decode {
 
 enum DecodeMark : int {
@@ -46,11 +48,9 @@ __device__ __forceinline__ void decode_mark(unsigned long long* tl, DecodeMark m
   if (tl != nullptr && blockIdx.x < kDecodeTimelineCtas) {
     unsigned long long v;
     if (m == kDecodeMarkStartNs || m == kDecodeMarkEndNs) {
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+      v = detail::global_ns();
     } else if (m == kDecodeMarkSm) {
-      unsigned id;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-      v = id;
+      v = detail::sm_id();
     } else {
       v = clock64();
     }

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include "src/common/device_clock.h"
+
 namespace flare::hopper {
 
 // The stamps of one CTA (a tile, in the persistent grid), in its SM's clock.
@@ -68,22 +70,14 @@ __device__ __forceinline__ void timeline_mark_latest(unsigned long long* tl, int
 __device__ __forceinline__ void timeline_set(unsigned long long* tl, int cta, FwdMark m, unsigned long long v) {
   if (tl != nullptr && cta < kTimelineCtas) tl[static_cast<int64_t>(cta) * kMarks + m] = v;
 }
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using detail::global_ns;
 __device__ __forceinline__ void timeline_mark_global(unsigned long long* tl, int cta, FwdMark m) {
   if (tl != nullptr && cta < kTimelineCtas) tl[static_cast<int64_t>(cta) * kMarks + m] = global_ns();
 }
 __device__ __forceinline__ void timeline_mark_global_latest(unsigned long long* tl, int cta, FwdMark m) {
   if (tl != nullptr && cta < kTimelineCtas) atomicMax(&tl[static_cast<int64_t>(cta) * kMarks + m], global_ns());
 }
-__device__ __forceinline__ unsigned sm_id() {
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
+using detail::sm_id;
 #endif
 
 }  // namespace flare::hopper
