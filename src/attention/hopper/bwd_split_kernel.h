@@ -122,6 +122,7 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
     int* sem = portable::dq_turn_semaphore(P, t.b, t.h, step.m, kChains);  // half h's chain: sem + h
     const int turn = sem != nullptr ? sched::dq_turn_at(turns, hp.plan, dq_seq, step.m) : 0;
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, step.m) : nullptr;
+    const bool pass_each = FLARE_HOPPER_BWD_SPLIT_PASS == 2 && sem != nullptr;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, it), k & 1);
@@ -129,16 +130,14 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
       if (tile != nullptr)
         sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), sm.dq.data() + half * sm.kDqHalf, kBytes);
       sm90::bulk_commit_group();
-      if constexpr (FLARE_HOPPER_BWD_SPLIT_PASS == 2) {  // this half added and passed before the next
+      if (pass_each) {  // this half added, performed and passed before the next half's turn
         sm90::bulk_wait<0>();
         cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[half]);
-        if (sem != nullptr) {
-          __threadfence();
-          device_sync::pass_turn(sem + half);
-        }
+        __threadfence();
+        device_sync::pass_turn(sem + half);
       }
     }
-    if constexpr (FLARE_HOPPER_BWD_SPLIT_PASS != 2) {
+    if (!pass_each) {
       sm90::bulk_wait_read<1>();
       cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
       sm90::bulk_wait_read<0>();
