@@ -16,6 +16,23 @@ int SimResult::semaphore_links() const {
 
 namespace {
 
+// The tiles the CTAs take, each in increasing index: statically (CTA c runs c, c + P, ...) or the
+// next index from a shared counter when it frees up.
+class TileDispatcher {
+ public:
+  TileDispatcher(Dispatch dispatch, int num_tiles, int ctas) : dispatch_(dispatch), num_tiles_(num_tiles), ctas_(ctas) {}
+  // CTA `cta`'s next tile, or -1; `taken` counts its tiles (static dispatch).
+  int next(int cta, int& taken) {
+    if (dispatch_ == Dispatch::kDynamic) return next_ < num_tiles_ ? next_++ : -1;
+    const int64_t index = cta + (int64_t)taken++ * ctas_;
+    return index < num_tiles_ ? (int)index : -1;
+  }
+
+ private:
+  Dispatch dispatch_;
+  int num_tiles_, ctas_, next_ = 0;
+};
+
 // One executed step, kept for the wait accounting and the critical path.
 struct StepRecord {
   int tile = 0, step = 0;
@@ -45,7 +62,8 @@ class GridSimulation {
  public:
   GridSimulation(const SimWorkload& work, const SimOptions& options)
       : work_(work), options_(options), ctas_(options.resident_ctas < 1 ? 1 : options.resident_ctas),
-        semaphores_(work.num_semaphores, 0), waiters_(work.num_semaphores), last_add_(work.num_semaphores, -1) {}
+        semaphores_(work.num_semaphores, 0), waiters_(work.num_semaphores), last_add_(work.num_semaphores, -1),
+        dispatcher_(options.dispatch, (int)work.tiles.size(), (int)ctas_.size()) {}
 
   SimResult run() {
     size_t steps = 0;
@@ -77,18 +95,11 @@ class GridSimulation {
     }
   }
 
-  // The next tile index this CTA gets, or -1.
-  int take_tile(Cta& c, int cta) {
-    const int num_tiles = (int)work_.tiles.size();
-    if (options_.dispatch == Dispatch::kDynamic) return next_dynamic_ < num_tiles ? next_dynamic_++ : -1;
-    const int64_t index = cta + (int64_t)c.tiles_taken++ * ctas_.size();
-    return index < num_tiles ? (int)index : -1;
-  }
 
   void begin_step(int cta, double now) {
     Cta& c = ctas_[cta];
     while (c.tile < 0 || c.step >= (int)work_.tiles[c.tile].size()) {  // empty tiles exit at once
-      c.tile = take_tile(c, cta);
+      c.tile = dispatcher_.next(cta, c.tiles_taken);
       c.step = 0;
       if (c.tile < 0) {
         c.phase = Phase::kDone;
@@ -208,7 +219,7 @@ class GridSimulation {
   std::vector<int> last_add_;  // per semaphore: the record of its latest add
   std::vector<StepRecord> records_;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
-  int next_dynamic_ = 0;
+  TileDispatcher dispatcher_;
   double total_wait_ = 0;
 };
 
@@ -218,7 +229,8 @@ class BufferedGridSimulation {
  public:
   BufferedGridSimulation(const SimWorkload& work, const SimOptions& options)
       : work_(work), options_(options), ctas_(options.resident_ctas < 1 ? 1 : options.resident_ctas),
-        semaphores_(work.num_semaphores, 0), waiters_(work.num_semaphores) {
+        semaphores_(work.num_semaphores, 0), waiters_(work.num_semaphores),
+        dispatcher_(options.dispatch, (int)work.tiles.size(), (int)ctas_.size()) {
     std::mt19937 rng(options.seed);
     std::uniform_real_distribution<double> u(-1.0, 1.0);
     compute_.resize(work.tiles.size());
@@ -278,17 +290,11 @@ class BufferedGridSimulation {
   void schedule(double time, Kind kind, int who) { events_.push(Event{time, next_order_++, kind, who}); }
   bool ordered(const SimStep& s) const { return s.semaphore >= 0 && options_.use_semaphores; }
 
-  int take_tile(Cta& c, int cta) {
-    const int num_tiles = (int)work_.tiles.size();
-    if (options_.dispatch == Dispatch::kDynamic) return next_dynamic_ < num_tiles ? next_dynamic_++ : -1;
-    const int64_t index = cta + (int64_t)c.tiles_taken++ * ctas_.size();
-    return index < num_tiles ? (int)index : -1;
-  }
 
   void begin_step(int cta, double now) {
     Cta& c = ctas_[cta];
     while (c.tile < 0 || c.step >= (int)work_.tiles[c.tile].size()) {
-      c.tile = take_tile(c, cta);
+      c.tile = dispatcher_.next(cta, c.tiles_taken);
       c.step = 0;
       if (c.tile < 0) {
         c.done = true;
@@ -370,7 +376,8 @@ class BufferedGridSimulation {
   std::vector<Add> adds_;
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   int64_t next_order_ = 0;
-  int next_dynamic_ = 0, adds_done_ = 0;
+  TileDispatcher dispatcher_;
+  int adds_done_ = 0;
   double end_ = 0, total_wait_ = 0, total_work_ = 0;
 };
 
