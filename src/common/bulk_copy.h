@@ -132,11 +132,7 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }
 // This thread's bulk groups are complete: their global writes are performed.
-__device__ __forceinline__ void bulk_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
 
 // Starts fetching a tensor map's descriptor (a __grid_constant__ parameter) into the TMA unit's cache.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
