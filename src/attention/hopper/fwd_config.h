@@ -85,9 +85,11 @@ template <> struct HopperFwdConfigFor<96> { using type = HopperFwdConfig<96, 128
 #ifndef FLARE_HOPPER_FWD_D128_TILE
 #define FLARE_HOPPER_FWD_D128_TILE 1
 #endif
+// Two warpgroups, key blocks of 128, two P sets: d128's persistent grid and, by default, its tiles.
+using HopperFwdD128TwoP = HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, /*kTwoP=*/true>;
 template <> struct HopperFwdConfigFor<128> {
 #if FLARE_HOPPER_FWD_D128_TILE
-  using type = HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, /*kTwoP=*/true>;
+  using type = HopperFwdD128TwoP;
 #else
   using type = HopperFwdConfig<128, 64, 3>;
 #endif
@@ -106,7 +108,7 @@ struct HopperFwdPersistentConfigFor {
   using type = typename HopperFwdConfigFor<kHeadDim>::type;
 };
 template <> struct HopperFwdPersistentConfigFor<128> {
-  using type = HopperFwdConfig<128, 128, 2, 2, true, 0, true, true, /*kTwoP=*/true>;
+  using type = HopperFwdD128TwoP;
 };
 
 // The block-sparse forward (a block mask's lists, fwd_kv_walk.h): a CTA's 128 rows lie in one mask
