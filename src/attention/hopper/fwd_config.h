@@ -95,7 +95,15 @@ template <> struct HopperFwdConfigFor<128> {
 #endif
 };
 template <> struct HopperFwdConfigFor<192> { using type = HopperFwdConfig<192, 96, 2>; };
-template <> struct HopperFwdConfigFor<256> { using type = HopperFwdConfig<256, 64, 2>; };
+// d256 without the ping-pong: on the H200 (bench/RESULTS.md, session 38; 3 alternating rounds)
+// 0.7-1 % faster at 2k-16k both ways, 1k within its noise; tune_hopper_fwd had it level or up to
+// 4 % ahead (session 37). -DFLARE_HOPPER_FWD_D256_PINGPONG=1 restores it (A/B).
+#ifndef FLARE_HOPPER_FWD_D256_PINGPONG
+#define FLARE_HOPPER_FWD_D256_PINGPONG 0
+#endif
+template <> struct HopperFwdConfigFor<256> {
+  using type = HopperFwdConfig<256, 64, 2, 2, FLARE_HOPPER_PINGPONG != 0 && FLARE_HOPPER_FWD_D256_PINGPONG != 0>;
+};
 
 // The persistent grid's configuration where the launcher takes it (hopper_fwd_persistent,
 // fwd_launch_impl.h). d128: two warpgroups, key blocks of 128 and two P sets (the tiles' too since
