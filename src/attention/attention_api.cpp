@@ -16,6 +16,7 @@
 #include "src/block_sparse/dq_write_order.h"
 #ifdef FLARE_WITH_HOPPER
 #include "src/attention/hopper/bwd_launch.h"
+#include "src/attention/hopper/bwd_dq_replicas.h"
 #include "src/attention/hopper/fwd_launch.h"
 #endif
 #include "src/common/cuda_check.h"
@@ -110,6 +111,7 @@ struct BackwardPlan {
   detail::BwdWorkspaceLayout layout;
   bool hopper = false;  // the Hopper kernel, else the portable one
   int dq_chains = 1;     // deterministic dQ semaphores per query block
+  int dq_replicas = 1;   // deterministic Hopper dense: copies of the dQ accumulator
   sched::TailSplit tail;  // the Hopper grid's last tiles split (ordinary dense, uniform tiles)
   detail::BlockMaskShape mask_shape;  // with a block mask
 };
@@ -173,6 +175,14 @@ sched::TailSplit hopper_tail_split(const AttentionBackwardParams& p, const detai
   const int64_t tiles = int64_t{(s.seqlen_k + blocks.block_n - 1) / blocks.block_n} * s.heads * s.batch;
   return sched::tail_split(tiles, steps, detail::current_device_facts().num_sms);
 }
+
+// The deterministic dense grid's dQ accumulator copies: hopper_bwd_dq_replicas, or
+// FLARE_HOPPER_BWD_DQ_REPLICAS=1..4 (A/B runs and the tests of every count; read per call).
+int hopper_dq_replicas(int head_dim, int seqlen_k, bool causal) {
+  const char* e = std::getenv("FLARE_HOPPER_BWD_DQ_REPLICAS");
+  if (e != nullptr && e[0] >= '1' && e[0] <= '4' && e[1] == 0) return e[0] - '0';
+  return hopper::hopper_bwd_dq_replicas(head_dim, seqlen_k, causal);
+}
 #endif
 
 Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
@@ -196,6 +206,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
       plan->blocks.block_n = hopper::hopper_bwd_block_n(plan->blocks.head_dim);
       plan->dq_chains = hopper::hopper_bwd_dq_chains(plan->blocks.head_dim);
       if (!sparse && !p.deterministic) plan->tail = hopper_tail_split(p, plan->shape, plan->blocks);
+      if (!sparse && p.deterministic) plan->dq_replicas = hopper_dq_replicas(plan->blocks.head_dim, plan->shape.seqlen_k, p.mask.causal);
     } else if (p.backend == Backend::kHopper) {
       return hop;
     }
@@ -216,7 +227,7 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
                                : 0;
   plan->layout = detail::bwd_workspace_layout(plan->shape, plan->blocks.block_m, plan->blocks.block_n, p.deterministic,
                                               plan->hopper ? plan->blocks.head_dim : 0, plan->dq_chains, sparse_dq,
-                                              sparse_dkv, dkv_tail);
+                                              sparse_dkv, dkv_tail, plan->dq_replicas);
   return Status::Ok();
 }
 

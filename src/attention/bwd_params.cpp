@@ -9,8 +9,10 @@ std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
 
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
                                         int hopper_head_dim, int dq_chains, int64_t sparse_dq_per_head,
-                                        int64_t sparse_dkv_per_head, int64_t dkv_tail_elems) {
+                                        int64_t sparse_dkv_per_head, int64_t dkv_tail_elems, int dq_replicas) {
   BwdWorkspaceLayout l;
+  l.dq_replicas = deterministic ? dq_replicas : 1;
+  const std::size_t replicas = static_cast<std::size_t>(l.dq_replicas);
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
     std::size_t off = at;
@@ -24,10 +26,12 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     const std::size_t m_blocks = static_cast<std::size_t>(hopper_row_blocks(s.seqlen_q));
     l.row_stats = take(std::size_t{1} * s.batch * s.heads * m_blocks * 2 * kRowStatsBlockM * sizeof(float));
     const std::size_t padded = static_cast<std::size_t>(hopper_dq_padded_rows(s.total_q, s.batch));
-    l.dq_accum = take(padded * s.heads * hopper_head_dim * sizeof(float));
+    l.dq_replica_floats = padded * s.heads * hopper_head_dim;
+    l.dq_accum = take(replicas * l.dq_replica_floats * sizeof(float));
   } else {
     const std::size_t padded = static_cast<std::size_t>(portable_dq_padded_rows(s.total_q, s.batch));
-    l.dq_accum = take(padded * s.heads * s.head_dim * sizeof(float));
+    l.dq_replica_floats = padded * s.heads * s.head_dim;
+    l.dq_accum = take(replicas * l.dq_replica_floats * sizeof(float));
   }
   if (s.heads_kv != s.heads) {
     l.dk_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
@@ -41,7 +45,8 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     const std::size_t dq_per_head =
         sparse_dq_per_head > 0 ? static_cast<std::size_t>(sparse_dq_per_head) : m_blocks * dq_chains;
     const std::size_t dkv_per_head = sparse_dkv_per_head > 0 ? static_cast<std::size_t>(sparse_dkv_per_head) : n_blocks;
-    l.dq_semaphore = take(std::size_t{1} * s.batch * s.heads * dq_per_head * sizeof(int));
+    l.dq_replica_semaphores = std::size_t{1} * s.batch * s.heads * dq_per_head;
+    l.dq_semaphore = take(replicas * l.dq_replica_semaphores * sizeof(int));
     l.dkv_semaphore = take(std::size_t{1} * s.batch * s.heads_kv * dkv_per_head * sizeof(int));
   }
   l.total = at;
@@ -96,6 +101,9 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
   if (p.deterministic) {
     k.dq_semaphore = reinterpret_cast<int*>(ws + l.dq_semaphore);
     k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
+    k.dq_replicas = l.dq_replicas;
+    k.dq_replica_floats = static_cast<int64_t>(l.dq_replica_floats);
+    k.dq_replica_semaphores = static_cast<int64_t>(l.dq_replica_semaphores);
   }
   if (tail.active()) {
     k.tail = tail;

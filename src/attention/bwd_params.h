@@ -36,6 +36,11 @@ struct BwdKernelParams {
   float* dk_accum = nullptr;    // GQA only: row r of k, kv head, channel
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;  // deterministic: [batch, heads, num_m_blocks, dQ chains] (a block mask: its plan's)
+  // Deterministic Hopper dense grids: dq_accum and the dQ semaphores in dq_replicas copies, the
+  // floats and the semaphores of copy c dq_replica_floats and dq_replica_semaphores on from the
+  // first; turn t adds into copy t mod R (sched::dq_replica_turn), the convert sums them in order.
+  int dq_replicas = 1;
+  int64_t dq_replica_floats = 0, dq_replica_semaphores = 0;
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
   // Hopper, ordinary dense grids: the last tiles split into parts (sched::tail_split; inactive:
   // none). Without GQA the parts add their dK and dV (dK scaled) into dkv_tail, [tail.tiles,
@@ -107,6 +112,8 @@ struct BwdWorkspaceLayout {
   int hopper_head_dim = 0;
   std::size_t dpsum = 0, row_stats = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
   std::size_t dkv_tail = 0;  // dkv_tail_elems > 0: BwdKernelParams::dkv_tail
+  int dq_replicas = 1;       // copies of dq_accum and the dQ semaphores (BwdKernelParams::dq_replicas)
+  std::size_t dq_replica_floats = 0, dq_replica_semaphores = 0;
   std::size_t total = 0;
 };
 
@@ -115,10 +122,12 @@ struct BwdWorkspaceLayout {
 // semaphores per query block (independent turn chains of its parts). The deterministic block-sparse backward
 // counts its own semaphores: sparse_dq_per_head per (batch, head) and sparse_dkv_per_head per
 // (batch, kv head) when positive. `dkv_tail_elems`: floats of the split tiles' partial dK (and as
-// many for dV), zeroed with the rest after dq_accum.
+// many for dV), zeroed with the rest after dq_accum. `dq_replicas` (deterministic only): copies of
+// dq_accum and of the dQ semaphores.
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
                                         int hopper_head_dim = 0, int dq_chains = 1, int64_t sparse_dq_per_head = 0,
-                                        int64_t sparse_dkv_per_head = 0, int64_t dkv_tail_elems = 0);
+                                        int64_t sparse_dkv_per_head = 0, int64_t dkv_tail_elems = 0,
+                                        int dq_replicas = 1);
 
 // The forward's view of a backward call: the same inputs, mask and scalars.
 AttentionForwardParams forward_view(const AttentionBackwardParams& b);

@@ -233,6 +233,25 @@ FLARE_HD int dq_turn_at(const DqTurnCursor& c, const DqPlan& p, const DqSequence
   return c.in_round_begin + (c.j >= wrap ? c.j - wrap : c.in_round - wrap + c.j);
 }
 
+// Replicated accumulators. A turn is held from its add's start until the add is performed and
+// the next writer sees the semaphore move; where that hold outlasts a step, consecutive turns of
+// one chain queue behind it (the grid simulation's BufferedGridSim study). With R replicas of the
+// accumulator (and of its semaphore), turn t adds into replica t mod R as that replica's turn
+// t / R: each chain is the original order's every R-th link, so R writers of one q-block add at
+// once, and the final sum of the replicas, in replica order, is as reproducible as one chain. A
+// replica's chain keeps the original's order, so it waits on a subset of what the original did:
+// it cannot deadlock where the original does not.
+struct DqReplicaTurn {
+  int replica = 0;
+  int turn = 0;
+};
+FLARE_HD DqReplicaTurn dq_replica_turn(int turn, int replicas) {
+  DqReplicaTurn r;
+  r.replica = turn % replicas;
+  r.turn = turn / replicas;
+  return r;
+}
+
 // GQA: dK/dV of kv head h / group are summed over its q-heads in q-head order. The semaphore
 // (b, kv head, n) counts finished adds; tile (b, h, n) adds when it equals dkv_turn and the final
 // value is the group size. Each q-head's tile of an existing kv block takes its turn, even when

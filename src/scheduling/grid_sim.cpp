@@ -404,6 +404,22 @@ SimResult simulate_grid_buffered(const SimWorkload& work, const SimOptions& opti
   return BufferedGridSimulation(work, options).run();
 }
 
+SimWorkload with_dq_replicas(const SimWorkload& work, int replicas, int replicated) {
+  SimWorkload out = work;
+  for (auto& tile : out.tiles)
+    for (SimStep& st : tile) {
+      if (st.semaphore < 0) continue;
+      if (st.semaphore < replicated) {
+        const DqReplicaTurn r = dq_replica_turn(st.turn, replicas);
+        st.semaphore = st.semaphore * replicas + r.replica, st.turn = r.turn;
+      } else {
+        st.semaphore += replicated * (replicas - 1);
+      }
+    }
+  out.num_semaphores = work.num_semaphores + replicated * (replicas - 1);
+  return out;
+}
+
 int dq_semaphore(const TileShape& s, int b, int h, int m) { return (b * s.heads + h) * s.num_q_blocks() + m; }
 
 int dkv_semaphore(const TileShape& s, int b, int kv_head, int n) {

@@ -74,6 +74,11 @@ SimResult simulate_grid(const SimWorkload& work, const SimOptions& options);
 // waiting for a free buffer; no critical path.
 SimResult simulate_grid_buffered(const SimWorkload& work, const SimOptions& options);
 
+// The workload with the accumulators of semaphores [0, replicated) in `replicas` copies
+// (dq_replica_turn): the step of turn t on such a semaphore waits on copy t mod R's semaphore for
+// turn t / R. Other ordered adds and unordered ones are unchanged.
+SimWorkload with_dq_replicas(const SimWorkload& work, int replicas, int replicated);
+
 // ---- backward workloads: one step per visited q-block, plus the GQA dK/dV add ------------------
 
 struct BackwardCosts {

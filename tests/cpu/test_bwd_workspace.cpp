@@ -11,6 +11,7 @@
 
 #include "src/attention/bwd_params.h"
 #include "src/attention/hopper/bwd_config.h"
+#include "src/attention/hopper/bwd_dq_replicas.h"
 
 namespace flare::detail {
 namespace {
@@ -183,6 +184,42 @@ TEST(BwdWorkspace, HopperLayoutSizesItsRegions) {
     EXPECT_EQ(off % 256, 0u);
   EXPECT_LT(hopper.dpsum, hopper.row_stats);
   EXPECT_LE(hopper.dkv_semaphore, hopper.total);
+}
+
+// The deterministic dense grid's dQ accumulator copies: each copy of dq_accum and of the dQ
+// semaphores has the one-copy size and they lie end to end before the next region; the ordinary
+// mode keeps one.
+TEST(BwdWorkspace, DqReplicasAreWholeCopies) {
+  AttentionShape s;
+  s.batch = 3, s.heads = 4, s.heads_kv = 2, s.head_dim = 256;
+  s.seqlen_q = 1000, s.seqlen_k = 1000, s.total_q = 3000, s.total_k = 3000;
+  const BwdWorkspaceLayout one = bwd_workspace_layout(s, 64, 64, true, 256, 2);
+  const BwdWorkspaceLayout two = bwd_workspace_layout(s, 64, 64, true, 256, 2, 0, 0, 0, 2);
+  const BwdWorkspaceLayout ordinary = bwd_workspace_layout(s, 64, 64, false, 256, 2, 0, 0, 0, 2);
+  EXPECT_EQ(one.dq_replicas, 1);
+  EXPECT_EQ(two.dq_replicas, 2);
+  EXPECT_EQ(ordinary.dq_replicas, 1);
+  EXPECT_EQ(two.dq_replica_floats, one.dq_replica_floats);
+  EXPECT_EQ(one.dq_replica_floats, static_cast<std::size_t>(hopper_dq_padded_rows(3000, 3)) * 4 * 256);
+  EXPECT_EQ(two.dq_replica_semaphores, one.dq_replica_semaphores);
+  EXPECT_EQ(one.dq_replica_semaphores, std::size_t{3} * 4 * hopper_row_blocks(1000) * 2);
+  EXPECT_GE(two.dk_accum - two.dq_accum, 2 * two.dq_replica_floats * sizeof(float));
+  EXPECT_GE(two.dkv_semaphore - two.dq_semaphore, 2 * two.dq_replica_semaphores * sizeof(int));
+  EXPECT_EQ(ordinary.total, bwd_workspace_layout(s, 64, 64, false, 256, 2).total);
+}
+
+// The measured rule (bwd_dq_replicas.h): two copies for d256 non-causal 2k-8k keys and causal
+// 2k-4k (exclusive of 2k), one elsewhere.
+TEST(BwdWorkspace, DqReplicasWhereTheyWon) {
+  using hopper::hopper_bwd_dq_replicas;
+  for (int keys : {2048, 4096, 8192}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, false), 2) << keys;
+  for (int keys : {1, 1024, 2047, 8193, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, false), 1) << keys;
+  for (int keys : {3000, 4096}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, true), 2) << keys;
+  for (int keys : {1024, 2048, 8192, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, true), 1) << keys;
+  for (bool causal : {false, true}) {
+    for (int keys : {1000, 4096, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(128, keys, causal), 1) << keys;
+    for (int keys : {1000, 4096, 8192, 65536}) EXPECT_EQ(hopper_bwd_dq_replicas(64, keys, causal), 1) << keys;
+  }
 }
 
 }  // namespace

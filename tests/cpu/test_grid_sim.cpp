@@ -105,24 +105,34 @@ SeqLengths random_lengths(const TileShape& s, std::mt19937& rng) {
 
 int length_or(const std::vector<int>& v, int b, int max_length) { return v.empty() ? max_length : v[b]; }
 
-// Completed, each dQ semaphore ends at its number of turns and each dK/dV one at the group size.
+// Completed, each dQ semaphore ends at its number of turns and each dK/dV one at the group size;
+// the same with the dQ accumulators in two replicas (each ends at its share of the turns).
 void expect_completes(const DqPlan& plan, const TileShape& s, const SeqLengths& lengths, const SimOptions& o,
                       const std::string& what) {
-  const SimWorkload w = deterministic_backward_workload(plan, s, lengths, BackwardCosts{});
-  const SimResult r = simulate_grid(w, o);
-  ASSERT_TRUE(r.completed) << what << ": deadlock, " << r.stuck_tiles.size() << " tiles stuck";
-  if (o.resident_ctas == 1) {
-    EXPECT_DOUBLE_EQ(r.total_wait, 0.0) << what;  // any wait would be a deadlock
-  }
-  for (int b = 0; b < s.batch; ++b) {
-    const DqSequence seq = dq_sequence(plan, length_or(lengths.q, b, s.seqlen_q), length_or(lengths.k, b, s.seqlen_k));
-    for (int h = 0; h < s.heads; ++h)
-      for (int m = 0; m < seq.num_q_blocks; ++m)
-        ASSERT_EQ(r.final_semaphores[dq_semaphore(s, b, h, m)], dq_num_turns(plan, seq, m)) << what;
-    if (s.group() > 1) {
-      for (int kvh = 0; kvh < s.heads_kv; ++kvh)
-        for (int n = 0; n < seq.num_kv_blocks; ++n)
-          ASSERT_EQ(r.final_semaphores[dkv_semaphore(s, b, kvh, n)], dkv_num_turns(s.group())) << what;
+  const SimWorkload one = deterministic_backward_workload(plan, s, lengths, BackwardCosts{});
+  const int dq_sems = dkv_semaphore(s, 0, 0, 0);
+  for (int replicas : {1, 2}) {
+    const SimResult r = simulate_grid(with_dq_replicas(one, replicas, dq_sems), o);
+    const std::string w = what + " replicas=" + std::to_string(replicas);
+    ASSERT_TRUE(r.completed) << w << ": deadlock, " << r.stuck_tiles.size() << " tiles stuck";
+    if (o.resident_ctas == 1) {
+      EXPECT_DOUBLE_EQ(r.total_wait, 0.0) << w;  // any wait would be a deadlock
+    }
+    for (int b = 0; b < s.batch; ++b) {
+      const DqSequence seq = dq_sequence(plan, length_or(lengths.q, b, s.seqlen_q), length_or(lengths.k, b, s.seqlen_k));
+      for (int h = 0; h < s.heads; ++h)
+        for (int m = 0; m < seq.num_q_blocks; ++m)
+          for (int c = 0; c < replicas; ++c)
+            ASSERT_EQ(r.final_semaphores[dq_semaphore(s, b, h, m) * replicas + c],
+                      (dq_num_turns(plan, seq, m) + replicas - 1 - c) / replicas)
+                << w;
+      if (s.group() > 1) {
+        for (int kvh = 0; kvh < s.heads_kv; ++kvh)
+          for (int n = 0; n < seq.num_kv_blocks; ++n)
+            ASSERT_EQ(r.final_semaphores[dkv_semaphore(s, b, kvh, n) + dq_sems * (replicas - 1)],
+                      dkv_num_turns(s.group()))
+                << w;
+      }
     }
   }
 }
@@ -397,7 +407,8 @@ TEST(BufferedGridSim, EveryTurnOrderCompletesWithBuffers) {
 TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
   const int ctas = 132;
   const int64_t l2_budget = 25LL << 20;
-  std::printf("%-4s %-6s %6s | %5s | %22s\n", "d", "mask", "seqlen", "hold", "det / ord: 1, 2, 3 buffers");
+  std::printf("%-4s %-6s %6s | %5s | %22s | %s\n", "d", "mask", "seqlen", "hold", "det / ord: 1, 2, 3 buffers",
+              "1 buffer, 2 and 4 dQ replicas");
   for (int d : {128, 256})
     for (bool causal : {false, true})
       for (int seqlen : {4096, 16384})
@@ -421,6 +432,15 @@ TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
             o.add_slots = slots;
             const SimResult r = simulate_grid_buffered(det, o);
             ASSERT_TRUE(r.completed);
+            std::printf(" %6.3f", ord / r.makespan);
+          }
+          std::printf(" |");
+          o.add_slots = 1;
+          const double one_chain = simulate_grid_buffered(det, o).makespan;
+          for (int replicas : {2, 4}) {
+            const SimResult r = simulate_grid_buffered(with_dq_replicas(det, replicas, s.batch * s.heads * s.num_q_blocks()), o);
+            ASSERT_TRUE(r.completed);
+            EXPECT_LE(r.makespan, one_chain * 1.001);  // a replica waits on a subset of one chain's turns
             std::printf(" %6.3f", ord / r.makespan);
           }
           std::printf("\n");

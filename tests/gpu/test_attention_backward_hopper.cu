@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "flare_instantiated.h"
@@ -145,6 +146,38 @@ TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
     c.seed = 8000 + ratio;
     expect_bitwise_reproducible(c, Backend::kHopper, reduced() ? 2 : 20);
   }
+}
+
+// The deterministic mode's dQ accumulator in 1-3 copies (sched::dq_replica_turn; the planner picks
+// by head dim and keys, FLARE_HOPPER_BWD_DQ_REPLICAS forces a count): each count against the oracle
+// and bitwise reproducible, at every built head dim, causal and not, with GQA, ragged lengths.
+TEST(HopperBackward, DeterministicDqReplicas) {
+  FLARE_REQUIRE_HOPPER();
+  std::vector<int> dims;
+#ifdef FLARE_HAS_HEAD_DIM_64
+  dims.push_back(64);
+#endif
+#ifdef FLARE_HAS_HEAD_DIM_128
+  dims.push_back(128);
+#endif
+#ifdef FLARE_HAS_HEAD_DIM_256
+  dims.push_back(256);
+#endif
+  uint64_t seed = 8700;
+  for (int d : dims)
+    for (int replicas : {1, 2, 3}) {
+      if (reduced() && replicas != 2) continue;
+      ASSERT_EQ(setenv("FLARE_HOPPER_BWD_DQ_REPLICAS", std::to_string(replicas).c_str(), 1), 0);
+      for (const MaskParams& m : {MaskParams{}, MaskParams{true, -1, -1}}) {
+        AttnCase c = mask_ratio_case(m, m.causal ? 4 : 1, seed++);
+        c.head_dim = d;
+        c.seqlen_q = 700, c.seqlen_k = 900;
+        SCOPED_TRACE("dQ copies " + std::to_string(replicas));
+        run_backward(c, true);
+        expect_bitwise_reproducible(c, Backend::kHopper, 3);
+      }
+    }
+  unsetenv("FLARE_HOPPER_BWD_DQ_REPLICAS");
 }
 
 // Outside its scope (soft-capping; head dims other than <= 128 and 256) a forced Hopper backward

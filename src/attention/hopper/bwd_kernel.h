@@ -390,6 +390,21 @@ __device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
   for (int i = 0; i < count; ++i) device_sync::pass_turn(sem + i);
 }
 
+// Deterministic dense grids: where turn `turn` of a dQ chain adds (sched::dq_replica_turn): its
+// copy's offsets from the first copy's semaphore and tile, and its turn on that copy.
+struct DqReplica {
+  int64_t semaphores = 0, floats = 0;
+  int turn = 0;
+};
+__device__ __forceinline__ DqReplica dq_replica(const detail::BwdKernelParams& P, int turn) {
+  const sched::DqReplicaTurn r = sched::dq_replica_turn(turn, P.dq_replicas);
+  DqReplica d;
+  d.semaphores = r.replica * P.dq_replica_semaphores;
+  d.floats = r.replica * P.dq_replica_floats;
+  d.turn = r.turn;
+  return d;
+}
+
 // A dQ writer (one thread of a producer warp other than 0): adds each of its steps' dQ tiles into
 // dq_accum with one bulk reduction (a 128-row step's two 64-row blocks, or the first alone where
 // the second lies past the sequence; their turn is the first block's semaphore). Several writers
@@ -410,9 +425,16 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
       d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m * Cfg::kRowBlocks);
     }
     int* sem = d.sem;
-    cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
-    if (sem != nullptr) wait_for_dq_turn(sem, Tile::kSparse ? d.turn : sched::dq_turn_at(turns, hp.plan, dq_seq, m));
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m * Cfg::kRowBlocks) : nullptr;
+    if constexpr (!Tile::kSparse) {
+      if (sem != nullptr) {
+        const DqReplica r = dq_replica(P, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
+        sem += r.semaphores, d.turn = r.turn;
+        if (tile != nullptr) tile += r.floats;
+      }
+    }
+    cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
+    if (sem != nullptr) wait_for_dq_turn(sem, d.turn);
     uint32_t bytes = part.bytes;
     if constexpr (Cfg::kRowBlocks == 2) {
       if (m * Cfg::kBlockM + detail::kRowStatsBlockM >= t.seq.seqlen_q) bytes /= 2;
@@ -904,6 +926,16 @@ __global__ void hopper_dkv_tail_convert_kernel(const detail::BwdKernelParams P) 
   }
 }
 
+// Four floats of dq_accum at `at` in the first copy: their sum over the copies, in copy order.
+__device__ __forceinline__ float4 dq_accum_load4(const detail::BwdKernelParams& P, const float* at) {
+  float4 v = *reinterpret_cast<const float4*>(at);
+  for (int r = 1; r < P.dq_replicas; ++r) {
+    const float4 u = *reinterpret_cast<const float4*>(at + r * P.dq_replica_floats);
+    v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+  }
+  return v;
+}
+
 // dQ from the tiles of dq_accum (already scaled) to the output dtype through dq's strides: one CTA
 // of the consumer warpgroups' size per (kBlockM-row query block, head, sequence); each thread reads
 // its own elements back and finds their (row, column) through the dQ GEMM's partition (with 128-row
@@ -932,8 +964,8 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
     const bool row_ok = m * Cfg::kBlockM + my_row < seq.seqlen_q;
     CUTE_UNROLL
     for (int blk = 0; blk < size(dq_coord) / 8; ++blk) {  // elements 8 blk .. 8 blk + 7, two float4
-      const float4 lo = *reinterpret_cast<const float4*>(tile + Cfg::dq_tile_offset(ct, 8 * blk));
-      const float4 hi = *reinterpret_cast<const float4*>(tile + Cfg::dq_tile_offset(ct, 8 * blk + 4));
+      const float4 lo = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk));
+      const float4 hi = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk + 4));
       const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
       const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, 1.f, 1.f, t4);
       if (row_ok && my_col + 16 * blk < p.head_dim) *reinterpret_cast<uint4*>(dst + 16 * blk) = v;
@@ -942,7 +974,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   }
   CUTE_UNROLL
   for (int i = 0; i < size(dq_coord); i += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(tile + Cfg::dq_tile_offset(ct, i));
+    const float4 v = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, i));
     const float vals[4] = {v.x, v.y, v.z, v.w};
     CUTE_UNROLL
     for (int e = 0; e < 4; e += 2) {

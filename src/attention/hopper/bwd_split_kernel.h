@@ -120,8 +120,13 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
   for (int it = j, k = 0; it < t.steps(); it += Cfg::kDqWriters, ++k) {
     const QStep step = t.step_at(it);
     int* sem = portable::dq_turn_semaphore(P, t.b, t.h, step.m, kChains);  // half h's chain: sem + h
-    const int turn = sem != nullptr ? sched::dq_turn_at(turns, hp.plan, dq_seq, step.m) : 0;
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, step.m) : nullptr;
+    int turn = 0;
+    if (sem != nullptr) {
+      const DqReplica r = dq_replica(P, sched::dq_turn_at(turns, hp.plan, dq_seq, step.m));
+      sem += r.semaphores, turn = r.turn;
+      if (tile != nullptr) tile += r.floats;
+    }
     const bool pass_each = FLARE_HOPPER_BWD_SPLIT_PASS == 2 && sem != nullptr;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
