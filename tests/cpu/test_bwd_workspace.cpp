@@ -208,14 +208,14 @@ TEST(BwdWorkspace, DqReplicasAreWholeCopies) {
   EXPECT_EQ(ordinary.total, bwd_workspace_layout(s, 64, 64, false, 256, 2).total);
 }
 
-// The measured rule (bwd_dq_replicas.h): two copies for d256 non-causal 2k-8k keys and causal
-// 2k-4k (exclusive of 2k), one elsewhere.
+// The measured rule (bwd_dq_replicas.h): two copies for d256 up to 16k keys, causal up to 8k; one
+// elsewhere.
 TEST(BwdWorkspace, DqReplicasWhereTheyWon) {
   using hopper::hopper_bwd_dq_replicas;
-  for (int keys : {2048, 4096, 8192}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, false), 2) << keys;
-  for (int keys : {1, 1024, 2047, 8193, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, false), 1) << keys;
-  for (int keys : {3000, 4096}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, true), 2) << keys;
-  for (int keys : {1024, 2048, 8192, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, true), 1) << keys;
+  for (int keys : {1, 1024, 4096, 8192, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, false), 2) << keys;
+  for (int keys : {16385, 32768}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, false), 1) << keys;
+  for (int keys : {1, 1024, 4096, 8192}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, true), 2) << keys;
+  for (int keys : {8193, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(256, keys, true), 1) << keys;
   for (bool causal : {false, true}) {
     for (int keys : {1000, 4096, 16384}) EXPECT_EQ(hopper_bwd_dq_replicas(128, keys, causal), 1) << keys;
     for (int keys : {1000, 4096, 8192, 65536}) EXPECT_EQ(hopper_bwd_dq_replicas(64, keys, causal), 1) << keys;

@@ -65,9 +65,12 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_, kBlockM_> {
   }
 };
 
-// Writer threads of the split tiling, taking the query steps in turn (A/B builds: 1-3).
+// Writer threads of the split tiling, taking the query steps in turn (A/B builds: 1-3). Three
+// since session 38: with the deterministic mode's two dQ copies (bwd_dq_replicas.h) three writers
+// took det from 0.86-0.96 of two writers' at d256 2k-16k (H200, bench/RESULTS.md); alone, with
+// one copy, they had added nothing (sessions 24 and 38). The ordinary mode is level on them.
 #ifndef FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS
-#define FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS 2
+#define FLARE_HOPPER_BWD_SPLIT_DQ_WRITERS 3
 #endif
 // Q half-tiles of the split tiling (A/B builds: 2 = one Q tile; 3 is the most that fits).
 #ifndef FLARE_HOPPER_BWD_SPLIT_Q_HALVES
