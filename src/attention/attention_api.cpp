@@ -206,7 +206,8 @@ Status plan_backward(const AttentionBackwardParams& p, BackwardPlan* plan) {
       plan->blocks.block_n = hopper::hopper_bwd_block_n(plan->blocks.head_dim);
       plan->dq_chains = hopper::hopper_bwd_dq_chains(plan->blocks.head_dim);
       if (!sparse && !p.deterministic) plan->tail = hopper_tail_split(p, plan->shape, plan->blocks);
-      if (!sparse && p.deterministic) plan->dq_replicas = hopper_dq_replicas(plan->blocks.head_dim, plan->shape.seqlen_k, p.mask.causal);
+      if (!sparse && p.deterministic)
+        plan->dq_replicas = hopper_dq_replicas(plan->blocks.head_dim, plan->shape.seqlen_k, p.mask.causal);
     } else if (p.backend == Backend::kHopper) {
       return hop;
     }

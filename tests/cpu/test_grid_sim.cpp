@@ -119,7 +119,8 @@ void expect_completes(const DqPlan& plan, const TileShape& s, const SeqLengths& 
       EXPECT_DOUBLE_EQ(r.total_wait, 0.0) << w;  // any wait would be a deadlock
     }
     for (int b = 0; b < s.batch; ++b) {
-      const DqSequence seq = dq_sequence(plan, length_or(lengths.q, b, s.seqlen_q), length_or(lengths.k, b, s.seqlen_k));
+      const DqSequence seq =
+          dq_sequence(plan, length_or(lengths.q, b, s.seqlen_q), length_or(lengths.k, b, s.seqlen_k));
       for (int h = 0; h < s.heads; ++h)
         for (int m = 0; m < seq.num_q_blocks; ++m)
           for (int c = 0; c < replicas; ++c)
@@ -438,7 +439,8 @@ TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
           o.add_slots = 1;
           const double one_chain = simulate_grid_buffered(det, o).makespan;
           for (int replicas : {2, 4}) {
-            const SimResult r = simulate_grid_buffered(with_dq_replicas(det, replicas, s.batch * s.heads * s.num_q_blocks()), o);
+            const int dq_sems = s.batch * s.heads * s.num_q_blocks();
+            const SimResult r = simulate_grid_buffered(with_dq_replicas(det, replicas, dq_sems), o);
             ASSERT_TRUE(r.completed);
             EXPECT_LE(r.makespan, one_chain * 1.001);  // a replica waits on a subset of one chain's turns
             std::printf(" %6.3f", ord / r.makespan);
