@@ -21,10 +21,16 @@ namespace flare::hopper {
 #define FLARE_HOPPER_BWD_ROTATE 1
 #endif
 
-// dQ tiles in shared memory, each with its own writer thread: 2 keeps two adds (and in
-// deterministic mode two turn handoffs) in flight; at most 3 (producer warps 1-3).
+// dQ tiles in shared memory: 2 keeps two adds (and in deterministic mode two turn handoffs) in
+// flight; at most 3.
 #ifndef FLARE_HOPPER_BWD_DQ_BUFS
 #define FLARE_HOPPER_BWD_DQ_BUFS 2
+#endif
+// Writer threads of the d <= 128 tiling (producer warps 1..W), taking the steps in turn: 0, the
+// default, one per dQ tile. More writers than tiles keep more turn handoffs in flight (the d256
+// tiling gained from a third writer once its dQ had two copies, session 38); A/B builds: 1-3.
+#ifndef FLARE_HOPPER_BWD_DQ_WRITERS
+#define FLARE_HOPPER_BWD_DQ_WRITERS 0
 #endif
 
 // What both tilings share: query steps of kBlockM rows (a multiple of the row statistics' 64-row
@@ -53,7 +59,10 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_, kBlockM_> {
   static constexpr bool kDqRowHalves = kBlockM_ == 128;  // dQ split by rows between the warpgroups
   // 128-row steps: their 32 KB dQ tile fits once beside two stages and two dS buffers.
   static constexpr int kDqBufs = kDqRowHalves ? 1 : FLARE_HOPPER_BWD_DQ_BUFS;
-  static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one writer warp per dQ tile: producer warps 1-3");
+  static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one to three dQ tiles");
+  // Writer j (producer warp 1 + j) adds steps j, j + kDqWriters, ...; step it's tile is it % kDqBufs.
+  static constexpr int kDqWriters = FLARE_HOPPER_BWD_DQ_WRITERS > 0 ? FLARE_HOPPER_BWD_DQ_WRITERS : kDqBufs;
+  static_assert(kDqWriters >= 1 && kDqWriters <= 3, "writers are producer warps 1-3");
   // Element i of consumer thread ct's dQ fragment in the step's tile (16-byte groups, thread order;
   // with row halves, warpgroup w's in the tile of 64-row block w).
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {

@@ -15,11 +15,11 @@
 //                                                       keys; 128-row steps: dQ[half w, :])
 //
 // dQ goes to a shared fp32 tile (kDqBufs of them, alternating by step); one thread of producer
-// warp 1 + (step mod kDqBufs) adds it into dq_accum with one bulk reduction (cp.reduce.async.bulk),
+// warp 1 + (step mod kDqWriters) adds it into dq_accum with one bulk reduction (cp.reduce.async.bulk),
 // so the consumers never wait on global memory. In deterministic mode that writer waits for the
 // query block's turn (a semaphore per (sequence, head, query block); turns and walks from
 // src/scheduling/dq_turns.h, the grid in its tile order) and hands the turn on once its add is
-// complete; two writers keep two such handoffs in flight. dK (scaled) and dV leave registers at
+// complete; W writers keep W such handoffs in flight. dK (scaled) and dV leave registers at
 // the end: stored, or added into fp32 accumulators under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
 // dsinks and the dQ conversion are the portable backward's.
 //
@@ -109,7 +109,9 @@ struct BwdSmem {
   cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
   uint64_t kv_full;
   StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q, dO and the row statistics of one query block
-  uint64_t dq_full[Cfg::kDqBufs], dq_empty[Cfg::kDqBufs];  // a dQ tile: written by the 8 consumer warps / read by the bulk adds
+  // Step it's dQ tile: written by the 8 consumer warps (dq_full of its writer, it % kDqWriters) /
+  // read by the bulk add (dq_empty of its tile, it % kDqBufs).
+  uint64_t dq_full[Cfg::kDqWriters], dq_empty[Cfg::kDqBufs];
 };
 
 // The consumers' arrivals per warpgroup on a per-step barrier (a Q/dO stage's release, a dQ tile's
@@ -335,12 +337,14 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, B
   });
 }
 
-// One dQ writer's share: the steps it adds (first, first + stride, ...), the shared tile it reads
-// and the barriers the consumers fill it on and it frees it on.
+// One dQ writer's share: the steps it adds (first, first + stride, ...), the barrier the consumers
+// fill its steps' tiles on, and the shared tiles (step it's is it % tiles, tile_floats apart) with
+// the barriers it frees them on.
 struct DqWriterPart {
   const float* smem;
   uint64_t* full;
-  uint64_t* empty;
+  uint64_t* empty;  // one per tile
+  int tiles = 1, tile_floats = 0;
   int first_step = 0, step_stride = 1;
   uint32_t bytes = 0;
 };
@@ -439,11 +443,12 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
     if constexpr (Cfg::kRowBlocks == 2) {
       if (m * Cfg::kBlockM + detail::kRowStatsBlockM >= t.seq.seqlen_q) bytes /= 2;
     }
-    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, part.smem, bytes);
+    const int buf = it % part.tiles;
+    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, part.smem + buf * part.tile_floats, bytes);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();
-    cutlass::arch::ClusterBarrier::arrive(part.empty);
+    cutlass::arch::ClusterBarrier::arrive(&part.empty[buf]);
     if (sem != nullptr) pass_dq_turns(sem);
   }
 }
@@ -814,7 +819,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         const int buf = it % Cfg::kDqBufs;
         if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
         bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
-        bwd_consumer_arrive(&sm.dq_full[buf], lane);  // the tile is written
+        bwd_consumer_arrive(&sm.dq_full[it % Cfg::kDqWriters], lane);  // the tile is written
       };
       if constexpr (FLARE_HOPPER_BWD_DQ_FIRST) {
         // dQ first, and its tile stored while the dK GEMM runs.
@@ -861,10 +866,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
     sm.qdo_ring.init(kBwdArrivalsPerWG * Cfg::kConsumerWGs);
-    for (int i = 0; i < Cfg::kDqBufs; ++i) {
+    for (int i = 0; i < Cfg::kDqWriters; ++i)
       cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], kBwdArrivalsPerWG * Cfg::kConsumerWGs);
-      cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
-    }
+    for (int i = 0; i < Cfg::kDqBufs; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -881,20 +885,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 #if FLARE_HOPPER_BWD_EXPERIMENT == 2
     if (warp == 1) {  // releases the dQ tile without adding it
       for (int it = 0; it < tile.steps(); ++it) {
-        const int buf = it % Cfg::kDqBufs;
-        cutlass::arch::ClusterBarrier::wait(&sm.dq_full[buf], (it / Cfg::kDqBufs) & 1);
-        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[buf]);
+        cutlass::arch::ClusterBarrier::wait(&sm.dq_full[it % Cfg::kDqWriters], (it / Cfg::kDqWriters) & 1);
+        if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[it % Cfg::kDqBufs]);
       }
     }
 #else
-    if (warp >= 1 && warp <= Cfg::kDqBufs && cute::elect_one_sync()) {
-      const int buf = warp - 1;
+    if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync()) {
+      const int j = warp - 1;
       DqWriterPart part;
-      part.smem = sm.dq[buf].data();
-      part.full = &sm.dq_full[buf];
-      part.empty = &sm.dq_empty[buf];
-      part.first_step = buf;
-      part.step_stride = Cfg::kDqBufs;
+      part.smem = sm.dq[0].data();
+      part.tile_floats = static_cast<int>(sizeof(sm.dq[0]) / sizeof(float));
+      part.tiles = Cfg::kDqBufs;
+      part.full = &sm.dq_full[j];
+      part.empty = sm.dq_empty;
+      part.first_step = j;
+      part.step_stride = Cfg::kDqWriters;
       part.bytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
       bwd_write_dq<Cfg>(hp, tile, part);
     }
