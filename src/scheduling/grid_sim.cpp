@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <queue>
 #include <random>
 
@@ -237,7 +238,10 @@ class BufferedGridSimulation {
     for (size_t t = 0; t < work.tiles.size(); ++t)
       for (const SimStep& st : work.tiles[t])
         compute_[t].push_back(st.compute * (1.0 + options.compute_jitter * u(rng)));
-    for (Cta& c : ctas_) c.free_slots = options.add_slots < 1 ? 1 : options.add_slots;
+    for (Cta& c : ctas_) {
+      c.free_slots = options.add_slots < 1 ? 1 : options.add_slots;
+      if (options.add_writers > 0) c.writers.resize(options.add_writers);
+    }
   }
 
   SimResult run() {
@@ -275,14 +279,20 @@ class BufferedGridSimulation {
     int who;  // the CTA (compute, slot) or the add
     bool operator>(const Event& o) const { return time != o.time ? time > o.time : order > o.order; }
   };
+  struct Writer {
+    std::deque<int> queue;  // its adds not yet taken, in step order
+    bool busy = false;      // an add taken: waiting for its turn or in flight
+  };
   struct Cta {
     int tile = -1, step = 0, tiles_taken = 0;
     int free_slots = 1;
+    int steps_handed = 0;
+    std::vector<Writer> writers;  // empty: no writer limit
     bool stalled = false, done = false;
     double stall_start = 0;
   };
   struct Add {
-    int cta = 0, tile = 0, semaphore = -1, turn = 0;
+    int cta = 0, tile = 0, semaphore = -1, turn = 0, writer = -1;
     double hold = 0;
     bool done = false;
   };
@@ -324,15 +334,38 @@ class BufferedGridSimulation {
     Add a;
     a.cta = cta, a.tile = c.tile, a.semaphore = s.semaphore, a.turn = s.turn, a.hold = s.add;
     const int id = (int)adds_.size();
-    adds_.push_back(a);
     total_work_ += s.add;
-    if (!ordered(s) || semaphores_[s.semaphore] == s.turn) {
-      start_add(id, now);
+    if (c.writers.empty()) {
+      adds_.push_back(a);
+      take_add(id, now);
     } else {
-      waiters_[s.semaphore].push_back(id);
+      a.writer = c.steps_handed % (int)c.writers.size();
+      adds_.push_back(a);
+      c.writers[a.writer].queue.push_back(id);
+      next_for_writer(cta, a.writer, now);
     }
+    ++c.steps_handed;
     ++c.step;
     begin_step(cta, now);
+  }
+
+  // The add waits for its turn (or starts).
+  void take_add(int id, double now) {
+    const Add& a = adds_[id];
+    if (a.semaphore < 0 || !options_.use_semaphores || semaphores_[a.semaphore] == a.turn) {
+      start_add(id, now);
+    } else {
+      waiters_[a.semaphore].push_back(id);
+    }
+  }
+
+  void next_for_writer(int cta, int w, double now) {
+    Writer& wr = ctas_[cta].writers[w];
+    if (wr.busy || wr.queue.empty()) return;
+    const int id = wr.queue.front();
+    wr.queue.pop_front();
+    wr.busy = true;
+    take_add(id, now);
   }
 
   void start_add(int id, double now) {
@@ -354,6 +387,10 @@ class BufferedGridSimulation {
     Add& a = adds_[id];
     a.done = true;
     ++adds_done_;
+    if (a.writer >= 0) {
+      ctas_[a.cta].writers[a.writer].busy = false;
+      next_for_writer(a.cta, a.writer, now);
+    }
     if (a.semaphore < 0 || !options_.use_semaphores) return;
     const int sem = a.semaphore;
     ++semaphores_[sem];

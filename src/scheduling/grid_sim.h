@@ -42,6 +42,10 @@ struct SimOptions {
   // add ends (SimStep::add after its start). A CTA whose buffers are all taken waits for one.
   int add_slots = 1;
   double slot_read = 0.0;
+  // Writers per CTA (0: as many as adds). A CTA's steps go to its writers in turn (step i to writer
+  // i mod W, counted over the CTA's steps); a writer takes its adds one at a time, from waiting for
+  // the turn to the semaphore's move, as the kernels' writer threads do.
+  int add_writers = 0;
   double compute_jitter = 0.0;  // every step's compute scaled by 1 + U(-j, j), drawn from `seed`
   unsigned seed = 1;
 };
