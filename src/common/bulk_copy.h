@@ -123,16 +123,12 @@ __device__ __forceinline__ void bulk_wait_read() {
 }
 // This thread's bulk groups have finished reading their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read_all() { bulk_wait_read<0>(); }
-// All but this thread's kPending most recent bulk groups are complete: their global writes are
-// performed.
-template <int kPending>
-__device__ __forceinline__ void bulk_wait() {
+// This thread's bulk groups are complete: their global writes are performed.
+__device__ __forceinline__ void bulk_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
 }
-// This thread's bulk groups are complete: their global writes are performed.
-__device__ __forceinline__ void bulk_wait_all() { bulk_wait<0>(); }
 
 // Starts fetching a tensor map's descriptor (a __grid_constant__ parameter) into the TMA unit's cache.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {

@@ -225,7 +225,7 @@ class GridSimulation {
 };
 
 // Buffered adds: the consumer side of a CTA computes steps back to back and hands each add to a
-// buffer; the buffers' adds wait for their turns independently (a writer each).
+// buffer; the adds wait for their turns independently, or through the CTA's writers (add_writers).
 class BufferedGridSimulation {
  public:
   BufferedGridSimulation(const SimWorkload& work, const SimOptions& options)
@@ -298,8 +298,7 @@ class BufferedGridSimulation {
   };
 
   void schedule(double time, Kind kind, int who) { events_.push(Event{time, next_order_++, kind, who}); }
-  bool ordered(const SimStep& s) const { return s.semaphore >= 0 && options_.use_semaphores; }
-
+  bool ordered(const Add& a) const { return a.semaphore >= 0 && options_.use_semaphores; }
 
   void begin_step(int cta, double now) {
     Cta& c = ctas_[cta];
@@ -333,14 +332,13 @@ class BufferedGridSimulation {
     --c.free_slots;
     Add a;
     a.cta = cta, a.tile = c.tile, a.semaphore = s.semaphore, a.turn = s.turn, a.hold = s.add;
+    if (!c.writers.empty()) a.writer = c.steps_handed % (int)c.writers.size();
     const int id = (int)adds_.size();
+    adds_.push_back(a);
     total_work_ += s.add;
-    if (c.writers.empty()) {
-      adds_.push_back(a);
+    if (a.writer < 0) {
       take_add(id, now);
     } else {
-      a.writer = c.steps_handed % (int)c.writers.size();
-      adds_.push_back(a);
       c.writers[a.writer].queue.push_back(id);
       next_for_writer(cta, a.writer, now);
     }
@@ -352,7 +350,7 @@ class BufferedGridSimulation {
   // The add waits for its turn (or starts).
   void take_add(int id, double now) {
     const Add& a = adds_[id];
-    if (a.semaphore < 0 || !options_.use_semaphores || semaphores_[a.semaphore] == a.turn) {
+    if (!ordered(a) || semaphores_[a.semaphore] == a.turn) {
       start_add(id, now);
     } else {
       waiters_[a.semaphore].push_back(id);
@@ -391,7 +389,7 @@ class BufferedGridSimulation {
       ctas_[a.cta].writers[a.writer].busy = false;
       next_for_writer(a.cta, a.writer, now);
     }
-    if (a.semaphore < 0 || !options_.use_semaphores) return;
+    if (!ordered(a)) return;
     const int sem = a.semaphore;
     ++semaphores_[sem];
     std::vector<int>& waiting = waiters_[sem];
@@ -459,8 +457,10 @@ SimWorkload with_dq_replicas(const SimWorkload& work, int replicas, int replicat
 
 int dq_semaphore(const TileShape& s, int b, int h, int m) { return (b * s.heads + h) * s.num_q_blocks() + m; }
 
+int num_dq_semaphores(const TileShape& s) { return s.batch * s.heads * s.num_q_blocks(); }
+
 int dkv_semaphore(const TileShape& s, int b, int kv_head, int n) {
-  return s.batch * s.heads * s.num_q_blocks() + (b * s.heads_kv + kv_head) * s.num_kv_blocks() + n;
+  return num_dq_semaphores(s) + (b * s.heads_kv + kv_head) * s.num_kv_blocks() + n;
 }
 
 SimWorkload deterministic_backward_workload(const DqPlan& plan, const TileShape& shape, const SeqLengths& lengths,

@@ -100,6 +100,7 @@ struct SeqLengths {
 // Semaphores: dQ of (b, h, m) at (b * heads + h) * max_q_blocks + m, then dK/dV of
 // (b, kv head, n) at dq_semaphores + (b * heads_kv + kv_head) * max_kv_blocks + n.
 int dq_semaphore(const TileShape& s, int b, int h, int m);
+int num_dq_semaphores(const TileShape& s);  // the dQ ones come first: [0, num_dq_semaphores)
 int dkv_semaphore(const TileShape& s, int b, int kv_head, int n);
 
 // The deterministic backward of a plan: its tile order, walks and turns.

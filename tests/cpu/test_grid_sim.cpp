@@ -110,7 +110,7 @@ int length_or(const std::vector<int>& v, int b, int max_length) { return v.empty
 void expect_completes(const DqPlan& plan, const TileShape& s, const SeqLengths& lengths, const SimOptions& o,
                       const std::string& what) {
   const SimWorkload one = deterministic_backward_workload(plan, s, lengths, BackwardCosts{});
-  const int dq_sems = dkv_semaphore(s, 0, 0, 0);
+  const int dq_sems = num_dq_semaphores(s);
   for (int replicas : {1, 2}) {
     const SimResult r = simulate_grid(with_dq_replicas(one, replicas, dq_sems), o);
     const std::string w = what + " replicas=" + std::to_string(replicas);
@@ -399,51 +399,66 @@ TEST(BufferedGridSim, EveryTurnOrderCompletesWithBuffers) {
   EXPECT_EQ(runs, 4 * 3 * 2 * 2);
 }
 
-// Deterministic / ordinary makespan with buffered adds on the Hopper backward's two tilings, issue
-// 5's shapes (16k tokens, hidden 2048: d128 16 heads, 128-key tiles; d256 8 heads, 64-key tiles;
-// 64-row query steps, a step 1 unit), 132 CTAs taking tiles from a counter, each step's compute
-// +-5 %. A semaphore is held `hold` from the turn (the bulk add issued, completed, the release
-// seen), a buffer read 0.1 after it. Measured on the H200 (bench/RESULTS.md, session 37): d128
-// 0.91-0.97, d256 0.79-0.94 with one buffer per half.
-TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
+// Issue 5's shapes for the buffered studies below (16k tokens, hidden 2048: d128 16 heads, 128-key
+// tiles; d256 8 heads, 64-key tiles; 64-row query steps, a step 1 unit, a semaphore held `hold`),
+// 132 CTAs taking tiles from a counter, each step's compute +-5 %, a buffer read 0.1 after its add
+// starts: the ordinary grid's makespan, the deterministic workload and the options to run it with
+// (semaphores on, one buffer, no writer limit).
+struct BufferedStudy {
+  TileShape shape;
+  SimOptions options;
+  SimWorkload det;
+  double ordinary = 0;
+};
+
+BufferedStudy buffered_study(int d, bool causal, int seqlen, double hold) {
   const int ctas = 132;
   const int64_t l2_budget = 25LL << 20;
+  BufferedStudy st;
+  TileShape& s = st.shape;
+  s.batch = 16384 / seqlen, s.heads = s.heads_kv = 2048 / d, s.seqlen_q = s.seqlen_k = seqlen;
+  s.q_block = 64, s.kv_block = d == 128 ? 128 : 64, s.causal = causal;
+  BackwardCosts costs;
+  costs.full_block = costs.partial_block = 1.0, costs.dq_add = hold;
+  SimOptions& o = st.options;
+  o.resident_ctas = ctas, o.dispatch = Dispatch::kDynamic, o.slot_read = 0.1, o.compute_jitter = 0.05;
+  o.use_semaphores = false;
+  st.ordinary = simulate_grid_buffered(
+                    ordinary_backward_workload(make_backward_order(s, l2_budget, false), s, SeqLengths{}, costs), o)
+                    .makespan;
+  st.det = deterministic_backward_workload(make_dq_plan(s, l2_budget, ctas), s, SeqLengths{}, costs);
+  o.use_semaphores = true;
+  return st;
+}
+
+// Deterministic / ordinary makespan with buffered adds on the Hopper backward's two tilings, issue
+// 5's shapes (buffered_study). A semaphore is held `hold` from the turn (the bulk add issued,
+// completed, the release seen). Measured on the H200 (bench/RESULTS.md, session 37): d128
+// 0.91-0.97, d256 0.79-0.94 with one buffer per half.
+TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
   std::printf("%-4s %-6s %6s | %5s | %22s | %s\n", "d", "mask", "seqlen", "hold", "det / ord: 1, 2, 3 buffers",
               "1 buffer, 2 and 4 dQ replicas");
   for (int d : {128, 256})
     for (bool causal : {false, true})
       for (int seqlen : {4096, 16384})
         for (double hold : {0.5, 1.0, 1.5}) {
-          TileShape s;
-          s.batch = 16384 / seqlen, s.heads = s.heads_kv = 2048 / d, s.seqlen_q = s.seqlen_k = seqlen;
-          s.q_block = 64, s.kv_block = d == 128 ? 128 : 64, s.causal = causal;
-          BackwardCosts costs;
-          costs.full_block = costs.partial_block = 1.0, costs.dq_add = hold;
-          SimOptions o;
-          o.resident_ctas = ctas, o.dispatch = Dispatch::kDynamic, o.slot_read = 0.1, o.compute_jitter = 0.05;
-          o.use_semaphores = false;
-          const SimWorkload ordinary =
-              ordinary_backward_workload(make_backward_order(s, l2_budget, false), s, SeqLengths{}, costs);
-          const double ord = simulate_grid_buffered(ordinary, o).makespan;
-          const SimWorkload det =
-              deterministic_backward_workload(make_dq_plan(s, l2_budget, ctas), s, SeqLengths{}, costs);
-          o.use_semaphores = true;
+          BufferedStudy st = buffered_study(d, causal, seqlen, hold);
           std::printf("%-4d %-6s %6d | %5.2f |", d, causal ? "causal" : "full", seqlen, hold);
           for (int slots : {1, 2, 3}) {
-            o.add_slots = slots;
-            const SimResult r = simulate_grid_buffered(det, o);
+            st.options.add_slots = slots;
+            const SimResult r = simulate_grid_buffered(st.det, st.options);
             ASSERT_TRUE(r.completed);
-            std::printf(" %6.3f", ord / r.makespan);
+            std::printf(" %6.3f", st.ordinary / r.makespan);
           }
           std::printf(" |");
-          o.add_slots = 1;
-          const double one_chain = simulate_grid_buffered(det, o).makespan;
+          st.options.add_slots = 1;
+          const double one_chain = simulate_grid_buffered(st.det, st.options).makespan;
           for (int replicas : {2, 4}) {
-            const int dq_sems = s.batch * s.heads * s.num_q_blocks();
-            const SimResult r = simulate_grid_buffered(with_dq_replicas(det, replicas, dq_sems), o);
+            const SimResult r =
+                simulate_grid_buffered(with_dq_replicas(st.det, replicas, num_dq_semaphores(st.shape)), st.options);
             ASSERT_TRUE(r.completed);
             EXPECT_LE(r.makespan, one_chain * 1.001);  // a replica waits on a subset of one chain's turns
-            std::printf(" %6.3f", ord / r.makespan);
+            std::printf(" %6.3f", st.ordinary / r.makespan);
           }
           std::printf("\n");
         }
@@ -474,36 +489,19 @@ TEST(BufferedGridSim, AWriterTakesItsAddsOneAtATime) {
 // 0.83 with two writers and one copy, 0.88 with two copies, 0.83 with three writers and one copy,
 // 0.95 with three and two).
 TEST(BufferedGridSim, ReportsWhatWritersAndCopiesBuy) {
-  const int ctas = 132;
-  const int64_t l2_budget = 25LL << 20;
   std::printf("%-6s %6s | %5s | det / ord: writers x copies 2x1 2x2 3x1 3x2\n", "mask", "seqlen", "hold");
   for (bool causal : {false, true})
     for (int seqlen : {4096, 16384})
       for (double hold : {1.5, 2.0, 3.0}) {
-        TileShape s;
-        s.batch = 16384 / seqlen, s.heads = s.heads_kv = 8, s.seqlen_q = s.seqlen_k = seqlen;
-        s.q_block = 64, s.kv_block = 64, s.causal = causal;
-        BackwardCosts costs;
-        costs.full_block = costs.partial_block = 1.0, costs.dq_add = hold;
-        SimOptions o;
-        o.resident_ctas = ctas, o.dispatch = Dispatch::kDynamic, o.slot_read = 0.1, o.compute_jitter = 0.05;
-        o.use_semaphores = false;
-        const double ord =
-            simulate_grid_buffered(
-                ordinary_backward_workload(make_backward_order(s, l2_budget, false), s, SeqLengths{}, costs), o)
-                .makespan;
-        const SimWorkload det =
-            deterministic_backward_workload(make_dq_plan(s, l2_budget, ctas), s, SeqLengths{}, costs);
-        const int dq_sems = s.batch * s.heads * s.num_q_blocks();
-        o.use_semaphores = true;
-        o.add_slots = 1;
+        BufferedStudy st = buffered_study(256, causal, seqlen, hold);
         std::printf("%-6s %6d | %5.2f |", causal ? "causal" : "full", seqlen, hold);
         for (int writers : {2, 3})
           for (int copies : {1, 2}) {
-            o.add_writers = writers;
-            const SimResult r = simulate_grid_buffered(with_dq_replicas(det, copies, dq_sems), o);
+            st.options.add_writers = writers;
+            const SimResult r =
+                simulate_grid_buffered(with_dq_replicas(st.det, copies, num_dq_semaphores(st.shape)), st.options);
             ASSERT_TRUE(r.completed);
-            std::printf(" %5.3f", ord / r.makespan);
+            std::printf(" %5.3f", st.ordinary / r.makespan);
           }
         std::printf("\n");
       }

@@ -94,15 +94,6 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
   });
 }
 
-// When the deterministic writer passes a step's two turns (A/B builds). 0: both once both adds are
-// performed. 1: each once its own add is performed (half 0's before half 1's completes). 2: each
-// half waited for, added, performed and passed before the next half's turn is waited for. The
-// grid simulation (tests/cpu/test_grid_sim.cpp, BufferedGridSim) puts the deterministic mode's cost
-// on how long a turn is held, not on the number of dQ buffers (bench/RESULTS.md, session 37).
-#ifndef FLARE_HOPPER_BWD_SPLIT_PASS
-#define FLARE_HOPPER_BWD_SPLIT_PASS 0
-#endif
-
 // Writer j of W = Cfg::kDqWriters (one thread of producer warp 1 + j) adds both halves of steps
 // j, j + W, j + 2 W, ... In deterministic mode each add waits for its half's turn and the turns
 // pass once the adds are performed; a writer's next step starts only after that, so W writers keep
@@ -127,7 +118,6 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
       sem += r.semaphores, turn = r.turn;
       if (tile != nullptr) tile += r.floats;
     }
-    const bool pass_each = FLARE_HOPPER_BWD_SPLIT_PASS == 2 && sem != nullptr;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, it), k & 1);
@@ -135,31 +125,12 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
       if (tile != nullptr)
         sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), sm.dq.data() + half * sm.kDqHalf, kBytes);
       sm90::bulk_commit_group();
-      if (pass_each) {  // this half added, performed and passed before the next half's turn
-        sm90::bulk_wait<0>();
-        cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[half]);
-        __threadfence();
-        device_sync::pass_turn(sem + half);
-      }
     }
-    if (!pass_each) {
-      sm90::bulk_wait_read<1>();
-      cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
-      sm90::bulk_wait_read<0>();
-      cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
-    }
-    if constexpr (FLARE_HOPPER_BWD_SPLIT_PASS == 1) {  // each half passed once its own add is performed
-      if (sem != nullptr) {
-        sm90::bulk_wait<1>();
-        __threadfence();
-        device_sync::pass_turn(sem);
-        sm90::bulk_wait<0>();
-        __threadfence();
-        device_sync::pass_turn(sem + 1);
-      }
-    } else if constexpr (FLARE_HOPPER_BWD_SPLIT_PASS == 0) {
-      if (sem != nullptr) pass_dq_turns(sem, kChains);
-    }
+    sm90::bulk_wait_read<1>();
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0]);
+    sm90::bulk_wait_read<0>();
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1]);
+    if (sem != nullptr) pass_dq_turns(sem, kChains);
   }
 }
 
