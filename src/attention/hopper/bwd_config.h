@@ -26,11 +26,15 @@ namespace flare::hopper {
 #ifndef FLARE_HOPPER_BWD_DQ_BUFS
 #define FLARE_HOPPER_BWD_DQ_BUFS 2
 #endif
-// Writer threads of the d <= 128 tiling (producer warps 1..W), taking the steps in turn: 0, the
-// default, one per dQ tile. More writers than tiles keep more turn handoffs in flight (the d256
-// tiling gained from a third writer once its dQ had two copies, session 38); A/B builds: 1-3.
+// Writer threads of the d <= 128 tiling (producer warps 1..W), taking the steps in turn, in the
+// ordinary mode (FLARE_HOPPER_BWD_DQ_WRITERS) and the deterministic one (..._DET_DQ_WRITERS); 0, the
+// default, is the tiling's own choice (HopperBwdConfig). More writers than tiles keep more turn
+// handoffs in flight; A/B builds: 1-3.
 #ifndef FLARE_HOPPER_BWD_DQ_WRITERS
 #define FLARE_HOPPER_BWD_DQ_WRITERS 0
+#endif
+#ifndef FLARE_HOPPER_BWD_DET_DQ_WRITERS
+#define FLARE_HOPPER_BWD_DET_DQ_WRITERS 0
 #endif
 
 // What both tilings share: query steps of kBlockM rows (a multiple of the row statistics' 64-row
@@ -60,9 +64,18 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_, kBlockM_> {
   // 128-row steps: their 32 KB dQ tile fits once beside two stages and two dS buffers.
   static constexpr int kDqBufs = kDqRowHalves ? 1 : FLARE_HOPPER_BWD_DQ_BUFS;
   static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one to three dQ tiles");
-  // Writer j (producer warp 1 + j) adds steps j, j + kDqWriters, ...; step it's tile is it % kDqBufs.
+  // Writer j of W (producer warp 1 + j) adds steps j, j + W, ...; step it's tile is it % kDqBufs.
+  // The ordinary mode runs kDqWriters, one per tile; the deterministic mode kDetDqWriters, two on
+  // the 128-row tiling (d64: one tile), whose turn chains then keep two handoffs in flight: det /
+  // ordinary 0.91-0.94 -> 0.96-0.98 at d64 4k-16k, causal 0.86-0.91 -> 0.96-0.97; a third writer
+  // added nothing, nor did one at d128 (H200, bench/RESULTS.md, session 39). W is a template
+  // argument of the kernel (one instantiation per mode where the counts differ): a count read at
+  // run time, or two writers in the ordinary mode, cost that mode 1 %.
   static constexpr int kDqWriters = FLARE_HOPPER_BWD_DQ_WRITERS > 0 ? FLARE_HOPPER_BWD_DQ_WRITERS : kDqBufs;
-  static_assert(kDqWriters >= 1 && kDqWriters <= 3, "writers are producer warps 1-3");
+  static constexpr int kDetDqWriters =
+      FLARE_HOPPER_BWD_DET_DQ_WRITERS > 0 ? FLARE_HOPPER_BWD_DET_DQ_WRITERS : (kDqRowHalves ? 2 : kDqBufs);
+  static_assert(kDqWriters >= 1 && kDqWriters <= 3 && kDetDqWriters >= 1 && kDetDqWriters <= 3,
+                "writers are producer warps 1-3");
   // Element i of consumer thread ct's dQ fragment in the step's tile (16-byte groups, thread order;
   // with row halves, warpgroup w's in the tile of 64-row block w).
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {

@@ -14,14 +14,15 @@
 //     dQ[:, half w] = dS K[:, half w]                  (wgmma, shared x shared, both warpgroups'
 //                                                       keys; 128-row steps: dQ[half w, :])
 //
-// dQ goes to a shared fp32 tile (kDqBufs of them, alternating by step); one thread of producer
-// warp 1 + (step mod kDqWriters) adds it into dq_accum with one bulk reduction (cp.reduce.async.bulk),
-// so the consumers never wait on global memory. In deterministic mode that writer waits for the
-// query block's turn (a semaphore per (sequence, head, query block); turns and walks from
-// src/scheduling/dq_turns.h, the grid in its tile order) and hands the turn on once its add is
-// complete; W writers keep W such handoffs in flight. dK (scaled) and dV leave registers at
-// the end: stored, or added into fp32 accumulators under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded statistics),
-// dsinks and the dQ conversion are the portable backward's.
+// dQ goes to a shared fp32 tile (kDqBufs of them, alternating by step); one thread of producer warp
+// 1 + (step mod W) (W writers: Cfg::kDqWriters, deterministic kDetDqWriters) adds it into dq_accum
+// with one bulk reduction (cp.reduce.async.bulk), so the consumers never wait on global memory. In
+// deterministic mode that writer waits for the query block's turn (a semaphore per (sequence, head,
+// query block); turns and walks from src/scheduling/dq_turns.h, the grid in its tile order) and
+// hands the turn on once its add is complete; W writers keep W such handoffs in flight. dK (scaled)
+// and dV leave registers at the end: stored, or added into fp32 accumulators under GQA (in q-head
+// order when deterministic). The pre-pass (dpsum and the padded statistics), dsinks and the dQ
+// conversion are the portable backward's.
 //
 // With a block mask (kSparse) the query steps come from the CTA's kv block's transposed lists (the
 // q blocks that see it: partial ones first, with the element predicate, then full ones), each q
@@ -97,9 +98,10 @@ struct HopperBwdParams {
   block_sparse::DqPlanView dq_plan;    // its deterministic plan (the sparse kernel, deterministic)
 };
 
-template <typename Cfg, typename T>
+template <typename Cfg, typename T, int kWriters_ = Cfg::kDqWriters>
 struct BwdSmem {
   using L = BwdLayouts<Cfg, T>;
+  static constexpr int kWriters = kWriters_;  // dQ writer threads
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemK>, 1024> k;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemK>, 1024> v;
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemQ>, 1024> q;
@@ -109,9 +111,9 @@ struct BwdSmem {
   cute::array_aligned<float, Cfg::kStages * 2 * Cfg::kBlockM, 16> stats;  // [stage][LSE log2, dpsum][row]
   uint64_t kv_full;
   StageBarriers<Cfg::kStages> qdo_ring;  // a stage holds Q, dO and the row statistics of one query block
-  // Step it's dQ tile: written by the 8 consumer warps (dq_full of its writer, it % kDqWriters) /
+  // Step it's dQ tile: written by the 8 consumer warps (dq_full of its writer, it % kWriters) /
   // read by the bulk add (dq_empty of its tile, it % kDqBufs).
-  uint64_t dq_full[Cfg::kDqWriters], dq_empty[Cfg::kDqBufs];
+  uint64_t dq_full[kWriters], dq_empty[Cfg::kDqBufs];
 };
 
 // The consumers' arrivals per warpgroup on a per-step barrier (a Q/dO stage's release, a dQ tile's
@@ -126,7 +128,8 @@ __device__ __forceinline__ void bwd_consumer_arrive(uint64_t* bar, int lane) {
 
 template <typename Cfg, typename T>
 constexpr int hopper_bwd_smem_bytes() {
-  return static_cast<int>(sizeof(BwdSmem<Cfg, T>)) + 1024;
+  constexpr size_t ord = sizeof(BwdSmem<Cfg, T, Cfg::kDqWriters>), det = sizeof(BwdSmem<Cfg, T, Cfg::kDetDqWriters>);
+  return static_cast<int>(ord > det ? ord : det) + 1024;
 }
 
 // A query step of a CTA's walk: the 64-row query block m; `valid` false: computed fully masked
@@ -311,8 +314,8 @@ __device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, co
 }
 
 // The d <= 128 tiling: Q, dO and the statistics share one ring of kStages stages.
-template <typename Cfg, typename T, typename Tile>
-__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const Tile& t) {
+template <typename Cfg, typename T, typename Smem, typename Tile>
+__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, Smem& sm, const Tile& t) {
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
   RingPos pos;
@@ -697,9 +700,8 @@ __device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_a
   sm90::fence_proxy_async_shared();
 }
 
-template <typename Cfg, typename T, typename Tile>
-__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, BwdSmem<Cfg, T>& sm, const Tile& t,
-                                            int ct) {
+template <typename Cfg, typename T, typename Smem, typename Tile>
+__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, Smem& sm, const Tile& t, int ct) {
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
   using Elem = typename L::Elem;
@@ -819,7 +821,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
         const int buf = it % Cfg::kDqBufs;
         if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
         bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
-        bwd_consumer_arrive(&sm.dq_full[it % Cfg::kDqWriters], lane);  // the tile is written
+        bwd_consumer_arrive(&sm.dq_full[it % Smem::kWriters], lane);  // the tile is written
       };
       if constexpr (FLARE_HOPPER_BWD_DQ_FIRST) {
         // dQ first, and its tile stored while the dK GEMM runs.
@@ -851,10 +853,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, B
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
 
-template <typename Cfg, typename T, bool kSparse = false>
+// kWriters: the dQ writer threads, Cfg::kDqWriters or, for the deterministic mode, kDetDqWriters.
+template <typename Cfg, typename T, bool kSparse = false, int kWriters = Cfg::kDqWriters>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
-  auto& sm = smem_struct<BwdSmem<Cfg, T>>(smem_raw);
+  auto& sm = smem_struct<BwdSmem<Cfg, T, kWriters>>(smem_raw);
   const int warp = threadIdx.x / 32, wg = warp / 4;
   if (threadIdx.x == 32) {  // the tensor maps fetched while the barriers are set up
     cute::prefetch_tma_descriptor(hp.tma_q.get_tma_descriptor());
@@ -866,7 +869,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&sm.kv_full, 1);
     sm.qdo_ring.init(kBwdArrivalsPerWG * Cfg::kConsumerWGs);
-    for (int i = 0; i < Cfg::kDqWriters; ++i)
+    for (int i = 0; i < kWriters; ++i)
       cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     for (int i = 0; i < Cfg::kDqBufs; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
     cutlass::arch::fence_barrier_init();
@@ -885,12 +888,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 #if FLARE_HOPPER_BWD_EXPERIMENT == 2
     if (warp == 1) {  // releases the dQ tile without adding it
       for (int it = 0; it < tile.steps(); ++it) {
-        cutlass::arch::ClusterBarrier::wait(&sm.dq_full[it % Cfg::kDqWriters], (it / Cfg::kDqWriters) & 1);
+        cutlass::arch::ClusterBarrier::wait(&sm.dq_full[it % kWriters], (it / kWriters) & 1);
         if (threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[it % Cfg::kDqBufs]);
       }
     }
 #else
-    if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync()) {
+    if (warp >= 1 && warp <= kWriters && cute::elect_one_sync()) {
       const int j = warp - 1;
       DqWriterPart part;
       part.smem = sm.dq[0].data();
@@ -899,7 +902,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       part.full = &sm.dq_full[j];
       part.empty = sm.dq_empty;
       part.first_step = j;
-      part.step_stride = Cfg::kDqWriters;
+      part.step_stride = kWriters;
       part.bytes = Cfg::kBlockM * Cfg::kHeadDim * sizeof(float);
       bwd_write_dq<Cfg>(hp, tile, part);
     }

@@ -11,6 +11,37 @@
 
 namespace flare::hopper {
 
+// A kernel's dynamic shared memory raised to kSmem, once per kernel.
+template <auto kKernel, int kSmem>
+cudaError_t hopper_bwd_smem_attribute() {
+  static const cudaError_t attr = [] {
+    cudaError_t e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    return e;
+  }();
+  return attr;
+}
+
+// The main kernel of a mode, its shared memory raised: the split tiling's, or the d <= 128 tiling's
+// with the mode's dQ writers (bwd_config.h; the block-sparse kernel runs the ordinary count).
+template <typename Cfg, typename T, bool kSparse, int kSmem>
+cudaError_t hopper_bwd_kernel_for(bool deterministic, void (**kernel)(HopperBwdParams<Cfg, T>)) {
+  (void)deterministic;  // unread where the modes share a kernel
+  if constexpr (Cfg::kSplitHeadDim) {
+    *kernel = hopper_bwd_split_kernel<Cfg, T>;
+    return hopper_bwd_smem_attribute<hopper_bwd_split_kernel<Cfg, T>, kSmem>();
+  } else {
+    if constexpr (!kSparse && Cfg::kDetDqWriters != Cfg::kDqWriters) {
+      if (deterministic) {
+        *kernel = hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters>;
+        return hopper_bwd_smem_attribute<hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters>, kSmem>();
+      }
+    }
+    *kernel = hopper_bwd_kernel<Cfg, T, kSparse>;
+    return hopper_bwd_smem_attribute<hopper_bwd_kernel<Cfg, T, kSparse>, kSmem>();
+  }
+}
+
 // kSparse: the query steps of the block mask `bs`'s transposed lists, or in deterministic mode of
 // its plan `dq_plan` (the d <= 128 tiling).
 template <typename Cfg, typename T, bool kSparse = false>
@@ -30,18 +61,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     }
   }();
   static_assert(kSmem <= 227 * 1024, "the Hopper backward's shared memory exceeds an H100 CTA's 227 KB");
-  auto kernel = [] {
-    if constexpr (Cfg::kSplitHeadDim) {
-      return hopper_bwd_split_kernel<Cfg, T>;
-    } else {
-      return hopper_bwd_kernel<Cfg, T, kSparse>;
-    }
-  }();
-  static const cudaError_t attr = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (e != cudaSuccess) (void)cudaGetLastError();
-    return e;
-  }();
+  void (*kernel)(HopperBwdParams<Cfg, T>) = nullptr;
+  const cudaError_t attr = hopper_bwd_kernel_for<Cfg, T, kSparse, kSmem>(P.deterministic, &kernel);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");
   if (P.row_stats == nullptr || P.dq_tile_elems != detail::kRowStatsBlockM * Cfg::kHeadDim ||
       P.num_m_blocks % Cfg::kRowBlocks != 0)
