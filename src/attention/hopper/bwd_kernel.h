@@ -63,7 +63,9 @@
 #include "src/scheduling/dq_turns.h"
 
 // Experiments (wrong results; timing only): 1 = no exp2/mask/dpsum in P and dS, 2 = no dQ GEMM
-// and no dQ adds, 3 = no dK/dV GEMMs.
+// and no dQ adds, 3 = no dK/dV GEMMs, 4 = the deterministic mode's dQ writers not waiting for their
+// turns (its grid, walks and hand-overs otherwise as they are), 5 = nor taking part in them (no
+// wait, no hand-over: the ordinary mode's adds on the deterministic grid).
 #ifndef FLARE_HOPPER_BWD_EXPERIMENT
 #define FLARE_HOPPER_BWD_EXPERIMENT 0
 #endif
@@ -388,7 +390,11 @@ __device__ __forceinline__ void pass_sparse_turns(const Params& hp, const Tile& 
 // the earlier writers' adds; and, after its own adds, hand `count` adjacent chains' turns on once
 // those adds are performed.
 __device__ __forceinline__ void wait_for_dq_turn(const int* sem, int turn) {
+#if FLARE_HOPPER_BWD_EXPERIMENT != 4
   device_sync::wait_for_turn(sem, turn);
+#else
+  (void)sem, (void)turn;
+#endif
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 __device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
@@ -431,7 +437,7 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
     } else {
       d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m * Cfg::kRowBlocks);
     }
-    int* sem = d.sem;
+    int* sem = FLARE_HOPPER_BWD_EXPERIMENT == 5 ? nullptr : d.sem;
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m * Cfg::kRowBlocks) : nullptr;
     if constexpr (!Tile::kSparse) {
       if (sem != nullptr) {

@@ -110,7 +110,8 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
   static_assert(kChains == 2, "a turn chain per dQ half");
   for (int it = j, k = 0; it < t.steps(); it += Cfg::kDqWriters, ++k) {
     const QStep step = t.step_at(it);
-    int* sem = portable::dq_turn_semaphore(P, t.b, t.h, step.m, kChains);  // half h's chain: sem + h
+    int* sem = FLARE_HOPPER_BWD_EXPERIMENT == 5 ? nullptr
+                                                : portable::dq_turn_semaphore(P, t.b, t.h, step.m, kChains);  // half h's chain: sem + h
     float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, step.m) : nullptr;
     int turn = 0;
     if (sem != nullptr) {
