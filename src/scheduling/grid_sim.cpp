@@ -287,8 +287,10 @@ class BufferedGridSimulation {
     int tile = -1, step = 0, tiles_taken = 0;
     int free_slots = 1;
     int steps_handed = 0;
+    int pending_adds = 0;  // handed over, not done
     std::vector<Writer> writers;  // empty: no writer limit
     bool stalled = false, done = false;
+    bool draining = false;  // its tile's steps handed over, waiting for their adds (drain_adds)
     double stall_start = 0;
   };
   struct Add {
@@ -303,6 +305,10 @@ class BufferedGridSimulation {
   void begin_step(int cta, double now) {
     Cta& c = ctas_[cta];
     while (c.tile < 0 || c.step >= (int)work_.tiles[c.tile].size()) {
+      if (c.tile >= 0 && options_.drain_adds && c.pending_adds > 0) {
+        c.draining = true;
+        return;
+      }
       c.tile = dispatcher_.next(cta, c.tiles_taken);
       c.step = 0;
       if (c.tile < 0) {
@@ -310,7 +316,7 @@ class BufferedGridSimulation {
         return;
       }
     }
-    const double t = compute_[c.tile][c.step];
+    const double t = compute_[c.tile][c.step] + (c.step == 0 ? options_.tile_start : 0.0);
     total_work_ += t;
     schedule(now + t, kComputeDone, cta);
   }
@@ -335,6 +341,7 @@ class BufferedGridSimulation {
     if (!c.writers.empty()) a.writer = c.steps_handed % (int)c.writers.size();
     const int id = (int)adds_.size();
     adds_.push_back(a);
+    ++c.pending_adds;
     total_work_ += s.add;
     if (a.writer < 0) {
       take_add(id, now);
@@ -385,9 +392,15 @@ class BufferedGridSimulation {
     Add& a = adds_[id];
     a.done = true;
     ++adds_done_;
+    Cta& c = ctas_[a.cta];
+    --c.pending_adds;
     if (a.writer >= 0) {
-      ctas_[a.cta].writers[a.writer].busy = false;
+      c.writers[a.writer].busy = false;
       next_for_writer(a.cta, a.writer, now);
+    }
+    if (c.draining && c.pending_adds == 0) {
+      c.draining = false;
+      begin_step(a.cta, now);
     }
     if (!ordered(a)) return;
     const int sem = a.semaphore;

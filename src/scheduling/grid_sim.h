@@ -46,6 +46,12 @@ struct SimOptions {
   // i mod W, counted over the CTA's steps); a writer takes its adds one at a time, from waiting for
   // the turn to the semaphore's move, as the kernels' writer threads do.
   int add_writers = 0;
+  // Per tile (simulate_grid_buffered): `tile_start` added to a tile's first step (the CTA's set-up
+  // and its K/V loads), and with `drain_adds` a CTA takes its next tile only once every add of the
+  // last one is done (a CTA per tile whose writers finish their adds and hand-overs before it
+  // exits, as the deterministic kernels' do; a persistent CTA would go on).
+  double tile_start = 0.0;
+  bool drain_adds = false;
   double compute_jitter = 0.0;  // every step's compute scaled by 1 + U(-j, j), drawn from `seed`
   unsigned seed = 1;
 };

@@ -464,6 +464,68 @@ TEST(BufferedGridSim, ReportsWhatBuffersBuyTheDeterministicBackward) {
         }
 }
 
+// A tile's set-up is added to its first step; with drain_adds a CTA takes its next tile only once
+// its last tile's adds are done.
+TEST(BufferedGridSim, TileStartAndDrainingAdds) {
+  SimWorkload w;
+  SimStep a;
+  a.compute = 1.0, a.add = 5.0;
+  w.tiles = {{a}, {a}};
+  SimOptions o;
+  o.resident_ctas = 1, o.add_slots = 2, o.use_semaphores = false, o.tile_start = 0.5;
+  EXPECT_DOUBLE_EQ(simulate_grid_buffered(w, o).makespan, 1.5 + 1.5 + 5.0);
+  o.drain_adds = true;
+  const SimResult r = simulate_grid_buffered(w, o);
+  EXPECT_TRUE(r.completed);
+  EXPECT_DOUBLE_EQ(r.makespan, 1.5 + 5.0 + 1.5 + 5.0);
+}
+
+// Session 39 measured the deterministic d256 backward with its writers not waiting for their turns
+// (EXPERIMENT=4) as slow as with them: det / ordinary stayed 0.90 / 0.89 at causal 4k / 8k, 0.96 at
+// 4k. What the model's per-tile costs say of it: a tile's set-up (`start`, in steps) and the
+// deterministic CTA's exit after its last adds are done (drain), against the ordinary grid with the
+// same set-up; "no turns" is EXPERIMENT=4 (the writers still take each add to its end); "no drain"
+// a persistent deterministic CTA going on to its next tile while its adds finish (tiles taken from
+// a counter in plan order, or dealt round-robin). The model (session 39): with the drain, det
+// without turns is det (as measured), causal 0.92-0.95 at holds of one to two steps (measured 0.90);
+// without it causal 0.97, non-causal 1.00, on two copies (one copy collapses at a hold of two: the
+// chains pace it again), if the tiles come from a counter: dealt round-robin, causal drops to
+// 0.61-0.67. The set-up costs both grids alike.
+TEST(BufferedGridSim, ReportsWhatTileEndsCostTheDeterministicBackward) {
+  std::printf("%-6s %5s | %5s %5s | det / ord: today, no turns, no drain, no drain + 1 copy, no drain dealt\n", "mask", "seqlen",
+              "hold", "start");
+  for (bool causal : {false, true})
+    for (int seqlen : {4096, 8192})
+      for (double hold : {1.0, 2.0})
+        for (double start : {0.0, 1.0}) {
+          BufferedStudy st = buffered_study(256, causal, seqlen, hold);
+          SimOptions ord = st.options;
+          ord.use_semaphores = false, ord.tile_start = start;
+          const TileShape& s = st.shape;
+          const double ordinary =
+              simulate_grid_buffered(ordinary_backward_workload(make_backward_order(s, 25LL << 20, false), s,
+                                                                SeqLengths{}, BackwardCosts{1.0, 1.0, hold, 0.1}),
+                                     ord)
+                  .makespan;
+          SimOptions o = st.options;
+          o.add_writers = 3, o.tile_start = start, o.drain_adds = true;
+          const SimWorkload two = with_dq_replicas(st.det, 2, num_dq_semaphores(s));
+          std::printf("%-6s %5d | %5.2f %5.2f |", causal ? "causal" : "full", seqlen, hold, start);
+          const SimResult today = simulate_grid_buffered(two, o);
+          ASSERT_TRUE(today.completed);
+          o.use_semaphores = false;
+          const SimResult no_turns = simulate_grid_buffered(two, o);
+          o.use_semaphores = true, o.drain_adds = false;
+          const SimResult persistent = simulate_grid_buffered(two, o);
+          const SimResult persistent1 = simulate_grid_buffered(st.det, o);
+          o.dispatch = Dispatch::kStatic;  // tiles dealt round-robin to the resident CTAs
+          const SimResult dealt = simulate_grid_buffered(two, o);
+          ASSERT_TRUE(persistent.completed && persistent1.completed && dealt.completed);
+          std::printf(" %5.3f %5.3f %5.3f %5.3f %5.3f\n", ordinary / today.makespan, ordinary / no_turns.makespan,
+                      ordinary / persistent.makespan, ordinary / persistent1.makespan, ordinary / dealt.makespan);
+        }
+}
+
 // The plan of docs/hopper_bwd_d256.md (not built): d256 CTAs in clusters of two, a pair summing its
 // dQ halves over distributed shared memory, so for turns and walks the pair is one 128-key tile on
 // two SMs (66 pair slots, a step as long as a 64-key CTA's, `exchange` longer for the sum) and each
