@@ -191,10 +191,11 @@ __device__ __forceinline__ sched::TileCoord ordinary_bwd_tile(const detail::BwdK
 
 // Ordinary mode: the 3D grid (kv block, head, sequence), or with a tail split a 1D grid of whole
 // tiles and parts (sched::tail_work). Deterministic: a 1D grid in the plan's
-// tile order, which CTAs start in, as the turn order's deadlock freedom assumes. kSparse: the 3D
-// grid over the kernel's 128-key blocks, the steps from the block mask's lists.
+// tile order, which CTAs start in, as the turn order's deadlock freedom assumes (a persistent grid
+// passes the tile it took, `det_index`). kSparse: the 3D grid over the kernel's 128-key blocks, the
+// steps from the block mask's lists.
 template <typename Cfg, bool kSparse = false, typename Params>
-__device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
+__device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp, int det_index = -1) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   BwdTileT<kSparse> t;
@@ -207,7 +208,7 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
       t.h = t.plan_tile.head, t.b = t.plan_tile.batch;
     }
   } else if (P.deterministic) {
-    const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
+    const sched::TileCoord c = sched::tile_at(hp.plan.order, det_index >= 0 ? det_index : static_cast<int>(blockIdx.x));
     t.n = c.block, t.h = c.head, t.b = c.batch;
   } else if (!kSparse && P.tail.active()) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
     const sched::TileCoord c = ordinary_bwd_tile(P, sched::tail_work(P.tail, blockIdx.x, 0).tile);
