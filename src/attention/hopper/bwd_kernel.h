@@ -139,36 +139,45 @@ constexpr int hopper_bwd_smem_bytes() {
 // block mask's element predicate applies (a partial block). Dense walks' steps are all valid.
 using QStep = block_sparse::ListStep;
 
+// What only a block-sparse tile carries: the mask's transposed lists (or the plan's walk); in
+// deterministic mode the plan's tile, the CTA's key slice of its kv block and, under GQA, the dK/dV
+// semaphore (null: none) and turn. (A dense tile goes without: the persistent grid keeps two in
+// shared memory.)
+template <bool kSparse>
+struct BwdTileSparse {};
+template <>
+struct BwdTileSparse<true> {
+  block_sparse::ListSteps sparse;
+  block_sparse::DqTile plan_tile;
+  int slice = 0, key_slices = 1;
+  int* dkv_sem = nullptr;
+  int dkv_turn = 0;
+};
+
 template <bool kSparse_>
-struct BwdTileT {
+struct BwdTileT : BwdTileSparse<kSparse_> {
   static constexpr bool kSparse = kSparse_;
   detail::SeqInfo seq;
   sched::Band band;
   int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
   sched::RowSpan full_rows;  // the query steps whose tile is FULL (no mask): by first row
   sched::DqWalk walk;  // dense: the query blocks that see any of the keys, in visiting order
-  block_sparse::ListSteps sparse;  // kSparse: the mask's transposed lists (or the plan's walk) instead
-  // kSparse, deterministic: the plan's tile, the CTA's key slice of its kv block, the walk's first
-  // step in the plan.
-  // GQA: the dK/dV semaphore (null: none) and turn.
-  block_sparse::DqTile plan_tile;
-  int slice = 0, key_slices = 1, step0 = 0;
-  int* dkv_sem = nullptr;
-  int dkv_turn = 0;
-  // Dense: the walk's steps [step0, step0 + walk_steps) (a split tile's part: sched::tail_work);
-  // dkv_part: where such a part adds its dK and dV without GQA (null otherwise).
+  // The walk's steps [step0, step0 + walk_steps) (dense: a split tile's part, sched::tail_work;
+  // kSparse, deterministic: the walk's first step in the plan); dkv_part: where a dense part adds
+  // its dK and dV without GQA (null otherwise).
+  int step0 = 0;
   int walk_steps = 0;
   float* dkv_part = nullptr;
   __device__ __forceinline__ int steps() const {
     if constexpr (kSparse) {
-      return sparse.count();
+      return this->sparse.count();
     } else {
       return walk_steps;
     }
   }
   __device__ __forceinline__ QStep step_at(int step) const {
     if constexpr (kSparse) {
-      return sparse.at(step);
+      return this->sparse.at(step);
     } else {
       QStep s;
       s.m = sched::q_block_at(walk, step0 + step);

@@ -49,8 +49,11 @@ struct BwdSplitSmem {
                                           // (warpgroup w's 4 warps)
   uint64_t dq_empty[2];                // warpgroup w's buffer read (its previous half added)
   // The persistent deterministic grid (kPersistent): the tiles the producer took from the counter,
-  // two slots (-1: none left), and K/V's release by the consumers before the next tile's load.
-  int tile_slot[2];
+  // two slots (tile_index -1: none left), each held until its consumers and writers are done with
+  // it (they read its fields from here rather than hold them in registers), and K/V's release by
+  // the consumers before the next tile's load.
+  BwdTile tile_slot[2];
+  int tile_index[2];
   uint64_t tile_full[2], tile_empty[2], kv_empty;
   // Half `half` of step `it` written: the barrier of the writer that takes the step.
   __device__ __forceinline__ uint64_t* dq_full_of(int half, int it) {
@@ -147,7 +150,6 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
 struct SplitConsumerCursor {
   RingPos qpos, dpos;
   int step0 = 0, kv_loads = 0;
-  int index = 0;  // the tile's (persistent)
 };
 
 // Consumer thread ct (0..255; warpgroup w = ct / 128). kPersistent: K/V released (kv_empty) once
@@ -307,34 +309,28 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
     cur.step0 += t.steps();
     ++cur.kv_loads;
   }
-  if constexpr (kPersistent) {
-    // The tile again from its index, hidden from the compiler, so that its fields are not held in
-    // registers through the main loop (they spilled there).
-    int index = cur.index;
-    asm volatile("mov.b32 %0, %0;" : "+r"(index));
-    bwd_store_dkv<Cfg, T>(P, bwd_tile_of<Cfg>(hp, index), dk_acc, dv_acc, dkv_coord, ct);
-  } else {
-    bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
-  }
+  bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
 
 // The persistent deterministic grid's tiles: the producer takes them from the counter in plan
-// order (two slots ahead at most) and publishes each in tile_slot; consumers and writers read each
-// one once, in order (TileFeed::next), and release its slot.
+// order and publishes each in a slot of two; consumers and writers take each one in order
+// (TileFeed::take) and release its slot once done with it (TileFeed::release).
 inline constexpr int kSplitTileSlots = 2;
 struct TileFeed {
-  int k = 0;  // tiles read so far
-  // The next tile's index, or -1. `releaser`: the thread that arrives on the slot's tile_empty for
-  // its group (lane 0 of a consumer warp after the warp's reads, or a writer thread).
+  int k = 0;  // tiles taken so far
+  // The next tile's slot; its index (sm.tile_index[slot]) is -1 where none is left.
   template <typename Smem>
-  __device__ __forceinline__ int next(Smem& sm, bool warp_reads, int lane) {
+  __device__ __forceinline__ int take(Smem& sm) const {
     const int s = k % kSplitTileSlots;
     cutlass::arch::ClusterBarrier::wait(&sm.tile_full[s], (k / kSplitTileSlots) & 1);
-    const int index = sm.tile_slot[s];
-    if (warp_reads) __syncwarp();
-    if (!warp_reads || lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.tile_empty[s]);
+    return s;
+  }
+  // Done with the slot taken last: a writer thread, or lane 0 of each consumer warp after the warp.
+  template <typename Smem>
+  __device__ __forceinline__ void release(Smem& sm, bool warp, int lane) {
+    if (warp) __syncwarp();
+    if (!warp || lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.tile_empty[k % kSplitTileSlots]);
     ++k;
-    return index;
   }
 };
 
@@ -396,10 +392,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             cutlass::arch::ClusterBarrier::wait(&sm.tile_empty[s], (k / kSplitTileSlots - 1) & 1);
           int index = atomicAdd(hp.p.tile_counter, 1);
           if (index >= num_tiles) index = -1;
-          sm.tile_slot[s] = index;
+          sm.tile_index[s] = index;
+          BwdTile tile;
+          if (index >= 0) {
+            tile = bwd_tile_of<Cfg>(hp, index);
+            sm.tile_slot[s] = tile;
+          }
           cutlass::arch::ClusterBarrier::arrive(&sm.tile_full[s]);
           if (index < 0) break;
-          const BwdTile tile = bwd_tile_of<Cfg>(hp, index);
           if (tile.keys <= 0 || tile.steps() <= 0) continue;
           if (loads > 0) cutlass::arch::ClusterBarrier::wait(&sm.kv_empty, (loads - 1) & 1);
           bwd_split_produce<Cfg, T>(hp, sm, tile, qpos, dpos);
@@ -409,8 +409,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync()) {
         TileFeed feed;
         int step0 = 0;
-        for (int index; (index = feed.next(sm, false, 0)) >= 0;) {
-          const BwdTile tile = bwd_tile_of<Cfg>(hp, index);
+        for (int s; sm.tile_index[s = feed.take(sm)] >= 0; feed.release(sm, false, 0)) {
+          const BwdTile& tile = sm.tile_slot[s];
           if (tile.keys <= 0) continue;
           bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1, step0);
           step0 += tile.steps();
@@ -421,10 +421,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int ct = threadIdx.x - 128;
       TileFeed feed;
       SplitConsumerCursor cur;
-      for (int index; (index = feed.next(sm, true, ct % 32)) >= 0;) {
-        const BwdTile tile = bwd_tile_of<Cfg>(hp, index);
+      for (int s; sm.tile_index[s = feed.take(sm)] >= 0; feed.release(sm, true, ct % 32)) {
+        const BwdTile& tile = sm.tile_slot[s];
         if (tile.keys <= 0) continue;
-        cur.index = index;
         bwd_split_consume<Cfg, T, true>(hp, sm, tile, ct, cur);
       }
     }
