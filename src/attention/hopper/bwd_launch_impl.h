@@ -25,17 +25,17 @@ cudaError_t hopper_bwd_smem_attribute() {
   return attr;
 }
 
-// FLARE_HOPPER_BWD_PERSISTENT_DET=1 (read per call): the split tiling's deterministic mode on its
-// persistent grid (hopper_bwd_split_kernel's kPersistent), turns in tile order. Off by default:
-// built in session 39, not yet run on a GPU.
+// FLARE_HOPPER_BWD_PERSISTENT_DET=1 (read per call): the dense deterministic mode on the persistent
+// grid (both tilings' kPersistent), turns in tile order. Off by default: built in session 39, not
+// yet run on a GPU.
 inline bool hopper_bwd_persistent_det() {
   const char* e = std::getenv("FLARE_HOPPER_BWD_PERSISTENT_DET");
   return e != nullptr && e[0] == '1';
 }
 
-// The main kernel of a mode, its shared memory raised: the split tiling's (`persistent`: its
-// persistent deterministic grid), or the d <= 128 tiling's with the mode's dQ writers
-// (bwd_config.h; the block-sparse kernel runs the ordinary count).
+// The main kernel of a mode, its shared memory raised: the split tiling's, or the d <= 128 tiling's
+// with the mode's dQ writers (bwd_config.h; the block-sparse kernel runs the ordinary count);
+// `persistent`: the dense deterministic mode's persistent grid.
 template <typename Cfg, typename T, bool kSparse, int kSmem>
 cudaError_t hopper_bwd_kernel_for(bool deterministic, bool persistent, void (**kernel)(HopperBwdParams<Cfg, T>)) {
   (void)deterministic;  // unread where the modes share a kernel
@@ -48,6 +48,12 @@ cudaError_t hopper_bwd_kernel_for(bool deterministic, bool persistent, void (**k
     *kernel = hopper_bwd_split_kernel<Cfg, T>;
     return hopper_bwd_smem_attribute<hopper_bwd_split_kernel<Cfg, T>, kSmem>();
   } else {
+    if constexpr (!kSparse) {
+      if (persistent) {
+        *kernel = hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters, true>;
+        return hopper_bwd_smem_attribute<hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters, true>, kSmem>();
+      }
+    }
     if constexpr (!kSparse && Cfg::kDetDqWriters != Cfg::kDqWriters) {
       if (deterministic) {
         *kernel = hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters>;
@@ -78,7 +84,7 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     }
   }();
   static_assert(kSmem <= 227 * 1024, "the Hopper backward's shared memory exceeds an H100 CTA's 227 KB");
-  const bool persistent = Cfg::kSplitHeadDim && P.deterministic && hopper_bwd_persistent_det();
+  const bool persistent = !kSparse && P.deterministic && hopper_bwd_persistent_det();
   void (*kernel)(HopperBwdParams<Cfg, T>) = nullptr;
   const cudaError_t attr = hopper_bwd_kernel_for<Cfg, T, kSparse, kSmem>(P.deterministic, persistent, &kernel);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");

@@ -48,13 +48,7 @@ struct BwdSplitSmem {
   uint64_t dq_full[2 * Cfg::kDqWriters];  // [half w][writer j]: half w of a step of writer j written
                                           // (warpgroup w's 4 warps)
   uint64_t dq_empty[2];                // warpgroup w's buffer read (its previous half added)
-  // The persistent deterministic grid (kPersistent): the tiles the producer took from the counter,
-  // two slots (tile_index -1: none left), each held until its consumers and writers are done with
-  // it (they read its fields from here rather than hold them in registers), and K/V's release by
-  // the consumers before the next tile's load.
-  BwdTile tile_slot[2];
-  int tile_index[2];
-  uint64_t tile_full[2], tile_empty[2], kv_empty;
+  BwdTileSlots tiles;  // the persistent grid's (bwd_kernel.h)
   // Half `half` of step `it` written: the barrier of the writer that takes the step.
   __device__ __forceinline__ uint64_t* dq_full_of(int half, int it) {
     return &dq_full[half * Cfg::kDqWriters + it % Cfg::kDqWriters];
@@ -304,35 +298,13 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
     }
     if constexpr (kPersistent) {  // the last dQ GEMM has read K (wg_wait<0>): the next tile's K/V may land
       __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.kv_empty);
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.tiles.kv_empty);
     }
     cur.step0 += t.steps();
     ++cur.kv_loads;
   }
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
-
-// The persistent deterministic grid's tiles: the producer takes them from the counter in plan
-// order and publishes each in a slot of two; consumers and writers take each one in order
-// (TileFeed::take) and release its slot once done with it (TileFeed::release).
-inline constexpr int kSplitTileSlots = 2;
-struct TileFeed {
-  int k = 0;  // tiles taken so far
-  // The next tile's slot; its index (sm.tile_index[slot]) is -1 where none is left.
-  template <typename Smem>
-  __device__ __forceinline__ int take(Smem& sm) const {
-    const int s = k % kSplitTileSlots;
-    cutlass::arch::ClusterBarrier::wait(&sm.tile_full[s], (k / kSplitTileSlots) & 1);
-    return s;
-  }
-  // Done with the slot taken last: a writer thread, or lane 0 of each consumer warp after the warp.
-  template <typename Smem>
-  __device__ __forceinline__ void release(Smem& sm, bool warp, int lane) {
-    if (warp) __syncwarp();
-    if (!warp || lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.tile_empty[k % kSplitTileSlots]);
-    ++k;
-  }
-};
 
 // kPersistent (deterministic mode, plans whose turns follow the tile order: the launcher passes
 // sched::DqScheme::kTileOrder): one CTA per resident slot, each taking tiles from a counter
@@ -353,13 +325,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     sm.do_ring.init(4 * Cfg::kConsumerWGs);
     for (int i = 0; i < 2 * Cfg::kDqWriters; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4);
     for (int i = 0; i < 2; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
-    if constexpr (kPersistent) {
-      for (int i = 0; i < kSplitTileSlots; ++i) {
-        cutlass::arch::ClusterBarrier::init(&sm.tile_full[i], 1);
-        cutlass::arch::ClusterBarrier::init(&sm.tile_empty[i], 4 * Cfg::kConsumerWGs + Cfg::kDqWriters);
-      }
-      cutlass::arch::ClusterBarrier::init(&sm.kv_empty, 4 * Cfg::kConsumerWGs);
-    }
+    if constexpr (kPersistent) bwd_tile_slots_init(sm.tiles, 4 * Cfg::kConsumerWGs + Cfg::kDqWriters, 4 * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -380,52 +346,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       bwd_split_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, cur);
     }
   } else {
-    const int num_tiles = hp.plan.order.num_tiles;
     if (wg == 0) {
       cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
       if (warp == 0 && cute::elect_one_sync()) {  // takes the tiles, loads their K/V, Q and dO
         RingPos qpos, dpos;
-        int loads = 0;
-        for (int k = 0;; ++k) {
-          const int s = k % kSplitTileSlots;
-          if (k >= kSplitTileSlots)
-            cutlass::arch::ClusterBarrier::wait(&sm.tile_empty[s], (k / kSplitTileSlots - 1) & 1);
-          int index = atomicAdd(hp.p.tile_counter, 1);
-          if (index >= num_tiles) index = -1;
-          sm.tile_index[s] = index;
-          BwdTile tile;
-          if (index >= 0) {
-            tile = bwd_tile_of<Cfg>(hp, index);
-            sm.tile_slot[s] = tile;
-          }
-          cutlass::arch::ClusterBarrier::arrive(&sm.tile_full[s]);
-          if (index < 0) break;
-          if (tile.keys <= 0 || tile.steps() <= 0) continue;
-          if (loads > 0) cutlass::arch::ClusterBarrier::wait(&sm.kv_empty, (loads - 1) & 1);
-          bwd_split_produce<Cfg, T>(hp, sm, tile, qpos, dpos);
-          ++loads;
-        }
+        bwd_persistent_produce<Cfg>(hp, sm.tiles,
+                                    [&](const BwdTile& tile) { bwd_split_produce<Cfg, T>(hp, sm, tile, qpos, dpos); });
       }
       if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync()) {
-        TileFeed feed;
         int step0 = 0;
-        for (int s; sm.tile_index[s = feed.take(sm)] >= 0; feed.release(sm, false, 0)) {
-          const BwdTile& tile = sm.tile_slot[s];
-          if (tile.keys <= 0) continue;
+        bwd_persistent_tiles(sm.tiles, false, 0, [&](const BwdTile& tile) {
           bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1, step0);
           step0 += tile.steps();
-        }
+        });
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
       const int ct = threadIdx.x - 128;
-      TileFeed feed;
       SplitConsumerCursor cur;
-      for (int s; sm.tile_index[s = feed.take(sm)] >= 0; feed.release(sm, true, ct % 32)) {
-        const BwdTile& tile = sm.tile_slot[s];
-        if (tile.keys <= 0) continue;
-        bwd_split_consume<Cfg, T, true>(hp, sm, tile, ct, cur);
-      }
+      bwd_persistent_tiles(sm.tiles, true, ct % 32,
+                           [&](const BwdTile& tile) { bwd_split_consume<Cfg, T, true>(hp, sm, tile, ct, cur); });
     }
   }
 }
