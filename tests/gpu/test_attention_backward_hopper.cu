@@ -149,11 +149,8 @@ TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
   }
 }
 
-// The deterministic mode's dQ accumulator in 1-3 copies (sched::dq_replica_turn; the planner picks
-// by head dim and keys, FLARE_HOPPER_BWD_DQ_REPLICAS forces a count): each count against the oracle
-// and bitwise reproducible, at every built head dim, causal and not, with GQA, ragged lengths.
-TEST(HopperBackward, DeterministicDqReplicas) {
-  FLARE_REQUIRE_HOPPER();
+// The Hopper backward's tilings' head dims that this build instantiates (64, 128, 256).
+std::vector<int> built_hopper_bwd_dims() {
   std::vector<int> dims;
 #ifdef FLARE_HAS_HEAD_DIM_64
   dims.push_back(64);
@@ -164,8 +161,16 @@ TEST(HopperBackward, DeterministicDqReplicas) {
 #ifdef FLARE_HAS_HEAD_DIM_256
   dims.push_back(256);
 #endif
+  return dims;
+}
+
+// The deterministic mode's dQ accumulator in 1-3 copies (sched::dq_replica_turn; the planner picks
+// by head dim and keys, FLARE_HOPPER_BWD_DQ_REPLICAS forces a count): each count against the oracle
+// and bitwise reproducible, at every built head dim, causal and not, with GQA, ragged lengths.
+TEST(HopperBackward, DeterministicDqReplicas) {
+  FLARE_REQUIRE_HOPPER();
   uint64_t seed = 8700;
-  for (int d : dims)
+  for (int d : built_hopper_bwd_dims())
     for (int replicas : {1, 2, 3}) {
       if (reduced() && replicas != 2) continue;
       ASSERT_EQ(setenv("FLARE_HOPPER_BWD_DQ_REPLICAS", std::to_string(replicas).c_str(), 1), 0);
@@ -187,18 +192,8 @@ TEST(HopperBackward, DeterministicDqReplicas) {
 // mask (where the grid of a CTA per tile takes tile order too) bitwise equal to that grid.
 TEST(HopperBackward, DeterministicPersistentGrid) {
   FLARE_REQUIRE_HOPPER();
-  std::vector<int> dims;
-#ifdef FLARE_HAS_HEAD_DIM_64
-  dims.push_back(64);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_128
-  dims.push_back(128);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_256
-  dims.push_back(256);
-#endif
   uint64_t seed = 8800;
-  for (int d : dims)
+  for (int d : built_hopper_bwd_dims())
     for (const MaskParams& m : {MaskParams{true, -1, -1}, MaskParams{}, MaskParams{false, 300, 0}})
       for (int ratio : {1, 4}) {
         if (reduced() && (ratio != 1 || !m.causal)) continue;
