@@ -183,5 +183,38 @@ TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {
     }
 }
 
+// A persistent CTA's writers: over tiles of any step counts, writer j's steps (from
+// writer_first_step on, stride W) are exactly the CTA steps g = j (mod W), and its k-th is g / W.
+TEST(WriterSteps, DealAcrossTiles) {
+  for (int writers = 1; writers <= 3; ++writers)
+    for (int j = 0; j < writers; ++j) {
+      int step0 = 0, taken = 0;
+      for (int steps : {0, 1, 5, 2, 7, 3, 64, 1, 0, 9}) {
+        std::vector<int> mine;
+        for (int it = writer_first_step(j, step0, writers); it < steps; it += writers) mine.push_back(it);
+        std::vector<int> expect;
+        for (int it = 0; it < steps; ++it)
+          if ((step0 + it) % writers == j) expect.push_back(it);
+        EXPECT_EQ(mine, expect) << writers << " writers, writer " << j << ", step0 " << step0;
+        for (int it : mine) EXPECT_EQ((step0 + it) / writers, taken++);
+        step0 += steps;
+      }
+    }
+}
+
+// ring_at matches a ring position advanced one slot at a time.
+TEST(WriterSteps, RingAtMatchesStepping) {
+  for (int stages = 1; stages <= 4; ++stages) {
+    int index = 0;
+    unsigned phase = 0;
+    for (int n = 0; n < 50; ++n) {
+      const RingAt r = ring_at(n, stages);
+      EXPECT_EQ(r.index, index) << stages << " " << n;
+      EXPECT_EQ(r.phase, phase) << stages << " " << n;
+      if (++index == stages) index = 0, phase ^= 1u;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flare::sched

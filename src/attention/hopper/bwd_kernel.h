@@ -508,8 +508,8 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
   const detail::BwdKernelParams& P = hp.p;
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
-  const int first = part.first_step - part.step0 % part.step_stride;
-  for (int it = first < 0 ? first + part.step_stride : first; it < t.steps(); it += part.step_stride) {
+  for (int it = sched::writer_first_step(part.first_step, part.step0, part.step_stride); it < t.steps();
+       it += part.step_stride) {
     const int g = part.step0 + it, k = g / part.step_stride;  // the CTA's step, this writer's k-th
     const QStep step = t.step_at(it);
     const int m = step.m;
@@ -858,7 +858,10 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
     RingPos pos;
     for (int it = 0; it < t.steps(); ++it) {
       const int g = cur.step0 + it;  // the CTA's step
-      if constexpr (kPersistent) pos.index = g % Cfg::kStages, pos.phase = (g / Cfg::kStages) & 1;
+      if constexpr (kPersistent) {
+        const sched::RingAt r = sched::ring_at(g, Cfg::kStages);
+        pos.index = r.index, pos.phase = r.phase;
+      }
       const QStep step = t.step_at(it);
       const int q0 = step.m * Cfg::kBlockM;
       const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];

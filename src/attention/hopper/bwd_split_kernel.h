@@ -110,8 +110,7 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
   constexpr uint32_t kBytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
   constexpr int kChains = hopper_bwd_dq_chains(Cfg::kHeadDim);  // the workspace's semaphores per query block
   static_assert(kChains == 2, "a turn chain per dQ half");
-  const int first = j - step0 % Cfg::kDqWriters;  // the tile's first step of writer j
-  for (int it = first < 0 ? first + Cfg::kDqWriters : first; it < t.steps(); it += Cfg::kDqWriters) {
+  for (int it = sched::writer_first_step(j, step0, Cfg::kDqWriters); it < t.steps(); it += Cfg::kDqWriters) {
     const int g = step0 + it, k = g / Cfg::kDqWriters;  // the CTA's step, writer j's k-th
     const QStep step = t.step_at(it);
     int* sem = FLARE_HOPPER_BWD_EXPERIMENT == 5 ? nullptr
@@ -223,8 +222,9 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       const int q0 = m * Cfg::kBlockM;
       if constexpr (kPersistent) {  // the positions from the CTA's step (fewer registers carried)
         const int g = cur.step0 + it;
-        qpos.index = 2 * g % Cfg::kQHalves, qpos.phase = (2 * g / Cfg::kQHalves) & 1;
-        dpos.index = 0, dpos.phase = g & 1;
+        const sched::RingAt q = sched::ring_at(2 * g, Cfg::kQHalves), d = sched::ring_at(g, 1);
+        qpos.index = q.index, qpos.phase = q.phase;
+        dpos.index = d.index, dpos.phase = d.phase;
       }
       const RingPos qa = qpos;  // the block's first Q half, with its statistics
       qpos.template advance<Cfg::kQHalves>();
