@@ -12,6 +12,7 @@
 
 #include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
+#include "tests/gpu/instantiated_dims.h"
 #include "tests/gpu/unbuilt.h"
 #include "src/attention/hopper/bwd_config.h"
 #include "src/scheduling/tail_split.h"
@@ -152,15 +153,8 @@ TEST(HopperBackward, DeterministicIsBitwiseReproducible) {
 // The Hopper backward's tilings' head dims that this build instantiates (64, 128, 256).
 std::vector<int> built_hopper_bwd_dims() {
   std::vector<int> dims;
-#ifdef FLARE_HAS_HEAD_DIM_64
-  dims.push_back(64);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_128
-  dims.push_back(128);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_256
-  dims.push_back(256);
-#endif
+  for (int d : instantiated_head_dims())
+    if (d == 64 || d == 128 || d == 256) dims.push_back(d);
   return dims;
 }
 

@@ -32,6 +32,7 @@
 
 #include "flare_instantiated.h"
 #include "tests/gpu/block_sparse_case.h"
+#include "tests/gpu/instantiated_dims.h"
 
 namespace flare::test {
 namespace {
@@ -59,27 +60,6 @@ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
-}
-
-// The head dims this build instantiates (FLARE_HEAD_DIMS), ascending.
-std::vector<int> instantiated_head_dims() {
-  std::vector<int> dims;
-#ifdef FLARE_HAS_HEAD_DIM_64
-  dims.push_back(64);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_96
-  dims.push_back(96);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_128
-  dims.push_back(128);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_192
-  dims.push_back(192);
-#endif
-#ifdef FLARE_HAS_HEAD_DIM_256
-  dims.push_back(256);
-#endif
-  return dims;
 }
 
 // ---- a case --------------------------------------------------------------------------------------

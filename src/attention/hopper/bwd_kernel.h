@@ -196,13 +196,11 @@ struct BwdSmem {
   BwdTileSlots tiles;  // the persistent grid's
 };
 
-
 template <typename Cfg, typename T>
 constexpr int hopper_bwd_smem_bytes() {
   constexpr size_t ord = sizeof(BwdSmem<Cfg, T, Cfg::kDqWriters>), det = sizeof(BwdSmem<Cfg, T, Cfg::kDetDqWriters>);
   return static_cast<int>(ord > det ? ord : det) + 1024;
 }
-
 
 // Tile `tile` of the ordinary grid's order: kv block fastest, then head, then sequence (its 3D grid's
 // blockIdx order; the 1D grid of a tail split numbers its tiles so too).
@@ -788,8 +786,8 @@ __device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_a
   sm90::fence_proxy_async_shared();
 }
 
-// What a consumer carries from tile to tile (a persistent CTA's): its steps so far (the dQ tiles',
-// dS buffers' and the ring's phases) and its K/V loads (kv_full's phase).
+// What a consumer carries from tile to tile (a persistent CTA's; both tilings): its steps so far
+// (the dQ buffers', dS buffers' and rings' phases) and its K/V loads (kv_full's phase).
 struct BwdConsumerCursor {
   int step0 = 0, kv_loads = 0;
 };
@@ -999,7 +997,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     for (int i = 0; i < Cfg::kDqBufs; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
     if constexpr (kPersistent)
-      bwd_tile_slots_init(sm.tiles, kBwdArrivalsPerWG * Cfg::kConsumerWGs + kWriters, kBwdArrivalsPerWG * Cfg::kConsumerWGs);
+      bwd_tile_slots_init(sm.tiles, kBwdArrivalsPerWG * Cfg::kConsumerWGs + kWriters,
+                          kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -1009,7 +1008,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
       if (warp == 0 && cute::elect_one_sync()) {
         RingPos pos;
-        bwd_persistent_produce<Cfg>(hp, sm.tiles, [&](const BwdTile& tile) { bwd_produce<Cfg, T>(hp, sm, tile, pos); });
+        bwd_persistent_produce<Cfg>(hp, sm.tiles,
+                                    [&](const BwdTile& tile) { bwd_produce<Cfg, T>(hp, sm, tile, pos); });
       }
       if (warp >= 1 && warp <= kWriters && cute::elect_one_sync()) {
         DqWriterPart part = bwd_dq_writer_part<Cfg>(sm, warp - 1);
@@ -1048,7 +1048,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
       }
     }
 #else
-    if (warp >= 1 && warp <= kWriters && cute::elect_one_sync()) bwd_write_dq<Cfg>(hp, tile, bwd_dq_writer_part<Cfg>(sm, warp - 1));
+    if (warp >= 1 && warp <= kWriters && cute::elect_one_sync())
+      bwd_write_dq<Cfg>(hp, tile, bwd_dq_writer_part<Cfg>(sm, warp - 1));
 #endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();

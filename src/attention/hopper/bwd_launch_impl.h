@@ -14,14 +14,15 @@
 
 namespace flare::hopper {
 
-// A kernel's dynamic shared memory raised to kSmem, once per kernel.
-template <auto kKernel, int kSmem>
-cudaError_t hopper_bwd_smem_attribute() {
+// Takes kKernel (*kernel = kKernel) with its dynamic shared memory raised to kSmem, once per kernel.
+template <auto kKernel, int kSmem, typename Kernel>
+cudaError_t hopper_bwd_take_kernel(Kernel* kernel) {
   static const cudaError_t attr = [] {
     cudaError_t e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e;
   }();
+  *kernel = kKernel;
   return attr;
 }
 
@@ -41,27 +42,17 @@ cudaError_t hopper_bwd_kernel_for(bool deterministic, bool persistent, void (**k
   (void)deterministic;  // unread where the modes share a kernel
   (void)persistent;
   if constexpr (Cfg::kSplitHeadDim) {
-    if (persistent) {
-      *kernel = hopper_bwd_split_kernel<Cfg, T, true>;
-      return hopper_bwd_smem_attribute<hopper_bwd_split_kernel<Cfg, T, true>, kSmem>();
-    }
-    *kernel = hopper_bwd_split_kernel<Cfg, T>;
-    return hopper_bwd_smem_attribute<hopper_bwd_split_kernel<Cfg, T>, kSmem>();
+    if (persistent) return hopper_bwd_take_kernel<hopper_bwd_split_kernel<Cfg, T, true>, kSmem>(kernel);
+    return hopper_bwd_take_kernel<hopper_bwd_split_kernel<Cfg, T>, kSmem>(kernel);
   } else {
     if constexpr (!kSparse) {
-      if (persistent) {
-        *kernel = hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters, true>;
-        return hopper_bwd_smem_attribute<hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters, true>, kSmem>();
+      constexpr int kDet = Cfg::kDetDqWriters;
+      if (persistent) return hopper_bwd_take_kernel<hopper_bwd_kernel<Cfg, T, false, kDet, true>, kSmem>(kernel);
+      if constexpr (kDet != Cfg::kDqWriters) {
+        if (deterministic) return hopper_bwd_take_kernel<hopper_bwd_kernel<Cfg, T, false, kDet>, kSmem>(kernel);
       }
     }
-    if constexpr (!kSparse && Cfg::kDetDqWriters != Cfg::kDqWriters) {
-      if (deterministic) {
-        *kernel = hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters>;
-        return hopper_bwd_smem_attribute<hopper_bwd_kernel<Cfg, T, false, Cfg::kDetDqWriters>, kSmem>();
-      }
-    }
-    *kernel = hopper_bwd_kernel<Cfg, T, kSparse>;
-    return hopper_bwd_smem_attribute<hopper_bwd_kernel<Cfg, T, kSparse>, kSmem>();
+    return hopper_bwd_take_kernel<hopper_bwd_kernel<Cfg, T, kSparse>, kSmem>(kernel);
   }
 }
 

@@ -138,18 +138,12 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
   }
 }
 
-// What a consumer carries from tile to tile (a persistent CTA's): the rings' positions, the CTA's
-// steps so far (the dQ buffers' phases) and its K/V loads (kv_full's phase).
-struct SplitConsumerCursor {
-  RingPos qpos, dpos;
-  int step0 = 0, kv_loads = 0;
-};
-
-// Consumer thread ct (0..255; warpgroup w = ct / 128). kPersistent: K/V released (kv_empty) once
-// the tile's last GEMM has read them.
+// Consumer thread ct (0..255; warpgroup w = ct / 128); `cur`: what it carries from tile to tile
+// (BwdConsumerCursor). kPersistent: the rings' positions from the CTA's step, and K/V released
+// (kv_empty) once the tile's last GEMM has read them.
 template <typename Cfg, typename T, bool kPersistent = false>
 __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
-                                                  const BwdTile& t, int ct, SplitConsumerCursor& cur) {
+                                                  const BwdTile& t, int ct, BwdConsumerCursor& cur) {
   using namespace cute;
   using L = BwdSplitLayouts<Cfg, T>;
   using Elem = typename L::Elem;
@@ -215,12 +209,11 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
 
   if (t.steps() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, cur.kv_loads & 1);
-    RingPos& qpos = cur.qpos;
-    RingPos& dpos = cur.dpos;
+    RingPos qpos, dpos;
     for (int it = 0; it < t.steps(); ++it) {
       const int m = t.m_at(it);
       const int q0 = m * Cfg::kBlockM;
-      if constexpr (kPersistent) {  // the positions from the CTA's step (fewer registers carried)
+      if constexpr (kPersistent) {  // the positions from the CTA's step
         const int g = cur.step0 + it;
         const sched::RingAt q = sched::ring_at(2 * g, Cfg::kQHalves), d = sched::ring_at(g, 1);
         qpos.index = q.index, qpos.phase = q.phase;
@@ -296,10 +289,8 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, g));
     }
-    if constexpr (kPersistent) {  // the last dQ GEMM has read K (wg_wait<0>): the next tile's K/V may land
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.tiles.kv_empty);
-    }
+    // The last dQ GEMM has read K (wg_wait<0>): the next tile's K/V may land.
+    if constexpr (kPersistent) bwd_consumer_arrive(&sm.tiles.kv_empty, lane);
     cur.step0 += t.steps();
     ++cur.kv_loads;
   }
@@ -325,7 +316,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     sm.do_ring.init(4 * Cfg::kConsumerWGs);
     for (int i = 0; i < 2 * Cfg::kDqWriters; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4);
     for (int i = 0; i < 2; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
-    if constexpr (kPersistent) bwd_tile_slots_init(sm.tiles, 4 * Cfg::kConsumerWGs + Cfg::kDqWriters, 4 * Cfg::kConsumerWGs);
+    if constexpr (kPersistent)
+      bwd_tile_slots_init(sm.tiles, kBwdArrivalsPerWG * Cfg::kConsumerWGs + Cfg::kDqWriters,
+                          kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -342,7 +335,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1);
     } else {
       cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-      SplitConsumerCursor cur;
+      BwdConsumerCursor cur;
       bwd_split_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, cur);
     }
   } else {
@@ -363,7 +356,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else {
       cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
       const int ct = threadIdx.x - 128;
-      SplitConsumerCursor cur;
+      BwdConsumerCursor cur;
       bwd_persistent_tiles(sm.tiles, true, ct % 32,
                            [&](const BwdTile& tile) { bwd_split_consume<Cfg, T, true>(hp, sm, tile, ct, cur); });
     }
