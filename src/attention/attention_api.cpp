@@ -254,8 +254,8 @@ Status attention_backward(const AttentionBackwardParams& params) {
     return Status::InvalidArgument("workspace", "needs " + std::to_string(l.total) + " bytes, got " +
                                                     std::to_string(params.workspace_bytes));
   }
-  // Everything after dpsum accumulates or counts from zero.
-  Status st = detail::cuda_status(cudaMemsetAsync(ws + l.dq_accum, 0, l.total - l.dq_accum, params.stream),
+  // Everything after dpsum accumulates or counts from zero (but a dq_accum whose first turns store).
+  Status st = detail::cuda_status(cudaMemsetAsync(ws + l.zero_from, 0, l.total - l.zero_from, params.stream),
                                   "backward workspace reset");
   if (st.ok()) {
     const detail::BwdKernelParams k = detail::make_bwd_kernel_params(

@@ -33,6 +33,8 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     l.dq_replica_floats = padded * s.heads * s.head_dim;
     l.dq_accum = take(replicas * l.dq_replica_floats * sizeof(float));
   }
+  l.dq_first_stores = deterministic && hopper_head_dim > 0 && sparse_dq_per_head <= 0;
+  l.zero_from = l.dq_first_stores ? at : l.dq_accum;
   if (s.heads_kv != s.heads) {
     l.dk_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
     l.dv_accum = take(rows_k * s.heads_kv * s.head_dim * sizeof(float));
@@ -106,6 +108,7 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
     k.dq_replicas = l.dq_replicas;
     k.dq_replica_floats = static_cast<int64_t>(l.dq_replica_floats);
     k.dq_replica_semaphores = static_cast<int64_t>(l.dq_replica_semaphores);
+    k.dq_first_stores = l.dq_first_stores;
   }
   if (tail.active()) {
     k.tail = tail;

@@ -41,6 +41,9 @@ struct BwdKernelParams {
   // first; turn t adds into copy t mod R (sched::dq_replica_turn), the convert sums them in order.
   int dq_replicas = 1;
   int64_t dq_replica_floats = 0, dq_replica_semaphores = 0;
+  // Deterministic Hopper dense grids: turn 0 of each copy's chain stores its tile instead of adding
+  // it, so dq_accum is not zeroed; the convert reads a copy only where its semaphore moved.
+  bool dq_first_stores = false;
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
   int* tile_counter = nullptr;  // deterministic: the persistent grid's next tile (zeroed per call)
   // Hopper, ordinary dense grids: the last tiles split into parts (sched::tail_split; inactive:
@@ -116,6 +119,8 @@ struct BwdWorkspaceLayout {
   std::size_t dkv_tail = 0;  // dkv_tail_elems > 0: BwdKernelParams::dkv_tail
   int dq_replicas = 1;       // copies of dq_accum and the dQ semaphores (BwdKernelParams::dq_replicas)
   std::size_t dq_replica_floats = 0, dq_replica_semaphores = 0;
+  bool dq_first_stores = false;  // BwdKernelParams::dq_first_stores: dq_accum is not zeroed
+  std::size_t zero_from = 0;     // the call zeroes [zero_from, total): dq_accum on, or what follows it
   std::size_t total = 0;
 };
 
@@ -125,7 +130,9 @@ struct BwdWorkspaceLayout {
 // counts its own semaphores: sparse_dq_per_head per (batch, head) and sparse_dkv_per_head per
 // (batch, kv head) when positive. `dkv_tail_elems`: floats of the split tiles' partial dK (and as
 // many for dV), zeroed with the rest after dq_accum. `dq_replicas` (deterministic only): copies of
-// dq_accum and of the dQ semaphores.
+// dq_accum and of the dQ semaphores. The deterministic Hopper dense backward (hopper_head_dim > 0,
+// no sparse semaphore counts) stores its first turns (dq_first_stores) and leaves dq_accum out of
+// the zeroed range.
 BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, int block_n, bool deterministic,
                                         int hopper_head_dim = 0, int dq_chains = 1, int64_t sparse_dq_per_head = 0,
                                         int64_t sparse_dkv_per_head = 0, int64_t dkv_tail_elems = 0,

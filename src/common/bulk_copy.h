@@ -109,6 +109,15 @@ __device__ __forceinline__ void bulk_reduce_add_f32_s2g(float* dst, const float*
                : "memory");
 #endif
 }
+// Shared -> global copy of `bytes` (multiple of 16, both addresses 16-byte aligned) in this
+// thread's current bulk group.
+__device__ __forceinline__ void bulk_store_s2g(void* dst, const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_u32(src)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_commit_group() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

@@ -223,6 +223,28 @@ TEST(BwdWorkspace, TileCounterIsZeroedWithTheSemaphores) {
   EXPECT_EQ(bwd_workspace_layout(s, 64, 64, false, 256, 2).tile_counter, 0u);
 }
 
+// Only the deterministic Hopper dense backward stores its first turns and leaves dq_accum unzeroed;
+// everything after dq_accum (GQA's dK/dV accumulators, the semaphores, the counter) stays zeroed.
+TEST(BwdWorkspace, DqAccumLeftUnzeroedOnlyWhereFirstTurnsStore) {
+  AttentionShape s;
+  s.batch = 2, s.heads = 8, s.heads_kv = 2, s.head_dim = 128;
+  s.seqlen_q = 700, s.seqlen_k = 900, s.total_q = 1400, s.total_k = 1800;
+  for (int replicas : {1, 2}) {
+    const BwdWorkspaceLayout det = bwd_workspace_layout(s, 128, 128, true, 128, 1, 0, 0, 0, replicas);
+    EXPECT_TRUE(det.dq_first_stores);
+    EXPECT_EQ(det.zero_from, det.dk_accum);
+    EXPECT_GE(det.zero_from, det.dq_accum + replicas * det.dq_replica_floats * sizeof(float));
+    EXPECT_LT(det.zero_from, det.dq_semaphore);
+  }
+  const BwdWorkspaceLayout ordinary = bwd_workspace_layout(s, 128, 128, false, 128, 1);
+  const BwdWorkspaceLayout sparse = bwd_workspace_layout(s, 128, 128, true, 128, 1, 12, 8);
+  const BwdWorkspaceLayout portable = bwd_workspace_layout(s, 64, 64, true);
+  for (const BwdWorkspaceLayout& l : {ordinary, sparse, portable}) {
+    EXPECT_FALSE(l.dq_first_stores);
+    EXPECT_EQ(l.zero_from, l.dq_accum);
+  }
+}
+
 // The measured rule (bwd_dq_replicas.h): two copies for d256 up to 16k keys, causal up to 8k; one
 // elsewhere.
 TEST(BwdWorkspace, DqReplicasWhereTheyWon) {

@@ -207,6 +207,24 @@ class AttnProblem {
     return p;
   }
 
+  // Hands the backward `p` (complete: its size depends on the mask, block mask and mode) a workspace
+  // of its size filled with 0xFF bytes (NaN floats), so a kernel that reads an accumulator it never
+  // zeroed or wrote shows (the call zeroes what it accumulates into).
+  void poison_workspace(AttentionBackwardParams& p) {
+    std::size_t bytes = 0;
+    const Status s = attention_backward_workspace_size(p, &bytes);
+    if (!s.ok() || bytes == 0) return;  // the call itself reports it
+    if (bytes > workspace_bytes_) {
+      void* ws = nullptr;
+      ASSERT_EQ(cudaMalloc(&ws, bytes), cudaSuccess) << "backward workspace, " << bytes << " bytes";
+      workspace_.reset(ws);
+      workspace_bytes_ = bytes;
+    }
+    ASSERT_EQ(cudaMemset(workspace_.get(), 0xFF, bytes), cudaSuccess);
+    p.workspace = workspace_.get();
+    p.workspace_bytes = bytes;
+  }
+
   // The GPU forward's stored O (waits for the forward, downloads it into out_host): the input the
   // backward kernels read for D_i = dO_i . O_i, so the run in the input dtype should read it too.
   // The oracle's own O in the input dtype can differ from it by an ulp here and there; with one
@@ -351,6 +369,11 @@ class AttnProblem {
   AttnCase c_;
   std::unique_ptr<DeviceTensor> dq_, dk_, dv_, dsinks_, dcu_q_, dcu_k_, dout_, dlse_;
   std::unique_ptr<DeviceTensor> dgrad_out_, ddq_, ddk_, ddv_, ddsinks_;
+  struct CudaFree {
+    void operator()(void* p) const { cudaFree(p); }
+  };
+  std::unique_ptr<void, CudaFree> workspace_;  // poison_workspace's
+  std::size_t workspace_bytes_ = 0;
 };
 
 // The mask kinds the sweeps cycle through: none, causal, a two-sided window, causal + left window.
@@ -413,6 +436,7 @@ inline void expect_bitwise_reproducible(const AttnCase& c, Backend backend, int 
   ref::HostTensor first_dq, first_dk, first_dv;
   for (int r = 0; r < runs; ++r) {
     AttentionBackwardParams b = prob.backward_params(backend, true);
+    prob.poison_workspace(b);
     Status s = attention_backward(b);
     ASSERT_TRUE(s.ok()) << s.message();
     FLARE_CUDA_OK(cudaDeviceSynchronize());

@@ -19,6 +19,7 @@ void run_backward(const AttnCase& c, bool deterministic) {
   FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(f));
   AttentionBackwardParams b = prob.backward_params(Backend::kPortable, deterministic);  // draws dout
   prob.run_backward_oracle(nullptr, prob.stored_out());
+  prob.poison_workspace(b);
   FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();

@@ -29,6 +29,7 @@ void run_backward(const AttnCase& c, bool deterministic, Backend forward = Backe
   FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(f));
   AttentionBackwardParams b = prob.backward_params(Backend::kHopper, deterministic);  // draws dout
   prob.run_backward_oracle(nullptr, prob.stored_out());
+  prob.poison_workspace(b);
   FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
   FLARE_CUDA_OK(cudaDeviceSynchronize());
   prob.check_backward();
@@ -203,6 +204,7 @@ TEST(HopperBackward, DeterministicPersistentGrid) {
           for (int persistent : {0, 1}) {
             if (persistent) ASSERT_EQ(setenv("FLARE_HOPPER_BWD_PERSISTENT_DET", "1", 1), 0);
             AttentionBackwardParams b = prob.backward_params(Backend::kHopper, true);
+            prob.poison_workspace(b);
             FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
             FLARE_CUDA_OK(cudaDeviceSynchronize());
             prob.download_grads();

@@ -70,6 +70,7 @@
 #define FLARE_HOPPER_BWD_EXPERIMENT 0
 #endif
 
+
 // dK += dS^T Q with dS^T from registers (1), as dV's P^T, or from its shared-memory tile (0; the
 // tile is written for dQ either way). Registers spare the tensor cores' shared-memory reads.
 #ifndef FLARE_HOPPER_BWD_DK_RS
@@ -481,6 +482,15 @@ __device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
   for (int i = 0; i < count; ++i) device_sync::pass_turn(sem + i);
 }
 
+// A dQ tile (`bytes` of shared memory at src) into dq_accum at dst: added, or stored where it is
+// its chain's first turn on its copy (BwdKernelParams::dq_first_stores: nothing zeroed the copy).
+__device__ __forceinline__ void dq_tile_put(float* dst, const float* src, uint32_t bytes, bool store) {
+  if (store)
+    sm90::bulk_store_s2g(dst, src, bytes);
+  else
+    sm90::bulk_reduce_add_f32_s2g(dst, src, bytes);
+}
+
 // Deterministic dense grids: where turn `turn` of a dQ chain adds (sched::dq_replica_turn): its
 // copy's offsets from the first copy's semaphore and tile, and its turn on that copy.
 struct DqReplica {
@@ -533,7 +543,8 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
       if (m * Cfg::kBlockM + detail::kRowStatsBlockM >= t.seq.seqlen_q) bytes /= 2;
     }
     const int buf = g % part.tiles;
-    if (tile != nullptr) sm90::bulk_reduce_add_f32_s2g(tile, part.smem + buf * part.tile_floats, bytes);
+    const bool store = !Tile::kSparse && sem != nullptr && P.dq_first_stores && d.turn == 0;
+    if (tile != nullptr) dq_tile_put(tile, part.smem + buf * part.tile_floats, bytes, store);
     sm90::bulk_commit_group();
     // The tile is free once read: the consumers go on with the next step while the add completes.
     sm90::bulk_wait_read_all();
@@ -1080,13 +1091,38 @@ __global__ void hopper_dkv_tail_convert_kernel(const detail::BwdKernelParams P) 
 }
 
 // Four floats of dq_accum at `at` in the first copy: their sum over the copies, in copy order.
-__device__ __forceinline__ float4 dq_accum_load4(const detail::BwdKernelParams& P, const float* at) {
-  float4 v = *reinterpret_cast<const float4*>(at);
-  for (int r = 1; r < P.dq_replicas; ++r) {
+// `copies`: bit r set where copy r holds adds (dq_accum_copies).
+__device__ __forceinline__ float4 dq_accum_load4(const detail::BwdKernelParams& P, const float* at, uint32_t copies) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int r = 0; r < P.dq_replicas; ++r) {
+    if (!(copies >> r & 1u)) continue;
     const float4 u = *reinterpret_cast<const float4*>(at + r * P.dq_replica_floats);
     v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
   }
   return v;
+}
+
+// The copies of dq_accum that hold adds, per dQ chain c (bits 4 c + r, copy r), for the 64-row
+// query block m64 (`step_m64`: its step's first block, whose semaphores the chains use): every
+// copy, unless the first turns stored (dq_first_stores), where a copy counts once its semaphore
+// has moved (a copy no turn reached was never written).
+template <typename Cfg>
+__device__ __forceinline__ uint32_t dq_accum_copies(const detail::BwdKernelParams& P, int b, int h, int step_m64) {
+  constexpr int kChains = hopper_bwd_dq_chains(Cfg::kHeadDim);
+  static_assert(kChains <= 8, "4 bits a chain");
+  if (!P.dq_first_stores) return ~0u;
+  const int* sem = portable::dq_turn_semaphore(P, b, h, step_m64, kChains);
+  uint32_t copies = 0;
+  for (int c = 0; c < kChains; ++c)
+    for (int r = 0; r < P.dq_replicas; ++r)
+      if (sem[c + r * P.dq_replica_semaphores] > 0) copies |= 1u << (4 * c + r);
+  return copies;
+}
+// Chain bits of `copies` for dQ column col.
+template <typename Cfg>
+__device__ __forceinline__ uint32_t dq_chain_copies(uint32_t copies, int col) {
+  constexpr int kChains = hopper_bwd_dq_chains(Cfg::kHeadDim);
+  return copies >> (4 * (col / (Cfg::kHeadDim / kChains))) & 0xFu;
 }
 
 // dQ from the tiles of dq_accum (already scaled) to the output dtype through dq's strides: one CTA
@@ -1107,6 +1143,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   const float* tile = hopper_dq_tile<Cfg>(P, seq.q_start, b, h, m * Cfg::kRowBlocks + half);
   if (tile == nullptr) return;
   tile -= half * detail::kRowStatsBlockM * Cfg::kHeadDim;  // Cfg::dq_tile_offset counts from the step's first block
+  const uint32_t copies = dq_accum_copies<Cfg>(P, b, h, m * Cfg::kRowBlocks);
   // As bwd_store_dkv: where dQ's rows are 16-byte aligned and the fragment has the accumulator's
   // rows, 16 x 16 blocks through the quad transpose (accumulator_piece), one 16-byte store a lane.
   T* dq0 = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + m * Cfg::kBlockM, h);
@@ -1117,8 +1154,9 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
     const bool row_ok = m * Cfg::kBlockM + my_row < seq.seqlen_q;
     CUTE_UNROLL
     for (int blk = 0; blk < size(dq_coord) / 8; ++blk) {  // elements 8 blk .. 8 blk + 7, two float4
-      const float4 lo = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk));
-      const float4 hi = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk + 4));
+      const uint32_t chain = dq_chain_copies<Cfg>(copies, get<1>(dq_coord(8 * blk)));
+      const float4 lo = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk), chain);
+      const float4 hi = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk + 4), chain);
       const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
       const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, 1.f, 1.f, t4);
       if (row_ok && my_col + 16 * blk < p.head_dim) *reinterpret_cast<uint4*>(dst + 16 * blk) = v;
@@ -1127,7 +1165,8 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   }
   CUTE_UNROLL
   for (int i = 0; i < size(dq_coord); i += 4) {
-    const float4 v = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, i));
+    const float4 v =
+        dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, i), dq_chain_copies<Cfg>(copies, get<1>(dq_coord(i))));
     const float vals[4] = {v.x, v.y, v.z, v.w};
     CUTE_UNROLL
     for (int e = 0; e < 4; e += 2) {

@@ -122,12 +122,13 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
       sem += r.semaphores, turn = r.turn;
       if (tile != nullptr) tile += r.floats;
     }
+    const bool store = sem != nullptr && P.dq_first_stores && turn == 0;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, g), k & 1);
       if (sem != nullptr) wait_for_dq_turn(sem + half, turn);
       if (tile != nullptr)
-        sm90::bulk_reduce_add_f32_s2g(tile + half * (kBytes / sizeof(float)), sm.dq.data() + half * sm.kDqHalf, kBytes);
+        dq_tile_put(tile + half * (kBytes / sizeof(float)), sm.dq.data() + half * sm.kDqHalf, kBytes, store);
       sm90::bulk_commit_group();
     }
     sm90::bulk_wait_read<1>();
