@@ -18,9 +18,12 @@
 //
 // Four copies lost everywhere (two writers: 1.12-1.85 at d256). A second A/B of d64 causal 8k / 16k
 // read 0.997 / 1.002: d64's 1-2 % is within the runs' spread. The copies cost a second accumulator
-// to zero and to read in the convert (58 -> 97 us at d256 4k) and L2 room: a d256 step adds 64 KB of
-// dQ, and at 16k keys one head's accumulator is 16 MB a copy (the walks of a causal grid spread over
-// all of it). So two copies at d256 up to 16k keys, causal up to 8k; one at d64 and d128.
+// to read in the convert (58 -> 97 us at d256 4k, the zeroing included, which session 40's
+// first-turn stores removed) and L2 room: a d256 step adds 64 KB of dQ, and at 16k keys one head's
+// accumulator is 16 MB a copy (the walks of a causal grid spread over all of it). So two copies at
+// d256 up to 16k keys, causal up to 8k; one at d64 and d128. Re-measured once no copy was zeroed
+// (session 40, two copies / one): d128 0.999-1.015, causal 1.011-1.062; d64 0.992-1.010; d256 16k
+// 0.927, causal 16k 1.141: the rule stands.
 //
 // Why the simulation overestimated the copies alone (ncu, d256 4k non-causal, two writers, one
 // launch each): at locked base clocks the ordinary kernel takes 3.66 ms, det 4.19 (one copy) and
