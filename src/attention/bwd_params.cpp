@@ -50,7 +50,6 @@ BwdWorkspaceLayout bwd_workspace_layout(const AttentionShape& s, int block_m, in
     l.dq_replica_semaphores = std::size_t{1} * s.batch * s.heads * dq_per_head;
     l.dq_semaphore = take(replicas * l.dq_replica_semaphores * sizeof(int));
     l.dkv_semaphore = take(std::size_t{1} * s.batch * s.heads_kv * dkv_per_head * sizeof(int));
-    l.tile_counter = take(sizeof(int));
   }
   l.total = at;
   return l;
@@ -104,7 +103,6 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
   if (p.deterministic) {
     k.dq_semaphore = reinterpret_cast<int*>(ws + l.dq_semaphore);
     k.dkv_semaphore = reinterpret_cast<int*>(ws + l.dkv_semaphore);
-    k.tile_counter = reinterpret_cast<int*>(ws + l.tile_counter);
     k.dq_replicas = l.dq_replicas;
     k.dq_replica_floats = static_cast<int64_t>(l.dq_replica_floats);
     k.dq_replica_semaphores = static_cast<int64_t>(l.dq_replica_semaphores);

@@ -45,7 +45,6 @@ struct BwdKernelParams {
   // it, so dq_accum is not zeroed; the convert reads a copy only where its semaphore moved.
   bool dq_first_stores = false;
   int* dkv_semaphore = nullptr; // deterministic GQA: [batch, heads_kv, num_n_blocks]
-  int* tile_counter = nullptr;  // deterministic: the persistent grid's next tile (zeroed per call)
   // Hopper, ordinary dense grids: the last tiles split into parts (sched::tail_split; inactive:
   // none). Without GQA the parts add their dK and dV (dK scaled) into dkv_tail, [tail.tiles,
   // block_n keys, head_dim] for dK then the same for dV, converted after the grid.
@@ -115,7 +114,6 @@ FLARE_HD int hopper_dq_tile_offset(int threads, int ct, int i) { return ((i / 4)
 struct BwdWorkspaceLayout {
   int hopper_head_dim = 0;
   std::size_t dpsum = 0, row_stats = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, dq_semaphore = 0, dkv_semaphore = 0;
-  std::size_t tile_counter = 0;  // deterministic: one int
   std::size_t dkv_tail = 0;  // dkv_tail_elems > 0: BwdKernelParams::dkv_tail
   int dq_replicas = 1;       // copies of dq_accum and the dQ semaphores (BwdKernelParams::dq_replicas)
   std::size_t dq_replica_floats = 0, dq_replica_semaphores = 0;

@@ -252,27 +252,14 @@ FLARE_HD DqReplicaTurn dq_replica_turn(int turn, int replicas) {
   return r;
 }
 
-// A CTA's steps, counted over its tiles (a persistent CTA's; step0: the steps of its earlier
-// tiles), dealt to its W dQ writers in turn: writer j takes the CTA's steps g = j (mod W), so its
-// first step of a tile is step0's next such step, and CTA step g is writer (g mod W)'s
-// (g / W)-th: the phase count of the barrier it waits on.
+// A CTA's steps dealt to its W dQ writers in turn, counted from step0 (the steps before the
+// current tile's; 0 for a CTA of one tile): writer j takes the steps g = j (mod W), so its first
+// step of the tile is step0's next such step, and step g is writer (g mod W)'s (g / W)-th. (Written
+// for the persistent deterministic grid, deleted in session 40; the d <= 128 writers still call it
+// with step0 = 0: bwd_write_dq.)
 FLARE_HD int writer_first_step(int writer, int step0, int writers) {
   const int first = writer - step0 % writers;
   return first < 0 ? first + writers : first;
-}
-
-// A ring of `stages` slots after `advances` advances from (0, phase 0): its slot and phase, as a
-// ring position stepped one slot at a time has them (a persistent CTA's consumers recompute it
-// from their step count rather than carry it).
-struct RingAt {
-  int index = 0;
-  unsigned phase = 0;
-};
-FLARE_HD RingAt ring_at(int advances, int stages) {
-  RingAt r;
-  r.index = advances % stages;
-  r.phase = static_cast<unsigned>(advances / stages) & 1u;
-  return r;
 }
 
 // GQA: dK/dV of kv head h / group are summed over its q-heads in q-head order. The semaphore

@@ -208,23 +208,8 @@ TEST(BwdWorkspace, DqReplicasAreWholeCopies) {
   EXPECT_EQ(ordinary.total, bwd_workspace_layout(s, 64, 64, false, 256, 2).total);
 }
 
-// The persistent deterministic grid's tile counter: one int after the dK/dV semaphores, inside the
-// range zeroed per call (from dq_accum to the end); none in the ordinary mode.
-TEST(BwdWorkspace, TileCounterIsZeroedWithTheSemaphores) {
-  AttentionShape s;
-  s.batch = 2, s.heads = 8, s.heads_kv = 2, s.head_dim = 256;
-  s.seqlen_q = 700, s.seqlen_k = 900, s.total_q = 1400, s.total_k = 1800;
-  for (int replicas : {1, 2}) {
-    const BwdWorkspaceLayout l = bwd_workspace_layout(s, 64, 64, true, 256, 2, 0, 0, 0, replicas);
-    EXPECT_GT(l.tile_counter, l.dq_accum);
-    EXPECT_GE(l.tile_counter, l.dkv_semaphore + std::size_t{2} * 2 * ((900 + 63) / 64) * sizeof(int));
-    EXPECT_LE(l.tile_counter + sizeof(int), l.total);
-  }
-  EXPECT_EQ(bwd_workspace_layout(s, 64, 64, false, 256, 2).tile_counter, 0u);
-}
-
 // Only the deterministic Hopper dense backward stores its first turns and leaves dq_accum unzeroed;
-// everything after dq_accum (GQA's dK/dV accumulators, the semaphores, the counter) stays zeroed.
+// everything after dq_accum (GQA's dK/dV accumulators, the semaphores) stays zeroed.
 TEST(BwdWorkspace, DqAccumLeftUnzeroedOnlyWhereFirstTurnsStore) {
   AttentionShape s;
   s.batch = 2, s.heads = 8, s.heads_kv = 2, s.head_dim = 128;

@@ -183,8 +183,8 @@ TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {
     }
 }
 
-// A persistent CTA's writers: over tiles of any step counts, writer j's steps (from
-// writer_first_step on, stride W) are exactly the CTA steps g = j (mod W), and its k-th is g / W.
+// Writers over tiles of any step counts: writer j's steps (from writer_first_step on, stride W) are
+// exactly the steps g = j (mod W) counted from the first tile, and its k-th is g / W.
 TEST(WriterSteps, DealAcrossTiles) {
   for (int writers = 1; writers <= 3; ++writers)
     for (int j = 0; j < writers; ++j) {
@@ -200,20 +200,6 @@ TEST(WriterSteps, DealAcrossTiles) {
         step0 += steps;
       }
     }
-}
-
-// ring_at matches a ring position advanced one slot at a time.
-TEST(WriterSteps, RingAtMatchesStepping) {
-  for (int stages = 1; stages <= 4; ++stages) {
-    int index = 0;
-    unsigned phase = 0;
-    for (int n = 0; n < 50; ++n) {
-      const RingAt r = ring_at(n, stages);
-      EXPECT_EQ(r.index, index) << stages << " " << n;
-      EXPECT_EQ(r.phase, phase) << stages << " " << n;
-      if (++index == stages) index = 0, phase ^= 1u;
-    }
-  }
 }
 
 }  // namespace

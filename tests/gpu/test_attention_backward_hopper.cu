@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -180,50 +179,6 @@ TEST(HopperBackward, DeterministicDqReplicas) {
     }
   unsetenv("FLARE_HOPPER_BWD_DQ_REPLICAS");
 }
-
-// The deterministic mode on its persistent grid (FLARE_HOPPER_BWD_PERSISTENT_DET=1): CTAs take
-// tiles from a counter, more tiles than CTAs (65 kv blocks' tiles x 4 heads against at most one
-// CTA per SM), against the oracle and bitwise over runs; turns in tile order, so under a causal
-// mask (where the grid of a CTA per tile takes tile order too) bitwise equal to that grid.
-TEST(HopperBackward, DeterministicPersistentGrid) {
-  FLARE_REQUIRE_HOPPER();
-  uint64_t seed = 8800;
-  for (int d : built_hopper_bwd_dims())
-    for (const MaskParams& m : {MaskParams{true, -1, -1}, MaskParams{}, MaskParams{false, 300, 0}})
-      for (int ratio : {1, 4}) {
-        if (reduced() && (ratio != 1 || !m.causal)) continue;
-        AttnCase c = mask_ratio_case(m, ratio, seed++);
-        c.head_dim = d;
-        c.seqlen_q = 192, c.seqlen_k = d == 256 ? 4100 : 8200;  // 65 kv blocks of 64 / 128 keys
-        SCOPED_TRACE("persistent grid");
-        if (m.causal) {  // the grid of a CTA per tile first
-          AttnProblem prob(c);
-          FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(prob.forward_params(Backend::kHopper)));
-          ref::HostTensor dq, dk, dv;
-          unsetenv("FLARE_HOPPER_BWD_PERSISTENT_DET");
-          for (int persistent : {0, 1}) {
-            if (persistent) ASSERT_EQ(setenv("FLARE_HOPPER_BWD_PERSISTENT_DET", "1", 1), 0);
-            AttentionBackwardParams b = prob.backward_params(Backend::kHopper, true);
-            prob.poison_workspace(b);
-            FLARE_ASSERT_OK_OR_UNBUILT(attention_backward(b));
-            FLARE_CUDA_OK(cudaDeviceSynchronize());
-            prob.download_grads();
-            if (!persistent) {
-              dq = prob.dq_host, dk = prob.dk_host, dv = prob.dv_host;
-              continue;
-            }
-            EXPECT_EQ(std::memcmp(dq.data(), prob.dq_host.data(), dq.nbytes()), 0) << "dq";
-            EXPECT_EQ(std::memcmp(dk.data(), prob.dk_host.data(), dk.nbytes()), 0) << "dk";
-            EXPECT_EQ(std::memcmp(dv.data(), prob.dv_host.data(), dv.nbytes()), 0) << "dv";
-          }
-        }
-        ASSERT_EQ(setenv("FLARE_HOPPER_BWD_PERSISTENT_DET", "1", 1), 0);
-        run_backward(c, true);
-        expect_bitwise_reproducible(c, Backend::kHopper, 3);
-      }
-  unsetenv("FLARE_HOPPER_BWD_PERSISTENT_DET");
-}
-
 
 // Outside its scope (soft-capping; head dims other than <= 128 and 256) a forced Hopper backward
 // refuses with a reason and kAuto runs the portable one, whose result is checked.

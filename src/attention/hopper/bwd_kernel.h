@@ -118,8 +118,7 @@ using QStep = block_sparse::ListStep;
 
 // What only a block-sparse tile carries: the mask's transposed lists (or the plan's walk); in
 // deterministic mode the plan's tile, the CTA's key slice of its kv block and, under GQA, the dK/dV
-// semaphore (null: none) and turn. (A dense tile goes without: the persistent grid keeps two in
-// shared memory.)
+// semaphore (null: none) and turn. (A dense tile goes without.)
 template <bool kSparse>
 struct BwdTileSparse {};
 template <>
@@ -165,19 +164,6 @@ struct BwdTileT : BwdTileSparse<kSparse_> {
 };
 using BwdTile = BwdTileT<false>;
 
-// The persistent deterministic grids (kPersistent of both tilings' kernels): the tiles the
-// producer thread took from the counter (BwdKernelParams::tile_counter, in plan order), two slots
-// (index -1: none left), each held until its consumers and writers are done with it (they read the
-// tile's fields from here rather than hold them in registers); kv_empty: the consumers done with
-// K/V, before the next tile's load.
-inline constexpr int kBwdTileSlots = 2;
-struct BwdTileSlots {
-  BwdTile tile[kBwdTileSlots];
-  int index[kBwdTileSlots];
-  uint64_t full[kBwdTileSlots], empty[kBwdTileSlots];
-  uint64_t kv_empty;
-};
-
 template <typename Cfg, typename T, int kWriters_ = Cfg::kDqWriters>
 struct BwdSmem {
   using L = BwdLayouts<Cfg, T>;
@@ -194,7 +180,6 @@ struct BwdSmem {
   // Step it's dQ tile: written by the 8 consumer warps (dq_full of its writer, it % kWriters) /
   // read by the bulk add (dq_empty of its tile, it % kDqBufs).
   uint64_t dq_full[kWriters], dq_empty[Cfg::kDqBufs];
-  BwdTileSlots tiles;  // the persistent grid's
 };
 
 template <typename Cfg, typename T>
@@ -215,11 +200,10 @@ __device__ __forceinline__ sched::TileCoord ordinary_bwd_tile(const detail::BwdK
 
 // Ordinary mode: the 3D grid (kv block, head, sequence), or with a tail split a 1D grid of whole
 // tiles and parts (sched::tail_work). Deterministic: a 1D grid in the plan's
-// tile order, which CTAs start in, as the turn order's deadlock freedom assumes (a persistent grid
-// passes the tile it took, `det_index`). kSparse: the 3D grid over the kernel's 128-key blocks, the
-// steps from the block mask's lists.
+// tile order, which CTAs start in, as the turn order's deadlock freedom assumes. kSparse: the 3D
+// grid over the kernel's 128-key blocks, the steps from the block mask's lists.
 template <typename Cfg, bool kSparse = false, typename Params>
-__device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp, int det_index = -1) {
+__device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
   const detail::BwdKernelParams& P = hp.p;
   const detail::FwdKernelParams& p = P.fwd;
   BwdTileT<kSparse> t;
@@ -232,7 +216,7 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp, int d
       t.h = t.plan_tile.head, t.b = t.plan_tile.batch;
     }
   } else if (P.deterministic) {
-    const sched::TileCoord c = sched::tile_at(hp.plan.order, det_index >= 0 ? det_index : static_cast<int>(blockIdx.x));
+    const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
     t.n = c.block, t.h = c.head, t.b = c.batch;
   } else if (!kSparse && P.tail.active()) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
     const sched::TileCoord c = ordinary_bwd_tile(P, sched::tail_work(P.tail, blockIdx.x, 0).tile);
@@ -277,59 +261,6 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp, int d
     }
   }
   return t;
-}
-
-// The persistent grid's tile slots: barriers for `readers` arrivals a slot (consumer warps and
-// writer threads) and K/V's release by `kv_readers` consumer warps.
-__device__ __forceinline__ void bwd_tile_slots_init(BwdTileSlots& s, int readers, int kv_readers) {
-  for (int i = 0; i < kBwdTileSlots; ++i) {
-    cutlass::arch::ClusterBarrier::init(&s.full[i], 1);
-    cutlass::arch::ClusterBarrier::init(&s.empty[i], readers);
-  }
-  cutlass::arch::ClusterBarrier::init(&s.kv_empty, kv_readers);
-}
-
-// The persistent grid's producer thread: takes tiles from the counter in plan order and publishes
-// each (its slot free again once the tile two back is done with); for a tile with steps, once the
-// consumers are done with the last one's K/V, `load(tile)` issues its K/V, Q and dO.
-template <typename Cfg, typename Params, typename Load>
-__device__ __forceinline__ void bwd_persistent_produce(const Params& hp, BwdTileSlots& slots, Load&& load) {
-  const int num_tiles = hp.plan.order.num_tiles;
-  int loads = 0;
-  for (int k = 0;; ++k) {
-    const int s = k % kBwdTileSlots;
-    if (k >= kBwdTileSlots) cutlass::arch::ClusterBarrier::wait(&slots.empty[s], (k / kBwdTileSlots - 1) & 1);
-    int index = atomicAdd(hp.p.tile_counter, 1);
-    if (index >= num_tiles) index = -1;
-    slots.index[s] = index;
-    BwdTile tile;
-    if (index >= 0) {
-      tile = bwd_tile_of<Cfg>(hp, index);
-      slots.tile[s] = tile;
-    }
-    cutlass::arch::ClusterBarrier::arrive(&slots.full[s]);
-    if (index < 0) return;
-    if (tile.keys <= 0 || tile.steps() <= 0) continue;
-    if (loads > 0) cutlass::arch::ClusterBarrier::wait(&slots.kv_empty, (loads - 1) & 1);
-    load(tile);
-    ++loads;
-  }
-}
-
-// The persistent grid's consumers and writers: `body(tile)` for each tile with keys, in the order
-// taken, read from its slot; `warp`: a whole warp reads it (lane 0 releases the slot after the
-// warp), else one thread.
-template <typename Body>
-__device__ __forceinline__ void bwd_persistent_tiles(BwdTileSlots& slots, bool warp, int lane, Body&& body) {
-  for (int k = 0;; ++k) {
-    const int s = k % kBwdTileSlots;
-    cutlass::arch::ClusterBarrier::wait(&slots.full[s], (k / kBwdTileSlots) & 1);
-    if (slots.index[s] < 0) return;
-    const BwdTile& tile = slots.tile[s];
-    if (tile.keys > 0) body(tile);
-    if (warp) __syncwarp();
-    if (!warp || lane == 0) cutlass::arch::ClusterBarrier::arrive(&slots.empty[s]);
-  }
 }
 
 // The dQ tile of 64-row query block m64 in dq_accum, in thread order (detail::hopper_dq_tile_offset):
@@ -393,12 +324,12 @@ __device__ __forceinline__ void bwd_produce_tiles(const Params& hp, Smem& sm, co
   }
 }
 
-// The d <= 128 tiling: Q, dO and the statistics share one ring of kStages stages (`pos`: the
-// ring's position, carried from tile to tile by a persistent CTA).
+// The d <= 128 tiling: Q, dO and the statistics share one ring of kStages stages.
 template <typename Cfg, typename T, typename Smem, typename Tile>
-__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, Smem& sm, const Tile& t, RingPos& pos) {
+__device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, Smem& sm, const Tile& t) {
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
+  RingPos pos;
   auto stats_part = hp.tma_stats.get_slice(_0{});
   bwd_produce_tiles<L, typename L::SmemQ>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src, auto& do_dst,
                                                           auto& stats_src, int stats_block) {
@@ -429,7 +360,6 @@ struct DqWriterPart {
   uint64_t* empty;  // one per tile
   int tiles = 1, tile_floats = 0;
   int first_step = 0, step_stride = 1;
-  int step0 = 0;  // the CTA's steps before this tile's (a persistent CTA's): steps, tiles and parities count from its first
   uint32_t bytes = 0;
 };
 
@@ -516,9 +446,11 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
   const detail::BwdKernelParams& P = hp.p;
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
-  for (int it = sched::writer_first_step(part.first_step, part.step0, part.step_stride); it < t.steps();
+  // writer_first_step(first_step, 0, ..) is first_step; written plainly, ptxas allocates the d128
+  // writer's registers differently (5 more spill instructions, session 40), so the call stays.
+  for (int it = sched::writer_first_step(part.first_step, 0, part.step_stride); it < t.steps();
        it += part.step_stride) {
-    const int g = part.step0 + it, k = g / part.step_stride;  // the CTA's step, this writer's k-th
+    const int k = it / part.step_stride;  // this writer's k-th step
     const QStep step = t.step_at(it);
     const int m = step.m;
     DqTurn d;
@@ -542,7 +474,7 @@ __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, co
     if constexpr (Cfg::kRowBlocks == 2) {
       if (m * Cfg::kBlockM + detail::kRowStatsBlockM >= t.seq.seqlen_q) bytes /= 2;
     }
-    const int buf = g % part.tiles;
+    const int buf = it % part.tiles;
     const bool store = !Tile::kSparse && sem != nullptr && P.dq_first_stores && d.turn == 0;
     if (tile != nullptr) dq_tile_put(tile, part.smem + buf * part.tile_floats, bytes, store);
     sm90::bulk_commit_group();
@@ -797,17 +729,8 @@ __device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_a
   sm90::fence_proxy_async_shared();
 }
 
-// What a consumer carries from tile to tile (a persistent CTA's; both tilings): its steps so far
-// (the dQ buffers', dS buffers' and rings' phases) and its K/V loads (kv_full's phase).
-struct BwdConsumerCursor {
-  int step0 = 0, kv_loads = 0;
-};
-
-// kPersistent: the ring's position from the CTA's step, and K/V released (kv_empty) once the
-// tile's last GEMM has read them.
-template <typename Cfg, typename T, bool kPersistent = false, typename Smem, typename Tile>
-__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, Smem& sm, const Tile& t, int ct,
-                                            BwdConsumerCursor& cur) {
+template <typename Cfg, typename T, typename Smem, typename Tile>
+__device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, Smem& sm, const Tile& t, int ct) {
   using namespace cute;
   using L = BwdLayouts<Cfg, T>;
   using Elem = typename L::Elem;
@@ -863,14 +786,9 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
   constexpr int kN = decltype(size(s_acc))::value;  // S^T elements a thread holds
 
   if (t.steps() > 0) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, cur.kv_loads & 1);
+    cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos pos;
     for (int it = 0; it < t.steps(); ++it) {
-      const int g = cur.step0 + it;  // the CTA's step
-      if constexpr (kPersistent) {
-        const sched::RingAt r = sched::ring_at(g, Cfg::kStages);
-        pos.index = r.index, pos.phase = r.phase;
-      }
       const QStep step = t.step_at(it);
       const int q0 = step.m * Cfg::kBlockM;
       const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];
@@ -907,16 +825,16 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
             portable::ElemTraits<T>::pack(pv.x * (dp_acc(i) - dps.x), pv.y * (dp_acc(i + 1) - dps.y));
 #endif
       }
-      copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[g % 2].data()), typename L::SmemDSt{})));
+      copy(r2s_ds, ds_src, thr_r2s_ds.partition_D(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{})));
       if constexpr (FLARE_HOPPER_BWD_DK_RS) {
         CUTE_UNROLL
         for (int i = 0; i < kN; i += 2) frag_pair(ds_frag, i) = frag_pair(ds_reg, i);  // the dK GEMM's A operand
       }
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
-      Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[g % 2].data()), typename L::SmemDSt{}));
+      Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
       Tensor ds_desc =
-          thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[g % 2].data()), typename L::SmemDS{}));
+          thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
       // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
       // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
       auto issue_dk = [&] {
@@ -929,10 +847,10 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
 #endif
       };
       auto store_dq = [&] {
-        const int buf = g % Cfg::kDqBufs;
-        if (g >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (g / Cfg::kDqBufs - 1) & 1);
+        const int buf = it % Cfg::kDqBufs;
+        if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
         bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
-        bwd_consumer_arrive(&sm.dq_full[g % Smem::kWriters], lane);  // the tile is written
+        bwd_consumer_arrive(&sm.dq_full[it % Smem::kWriters], lane);  // the tile is written
       };
       if constexpr (FLARE_HOPPER_BWD_DQ_FIRST) {
         // dQ first, and its tile stored while the dK GEMM runs.
@@ -959,9 +877,6 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         store_dq();
       }
     }
-    if constexpr (kPersistent) bwd_consumer_arrive(&sm.tiles.kv_empty, lane);  // every GEMM has read K/V
-    cur.step0 += t.steps();
-    ++cur.kv_loads;
   }
 
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
@@ -983,13 +898,7 @@ __device__ __forceinline__ DqWriterPart bwd_dq_writer_part(Smem& sm, int j) {
 }
 
 // kWriters: the dQ writer threads, Cfg::kDqWriters or, for the deterministic mode, kDetDqWriters.
-// kPersistent (dense, deterministic, turns in tile order: the launcher passes
-// sched::DqScheme::kTileOrder): one CTA per resident slot taking tiles from a counter in plan order
-// (bwd_persistent_produce), so a tile waits only for turns of tiles taken before it, and going on
-// to its next tile while its writers finish the last one's adds (a CTA per tile exits only after
-// them: docs/hopper_bwd_d256.md). The ring's, the dS buffers' and the dQ tiles' phases run on
-// across tiles.
-template <typename Cfg, typename T, bool kSparse = false, int kWriters = Cfg::kDqWriters, bool kPersistent = false>
+template <typename Cfg, typename T, bool kSparse = false, int kWriters = Cfg::kDqWriters>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
   auto& sm = smem_struct<BwdSmem<Cfg, T, kWriters>>(smem_raw);
@@ -1007,37 +916,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
     for (int i = 0; i < kWriters; ++i)
       cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     for (int i = 0; i < Cfg::kDqBufs; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
-    if constexpr (kPersistent)
-      bwd_tile_slots_init(sm.tiles, kBwdArrivalsPerWG * Cfg::kConsumerWGs + kWriters,
-                          kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if constexpr (kPersistent) {
-    static_assert(!kSparse, "the persistent grid is the dense kernel's");
-    if (wg == 0) {
-      cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-      if (warp == 0 && cute::elect_one_sync()) {
-        RingPos pos;
-        bwd_persistent_produce<Cfg>(hp, sm.tiles,
-                                    [&](const BwdTile& tile) { bwd_produce<Cfg, T>(hp, sm, tile, pos); });
-      }
-      if (warp >= 1 && warp <= kWriters && cute::elect_one_sync()) {
-        DqWriterPart part = bwd_dq_writer_part<Cfg>(sm, warp - 1);
-        bwd_persistent_tiles(sm.tiles, false, 0, [&](const BwdTile& tile) {
-          bwd_write_dq<Cfg>(hp, tile, part);
-          part.step0 += tile.steps();
-        });
-      }
-    } else {
-      cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-      const int ct = threadIdx.x - 128;
-      BwdConsumerCursor cur;
-      bwd_persistent_tiles(sm.tiles, true, ct % 32,
-                           [&](const BwdTile& tile) { bwd_consume<Cfg, T, true>(hp, sm, tile, ct, cur); });
-    }
-    return;
-  }
   const BwdTileT<kSparse> tile = bwd_tile_of<Cfg, kSparse>(hp);
   if (tile.keys <= 0) {
     if constexpr (kSparse) {
@@ -1047,10 +928,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
   }
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) {
-      RingPos pos;
-      bwd_produce<Cfg, T>(hp, sm, tile, pos);
-    }
+    if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_produce<Cfg, T>(hp, sm, tile);
 #if FLARE_HOPPER_BWD_EXPERIMENT == 2
     if (warp == 1) {  // releases the dQ tile without adding it
       for (int it = 0; it < tile.steps(); ++it) {
@@ -1064,8 +942,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_bwd_kernel(const __gr
 #endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    BwdConsumerCursor cur;
-    bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, cur);
+    bwd_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
   }
 }
 

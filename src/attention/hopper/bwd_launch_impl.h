@@ -2,9 +2,6 @@
 // the conversions. Included by the generated per-(head dim, dtype) translation units only.
 #pragma once
 
-#include <algorithm>
-#include <cstdlib>
-
 #include "src/attention/hopper/bwd_kernel.h"
 #include "src/attention/hopper/bwd_split_kernel.h"
 #include "src/attention/hopper/bwd_launch.h"
@@ -26,28 +23,16 @@ cudaError_t hopper_bwd_take_kernel(Kernel* kernel) {
   return attr;
 }
 
-// FLARE_HOPPER_BWD_PERSISTENT_DET=1 (read per call): the dense deterministic mode on the persistent
-// grid (both tilings' kPersistent), turns in tile order. Off by default: built in session 39, not
-// yet run on a GPU.
-inline bool hopper_bwd_persistent_det() {
-  const char* e = std::getenv("FLARE_HOPPER_BWD_PERSISTENT_DET");
-  return e != nullptr && e[0] == '1';
-}
-
 // The main kernel of a mode, its shared memory raised: the split tiling's, or the d <= 128 tiling's
-// with the mode's dQ writers (bwd_config.h; the block-sparse kernel runs the ordinary count);
-// `persistent`: the dense deterministic mode's persistent grid.
+// with the mode's dQ writers (bwd_config.h; the block-sparse kernel runs the ordinary count).
 template <typename Cfg, typename T, bool kSparse, int kSmem>
-cudaError_t hopper_bwd_kernel_for(bool deterministic, bool persistent, void (**kernel)(HopperBwdParams<Cfg, T>)) {
+cudaError_t hopper_bwd_kernel_for(bool deterministic, void (**kernel)(HopperBwdParams<Cfg, T>)) {
   (void)deterministic;  // unread where the modes share a kernel
-  (void)persistent;
   if constexpr (Cfg::kSplitHeadDim) {
-    if (persistent) return hopper_bwd_take_kernel<hopper_bwd_split_kernel<Cfg, T, true>, kSmem>(kernel);
     return hopper_bwd_take_kernel<hopper_bwd_split_kernel<Cfg, T>, kSmem>(kernel);
   } else {
     if constexpr (!kSparse) {
       constexpr int kDet = Cfg::kDetDqWriters;
-      if (persistent) return hopper_bwd_take_kernel<hopper_bwd_kernel<Cfg, T, false, kDet, true>, kSmem>(kernel);
       if constexpr (kDet != Cfg::kDqWriters) {
         if (deterministic) return hopper_bwd_take_kernel<hopper_bwd_kernel<Cfg, T, false, kDet>, kSmem>(kernel);
       }
@@ -75,9 +60,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     }
   }();
   static_assert(kSmem <= 227 * 1024, "the Hopper backward's shared memory exceeds an H100 CTA's 227 KB");
-  const bool persistent = !kSparse && P.deterministic && hopper_bwd_persistent_det();
   void (*kernel)(HopperBwdParams<Cfg, T>) = nullptr;
-  const cudaError_t attr = hopper_bwd_kernel_for<Cfg, T, kSparse, kSmem>(P.deterministic, persistent, &kernel);
+  const cudaError_t attr = hopper_bwd_kernel_for<Cfg, T, kSparse, kSmem>(P.deterministic, &kernel);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper backward: shared memory attribute");
   if (P.row_stats == nullptr || P.dq_tile_elems != detail::kRowStatsBlockM * Cfg::kHeadDim ||
       P.num_m_blocks % Cfg::kRowBlocks != 0)
@@ -111,20 +95,16 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<E>(p.v, hp.shape_k, v_stride), typename L::SmemK{},
                              Shape<typename L::BN, typename L::HD>{}, _1{});
     // Walks and turns; the deterministic grid follows the plan's tile order, one CTA per SM
-    // resident (the rotation's rounds must not exceed that). The persistent grid takes tiles in
-    // that order from a counter and needs turns in it too (no rotation): a CTA may hold a tile it
-    // has taken but not begun.
+    // resident (the rotation's rounds must not exceed that).
     const detail::DeviceFacts facts = detail::current_device_facts();
     hp.plan = sched::make_dq_plan(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
                                   int64_t{facts.l2_bytes} / 2, facts.num_sms,
-                                  FLARE_HOPPER_BWD_ROTATE && !persistent ? sched::DqScheme::kAuto
-                                                                         : sched::DqScheme::kTileOrder);
+                                  FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto : sched::DqScheme::kTileOrder);
     const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks * L::kStatsPieces;  // pieces
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
     dim3 grid = P.deterministic ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
-    if (persistent) grid = dim3(static_cast<unsigned>(std::min(hp.plan.order.num_tiles, hp.plan.round_tiles)));
     const bool split = !kSparse && !P.deterministic && P.tail.active();
     if (split) grid = dim3(static_cast<unsigned>(P.tail.ctas()));  // whole tiles, then the split ones' parts
     if (kSparse && P.deterministic) grid = dim3(dq_plan->num_tiles() * (bs->kv_block_size / Cfg::kBlockN));

@@ -48,7 +48,6 @@ struct BwdSplitSmem {
   uint64_t dq_full[2 * Cfg::kDqWriters];  // [half w][writer j]: half w of a step of writer j written
                                           // (warpgroup w's 4 warps)
   uint64_t dq_empty[2];                // warpgroup w's buffer read (its previous half added)
-  BwdTileSlots tiles;  // the persistent grid's (bwd_kernel.h)
   // Half `half` of step `it` written: the barrier of the writer that takes the step.
   __device__ __forceinline__ uint64_t* dq_full_of(int half, int it) {
     return &dq_full[half * Cfg::kDqWriters + it % Cfg::kDqWriters];
@@ -71,12 +70,12 @@ __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 
 // halves a block's first half takes the slot of the second half two blocks back (free early), its
 // second half that of the previous block's first half (free after both dK GEMMs), so dO, freed
 // after the dV GEMMs, goes between them.
-// qpos / dpos: the rings' positions, carried from tile to tile by a persistent CTA.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
-                                                  const BwdTile& t, RingPos& qpos, RingPos& dpos) {
+                                                  const BwdTile& t) {
   using namespace cute;
   using L = BwdSplitLayouts<Cfg, T>;
+  RingPos qpos, dpos;
   auto stats_part = hp.tma_stats.get_slice(_0{});
   bwd_produce_tiles<L, typename L::SmemDOHalves>(hp, sm, t, [&](int m, auto& q_src, auto& q_dst, auto& do_src,
                                                                 auto& do_dst, auto& stats_src, int stats_block) {
@@ -96,22 +95,21 @@ __device__ __forceinline__ void bwd_split_produce(const HopperBwdParams<Cfg, T>&
 }
 
 // Writer j of W = Cfg::kDqWriters (one thread of producer warp 1 + j) adds both halves of the
-// CTA's steps j, j + W, j + 2 W, ... (counted from the CTA's first tile; `step0`: the steps of its
-// earlier tiles, a persistent CTA's). In deterministic mode each add waits for its half's turn and
+// tile's steps j, j + W, j + 2 W, ... In deterministic mode each add waits for its half's turn and
 // the turns pass once the adds are performed; a writer's next step starts only after that, so W
 // writers keep W handoffs per chain in flight, while the buffers, released as soon as the adds
 // have read them, serve the next step's writer.
 template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
-                                                         const BwdTile& t, int j, int step0 = 0) {
+                                                         const BwdTile& t, int j) {
   const detail::BwdKernelParams& P = hp.p;
   const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   constexpr uint32_t kBytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
   constexpr int kChains = hopper_bwd_dq_chains(Cfg::kHeadDim);  // the workspace's semaphores per query block
   static_assert(kChains == 2, "a turn chain per dQ half");
-  for (int it = sched::writer_first_step(j, step0, Cfg::kDqWriters); it < t.steps(); it += Cfg::kDqWriters) {
-    const int g = step0 + it, k = g / Cfg::kDqWriters;  // the CTA's step, writer j's k-th
+  for (int it = j; it < t.steps(); it += Cfg::kDqWriters) {
+    const int k = it / Cfg::kDqWriters;  // writer j's k-th step
     const QStep step = t.step_at(it);
     int* sem = FLARE_HOPPER_BWD_EXPERIMENT == 5 ? nullptr
                                                 : portable::dq_turn_semaphore(P, t.b, t.h, step.m, kChains);  // half h's chain: sem + h
@@ -125,7 +123,7 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
     const bool store = sem != nullptr && P.dq_first_stores && turn == 0;
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
-      cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, g), k & 1);
+      cutlass::arch::ClusterBarrier::wait(sm.dq_full_of(half, it), k & 1);
       if (sem != nullptr) wait_for_dq_turn(sem + half, turn);
       if (tile != nullptr)
         dq_tile_put(tile + half * (kBytes / sizeof(float)), sm.dq.data() + half * sm.kDqHalf, kBytes, store);
@@ -139,12 +137,10 @@ __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<C
   }
 }
 
-// Consumer thread ct (0..255; warpgroup w = ct / 128); `cur`: what it carries from tile to tile
-// (BwdConsumerCursor). kPersistent: the rings' positions from the CTA's step, and K/V released
-// (kv_empty) once the tile's last GEMM has read them.
-template <typename Cfg, typename T, bool kPersistent = false>
+// Consumer thread ct (0..255; warpgroup w = ct / 128).
+template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
-                                                  const BwdTile& t, int ct, BwdConsumerCursor& cur) {
+                                                  const BwdTile& t, int ct) {
   using namespace cute;
   using L = BwdSplitLayouts<Cfg, T>;
   using Elem = typename L::Elem;
@@ -209,17 +205,11 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
   constexpr int kN = decltype(size(sdp_acc))::value;
 
   if (t.steps() > 0) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, cur.kv_loads & 1);
+    cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos qpos, dpos;
     for (int it = 0; it < t.steps(); ++it) {
       const int m = t.m_at(it);
       const int q0 = m * Cfg::kBlockM;
-      if constexpr (kPersistent) {  // the positions from the CTA's step
-        const int g = cur.step0 + it;
-        const sched::RingAt q = sched::ring_at(2 * g, Cfg::kQHalves), d = sched::ring_at(g, 1);
-        qpos.index = q.index, qpos.phase = q.phase;
-        dpos.index = d.index, dpos.phase = d.phase;
-      }
       const RingPos qa = qpos;  // the block's first Q half, with its statistics
       qpos.template advance<Cfg::kQHalves>();
       const RingPos qb = qpos;  // its second half
@@ -283,29 +273,17 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       cute::warpgroup_fence_operand(dk_acc);
 
       // dQ half w (scaled) into its own buffer once its writer has read the previous step's.
-      const int g = cur.step0 + it;  // the CTA's step
-      if (g > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w], (g - 1) & 1);
+      if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w], (it - 1) & 1);
       bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
                         [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
       __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, g));
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
     }
-    // The last dQ GEMM has read K (wg_wait<0>): the next tile's K/V may land.
-    if constexpr (kPersistent) bwd_consumer_arrive(&sm.tiles.kv_empty, lane);
-    cur.step0 += t.steps();
-    ++cur.kv_loads;
   }
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
 }
 
-// kPersistent (deterministic mode, plans whose turns follow the tile order: the launcher passes
-// sched::DqScheme::kTileOrder): one CTA per resident slot, each taking tiles from a counter
-// (BwdKernelParams::tile_counter) in plan order, so a tile waits only for turns of tiles taken
-// before it, and going on to its next tile while its writers finish the last one's adds (a CTA per
-// tile exits only after them: the deterministic grid's tile ends, docs/hopper_bwd_d256.md). The
-// rings', the dQ buffers' and K/V's phases run on across tiles; K/V of a tile load once the
-// consumers are done with the last one's.
-template <typename Cfg, typename T, bool kPersistent = false>
+template <typename Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     hopper_bwd_split_kernel(const __grid_constant__ HopperBwdParams<Cfg, T> hp) {
   extern __shared__ unsigned char smem_raw[];
@@ -317,50 +295,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     sm.do_ring.init(4 * Cfg::kConsumerWGs);
     for (int i = 0; i < 2 * Cfg::kDqWriters; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_full[i], 4);
     for (int i = 0; i < 2; ++i) cutlass::arch::ClusterBarrier::init(&sm.dq_empty[i], 1);
-    if constexpr (kPersistent)
-      bwd_tile_slots_init(sm.tiles, kBwdArrivalsPerWG * Cfg::kConsumerWGs + Cfg::kDqWriters,
-                          kBwdArrivalsPerWG * Cfg::kConsumerWGs);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if constexpr (!kPersistent) {
-    const BwdTile tile = bwd_tile_of<Cfg>(hp);
-    if (tile.keys <= 0) return;
-    if (wg == 0) {
-      cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-      if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) {
-        RingPos qpos, dpos;
-        bwd_split_produce<Cfg, T>(hp, sm, tile, qpos, dpos);
-      }
-      if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync())
-        bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1);
-    } else {
-      cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-      BwdConsumerCursor cur;
-      bwd_split_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, cur);
-    }
+  const BwdTile tile = bwd_tile_of<Cfg>(hp);
+  if (tile.keys <= 0) return;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (warp == 0 && tile.steps() > 0 && cute::elect_one_sync()) bwd_split_produce<Cfg, T>(hp, sm, tile);
+    if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync())
+      bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1);
   } else {
-    if (wg == 0) {
-      cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-      if (warp == 0 && cute::elect_one_sync()) {  // takes the tiles, loads their K/V, Q and dO
-        RingPos qpos, dpos;
-        bwd_persistent_produce<Cfg>(hp, sm.tiles,
-                                    [&](const BwdTile& tile) { bwd_split_produce<Cfg, T>(hp, sm, tile, qpos, dpos); });
-      }
-      if (warp >= 1 && warp <= Cfg::kDqWriters && cute::elect_one_sync()) {
-        int step0 = 0;
-        bwd_persistent_tiles(sm.tiles, false, 0, [&](const BwdTile& tile) {
-          bwd_split_write_dq_steps<Cfg, T>(hp, sm, tile, warp - 1, step0);
-          step0 += tile.steps();
-        });
-      }
-    } else {
-      cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-      const int ct = threadIdx.x - 128;
-      BwdConsumerCursor cur;
-      bwd_persistent_tiles(sm.tiles, true, ct % 32,
-                           [&](const BwdTile& tile) { bwd_split_consume<Cfg, T, true>(hp, sm, tile, ct, cur); });
-    }
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    bwd_split_consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128);
   }
 }
 
