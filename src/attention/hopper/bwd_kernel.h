@@ -70,7 +70,6 @@
 #define FLARE_HOPPER_BWD_EXPERIMENT 0
 #endif
 
-
 // dK += dS^T Q with dS^T from registers (1), as dV's P^T, or from its shared-memory tile (0; the
 // tile is written for dQ either way). Registers spare the tensor cores' shared-memory reads.
 #ifndef FLARE_HOPPER_BWD_DK_RS
