@@ -21,6 +21,14 @@ namespace flare::hopper {
 #define FLARE_HOPPER_BWD_ROTATE 1
 #endif
 
+// dK (from registers) issued before the step's dS tile is fenced and the warpgroups meet, dQ after,
+// and dQ's tile stored once both are done (1); or dQ first and its tile stored while dK runs
+// (FLARE_HOPPER_BWD_DQ_FIRST). -1: the tiling's choice, early on 128-row steps (d64: 0.97-0.99 of
+// dQ first; d128 level, 0.99-1.01; H200, bench/RESULTS.md, session 41).
+#ifndef FLARE_HOPPER_BWD_DK_EARLY
+#define FLARE_HOPPER_BWD_DK_EARLY -1
+#endif
+
 // dQ tiles in shared memory: 2 keeps two adds (and in deterministic mode two turn handoffs) in
 // flight; at most 3.
 #ifndef FLARE_HOPPER_BWD_DQ_BUFS
@@ -61,6 +69,7 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_, kBlockM_> {
   static constexpr bool kSplitHeadDim = false;
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer warpgroup
   static constexpr bool kDqRowHalves = kBlockM_ == 128;  // dQ split by rows between the warpgroups
+  static constexpr bool kDkEarly = FLARE_HOPPER_BWD_DK_EARLY < 0 ? kDqRowHalves : FLARE_HOPPER_BWD_DK_EARLY != 0;
   // 128-row steps: their 32 KB dQ tile fits once beside two stages and two dS buffers.
   static constexpr int kDqBufs = kDqRowHalves ? 1 : FLARE_HOPPER_BWD_DQ_BUFS;
   static_assert(kDqBufs >= 1 && kDqBufs <= 3, "one to three dQ tiles");

@@ -82,6 +82,14 @@
 #define FLARE_HOPPER_BWD_DQ_FIRST 1
 #endif
 
+// A step's dQ tile made visible to its writer (the async-proxy fence and the arrive) at once (0),
+// or after the next step's S^T and dP^T are issued (1), so that the fence's wait for the tile's
+// stores does not hold the next step's GEMMs: ordinary d128 0.97-0.99 of at once, det 0.95-1.01
+// (H200, bench/RESULTS.md, session 41).
+#ifndef FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
+#define FLARE_HOPPER_BWD_DQ_PUBLISH_LATE 1
+#endif
+
 namespace flare::hopper {
 
 template <typename Cfg, typename T>
@@ -717,15 +725,15 @@ __device__ __forceinline__ void bwd_probs(const AccS& s_acc, const Coord& s_coor
   }
 }
 
-// A consumer thread's dQ fragment (scaled) into a shared fp32 tile at the offsets `offset(i)` of
-// its 16-byte groups, then made visible to the bulk copies that read it.
-template <typename AccDQ, typename Offset>
-__device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_acc, float scale, Offset&& offset) {
+// A consumer thread's dQ fragment (unscaled: the conversion out of dq_accum applies the softmax
+// scale once) into a shared fp32 tile at the offsets `offset(i)` of its 16-byte groups, then
+// (kFence) made visible to the bulk copies that read it.
+template <bool kFence = true, typename AccDQ, typename Offset>
+__device__ __forceinline__ void bwd_store_dq_tile(float* tile, const AccDQ& dq_acc, Offset&& offset) {
   CUTE_UNROLL
   for (int i = 0; i < cute::size(dq_acc); i += 4)
-    *reinterpret_cast<float4*>(&tile[offset(i)]) =
-        make_float4(dq_acc(i) * scale, dq_acc(i + 1) * scale, dq_acc(i + 2) * scale, dq_acc(i + 3) * scale);
-  sm90::fence_proxy_async_shared();
+    *reinterpret_cast<float4*>(&tile[offset(i)]) = make_float4(dq_acc(i), dq_acc(i + 1), dq_acc(i + 2), dq_acc(i + 3));
+  if constexpr (kFence) sm90::fence_proxy_async_shared();
 }
 
 template <typename Cfg, typename T, typename Smem, typename Tile>
@@ -787,6 +795,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
   if (t.steps() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos pos;
+    // Step it's dQ tile, stored, made visible to its writer's bulk copies (FLARE_HOPPER_BWD_DQ_PUBLISH_LATE).
+    auto publish_dq = [&](int it) {
+      sm90::fence_proxy_async_shared();
+      bwd_consumer_arrive(&sm.dq_full[it % Smem::kWriters], lane);
+    };
+    (void)publish_dq;
     for (int it = 0; it < t.steps(); ++it) {
       const QStep step = t.step_at(it);
       const int q0 = step.m * Cfg::kBlockM;
@@ -797,6 +811,9 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
       sm.qdo_ring.wait_full(pos);
       wg_gemm<true>(mma_sdp, k_frag, q_frag(_, _, _, pos.index), s_acc);
       wg_gemm<true>(mma_sdp, v_frag, do_frag(_, _, _, pos.index), dp_acc);
+#if FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
+      if (it > 0) publish_dq(it - 1);  // the previous step's tile
+#endif
       wg_wait<1>(s_acc);
 
       // P^T while dP^T finishes, rounded once: the dV GEMM's operand and the factor of dS^T
@@ -829,13 +846,9 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         CUTE_UNROLL
         for (int i = 0; i < kN; i += 2) frag_pair(ds_frag, i) = frag_pair(ds_reg, i);  // the dK GEMM's A operand
       }
-      cutlass::arch::fence_view_async_shared();
-      consumers_sync();  // both warpgroups' dS are in
       Tensor dst_desc = thr_dk.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDSt{}));
       Tensor ds_desc =
           thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(sm.ds[it % 2].data()), typename L::SmemDS{}));
-      // dQ (scaled) into the shared tile once the writer has read the previous one, in thread
-      // order (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
       auto issue_dk = [&] {
 #if FLARE_HOPPER_BWD_EXPERIMENT != 3
         if constexpr (FLARE_HOPPER_BWD_DK_RS) {
@@ -845,13 +858,20 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         }
 #endif
       };
+      constexpr bool kDkEarly = Cfg::kDkEarly && FLARE_HOPPER_BWD_DK_RS;
+      if constexpr (kDkEarly) issue_dk();  // from registers: on the tensor cores while both dS tiles land
+      cutlass::arch::fence_view_async_shared();
+      consumers_sync();  // both warpgroups' dS are in
+      // dQ into the shared tile once the writer has read the previous one, in thread order
+      // (hopper_dq_tile_offset): 16-byte stores, consecutive threads consecutive.
       auto store_dq = [&] {
         const int buf = it % Cfg::kDqBufs;
         if (it >= Cfg::kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[buf], (it / Cfg::kDqBufs - 1) & 1);
-        bwd_store_dq_tile(sm.dq[buf].data(), dq_acc, p.scale, [&](int i) { return Cfg::dq_tile_offset(ct, i); });
-        bwd_consumer_arrive(&sm.dq_full[it % Smem::kWriters], lane);  // the tile is written
+        bwd_store_dq_tile<!FLARE_HOPPER_BWD_DQ_PUBLISH_LATE>(sm.dq[buf].data(), dq_acc,
+                                                            [&](int i) { return Cfg::dq_tile_offset(ct, i); });
+        if constexpr (!FLARE_HOPPER_BWD_DQ_PUBLISH_LATE) bwd_consumer_arrive(&sm.dq_full[it % Smem::kWriters], lane);
       };
-      if constexpr (FLARE_HOPPER_BWD_DQ_FIRST) {
+      if constexpr (FLARE_HOPPER_BWD_DQ_FIRST && !kDkEarly) {
         // dQ first, and its tile stored while the dK GEMM runs.
 #if FLARE_HOPPER_BWD_EXPERIMENT != 2
         wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
@@ -864,7 +884,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
         pos.template advance<Cfg::kStages>();
       } else {
-        issue_dk();
+        if constexpr (!kDkEarly) issue_dk();
 #if FLARE_HOPPER_BWD_EXPERIMENT != 2
         wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
 #endif
@@ -876,6 +896,9 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         store_dq();
       }
     }
+#if FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
+    publish_dq(t.steps() - 1);
+#endif
   }
 
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
@@ -1001,7 +1024,7 @@ __device__ __forceinline__ uint32_t dq_chain_copies(uint32_t copies, int col) {
   return copies >> (4 * (col / (Cfg::kHeadDim / kChains))) & 0xFu;
 }
 
-// dQ from the tiles of dq_accum (already scaled) to the output dtype through dq's strides: one CTA
+// dQ from the tiles of dq_accum, scaled by the softmax scale, to the output dtype through dq's strides: one CTA
 // of the consumer warpgroups' size per (kBlockM-row query block, head, sequence); each thread reads
 // its own elements back and finds their (row, column) through the dQ GEMM's partition (with 128-row
 // steps a thread's rows lie in one 64-row block, whose tile it reads).
@@ -1020,6 +1043,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   if (tile == nullptr) return;
   tile -= half * detail::kRowStatsBlockM * Cfg::kHeadDim;  // Cfg::dq_tile_offset counts from the step's first block
   const uint32_t copies = dq_accum_copies<Cfg>(P, b, h, m * Cfg::kRowBlocks);
+  const float dq_scale = p.scale;  // dQ = scale dS K: the steps' tiles add dS K
   // As bwd_store_dkv: where dQ's rows are 16-byte aligned and the fragment has the accumulator's
   // rows, 16 x 16 blocks through the quad transpose (accumulator_piece), one 16-byte store a lane.
   T* dq0 = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + m * Cfg::kBlockM, h);
@@ -1034,7 +1058,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
       const float4 lo = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk), chain);
       const float4 hi = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk + 4), chain);
       const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, 1.f, 1.f, t4);
+      const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, dq_scale, dq_scale, t4);
       if (row_ok && my_col + 16 * blk < p.head_dim) *reinterpret_cast<uint4*>(dst + 16 * blk) = v;
     }
     return;
@@ -1049,7 +1073,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
       const int q = m * Cfg::kBlockM + get<0>(dq_coord(i + e)), col = get<1>(dq_coord(i + e));
       if (q >= seq.seqlen_q || col >= p.head_dim) continue;
       T* dst = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + q, h) + col;
-      *reinterpret_cast<uint32_t*>(dst) = portable::ElemTraits<T>::pack(vals[e], vals[e + 1]);
+      *reinterpret_cast<uint32_t*>(dst) = portable::ElemTraits<T>::pack(vals[e] * dq_scale, vals[e + 1] * dq_scale);
     }
   }
 }

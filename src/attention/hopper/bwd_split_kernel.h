@@ -272,9 +272,9 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
       cute::warpgroup_fence_operand(dv_acc);
       cute::warpgroup_fence_operand(dk_acc);
 
-      // dQ half w (scaled) into its own buffer once its writer has read the previous step's.
+      // dQ half w into its own buffer once its writer has read the previous step's.
       if (it > 0) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w], (it - 1) & 1);
-      bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc, p.scale,
+      bwd_store_dq_tile(sm.dq.data() + w * sm.kDqHalf, dq_acc,
                         [&](int i) { return detail::hopper_dq_tile_offset(128, wct, i); });
       __syncwarp();
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(sm.dq_full_of(w, it));
