@@ -85,6 +85,11 @@ struct HopperBwdConfig : HopperBwdWarps<kHeadDim_, kStages_, kBlockM_> {
       FLARE_HOPPER_BWD_DET_DQ_WRITERS > 0 ? FLARE_HOPPER_BWD_DET_DQ_WRITERS : (kDqRowHalves ? 2 : kDqBufs);
   static_assert(kDqWriters >= 1 && kDqWriters <= 3 && kDetDqWriters >= 1 && kDetDqWriters <= 3,
                 "writers are producer warps 1-3");
+  // A consumer reuses a tile once its previous step's writer has read it; with fewer writers than
+  // tiles, a writer's dq_full barrier could then complete two phases before the writer waits on the
+  // first, whose parity it would never see again. (Session 41: with the arrives moved to the next
+  // step, an A/B build of one ordinary writer and two d128 tiles never finished its benchmark.)
+  static_assert(kDqWriters >= kDqBufs && kDetDqWriters >= kDqBufs, "at least one dQ writer per dQ tile");
   // Element i of consumer thread ct's dQ fragment in the step's tile (16-byte groups, thread order;
   // with row halves, warpgroup w's in the tile of 64-row block w).
   static FLARE_HD constexpr int dq_tile_offset(int ct, int i) {
