@@ -10,19 +10,20 @@
 //     dV += P^T dO                                     (wgmma, P^T from registers; issued)
 //     dS^T = P^T (dP^T - rowsum(dO o O))               (while dV is on the tensor cores; to
 //                                                       shared memory)
-//     dK += dS^T Q                                     (wgmma, shared x shared)
+//     dK += dS^T Q                                     (wgmma, dS^T from registers)
 //     dQ[:, half w] = dS K[:, half w]                  (wgmma, shared x shared, both warpgroups'
 //                                                       keys; 128-row steps: dQ[half w, :])
 //
-// dQ goes to a shared fp32 tile (kDqBufs of them, alternating by step); one thread of producer warp
-// 1 + (step mod W) (W writers: Cfg::kDqWriters, deterministic kDetDqWriters) adds it into dq_accum
-// with one bulk reduction (cp.reduce.async.bulk), so the consumers never wait on global memory. In
-// deterministic mode that writer waits for the query block's turn (a semaphore per (sequence, head,
-// query block); turns and walks from src/scheduling/dq_turns.h, the grid in its tile order) and
-// hands the turn on once its add is complete; W writers keep W such handoffs in flight. dK (scaled)
-// and dV leave registers at the end: stored, or added into fp32 accumulators under GQA (in q-head
-// order when deterministic). The pre-pass (dpsum and the padded statistics), dsinks and the dQ
-// conversion are the portable backward's.
+// dQ (unscaled: the conversion applies the softmax scale) goes to a shared fp32 tile (kDqBufs of
+// them, alternating by step), handed on once the next step's S^T and dP^T are issued; one thread
+// of producer warp 1 + (step mod W) (W writers: Cfg::kDqWriters, deterministic kDetDqWriters) adds
+// it into dq_accum with one bulk reduction (cp.reduce.async.bulk), so the consumers never wait on
+// global memory. In deterministic mode that writer waits for the query block's turn (a semaphore
+// per (sequence, head, query block); turns and walks from src/scheduling/dq_turns.h, the grid in
+// its tile order) and hands the turn on once its add is complete; W writers keep W such handoffs
+// in flight. dK (scaled) and dV leave registers at the end: stored, or added into fp32
+// accumulators under GQA (in q-head order when deterministic). The pre-pass (dpsum and the padded
+// statistics) and dsinks are the portable backward's.
 //
 // With a block mask (kSparse) the query steps come from the CTA's kv block's transposed lists (the
 // q blocks that see it: partial ones first, with the element predicate, then full ones), each q
@@ -88,6 +89,13 @@
 // (H200, bench/RESULTS.md, session 41).
 #ifndef FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
 #define FLARE_HOPPER_BWD_DQ_PUBLISH_LATE 1
+#endif
+// With dQ first: a step's dK GEMM left running into the next step (1), whose wait for S^T retires
+// it too (wgmma batches complete in order) and then releases its Q/dO stage, or waited for at the
+// step's end (0). A/B builds (session 34 measured it before the late dQ hand-over: from registers
+// ptxas serialized the wgmmas, from the dS tile, FLARE_HOPPER_BWD_DK_RS=0, d128 was level).
+#ifndef FLARE_HOPPER_BWD_DK_OVERLAP
+#define FLARE_HOPPER_BWD_DK_OVERLAP 0
 #endif
 
 namespace flare::hopper {
@@ -795,6 +803,8 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
   if (t.steps() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos pos;
+    int prev_stage = 0;  // FLARE_HOPPER_BWD_DK_OVERLAP: the stage whose dK GEMM may still run
+    (void)prev_stage;
     // Step it's dQ tile, stored, made visible to its writer's bulk copies (FLARE_HOPPER_BWD_DQ_PUBLISH_LATE).
     auto publish_dq = [&](int it) {
       sm90::fence_proxy_async_shared();
@@ -815,6 +825,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
       if (it > 0) publish_dq(it - 1);  // the previous step's tile
 #endif
       wg_wait<1>(s_acc);
+#if FLARE_HOPPER_BWD_DK_OVERLAP
+      if (FLARE_HOPPER_BWD_DQ_FIRST && !Cfg::kDkEarly && it > 0) {  // the previous step's dK is retired too
+        cute::warpgroup_fence_operand(dk_acc);
+        bwd_consumer_arrive(&sm.qdo_ring.empty[prev_stage], lane);
+      }
+#endif
 
       // P^T while dP^T finishes, rounded once: the dV GEMM's operand and the factor of dS^T
       // (freeing S^T's registers before dS^T).
@@ -880,8 +896,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         wg_wait<1>(dq_acc);
         cute::warpgroup_fence_operand(dv_acc);
         store_dq();
+#if FLARE_HOPPER_BWD_DK_OVERLAP
+        prev_stage = pos.index;  // released once the next step's wait for S^T retires dK
+#else
         wg_wait<0>(dk_acc);
         bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
+#endif
         pos.template advance<Cfg::kStages>();
       } else {
         if constexpr (!kDkEarly) issue_dk();
@@ -898,6 +918,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
     }
 #if FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
     publish_dq(t.steps() - 1);
+#endif
+#if FLARE_HOPPER_BWD_DK_OVERLAP
+    if (FLARE_HOPPER_BWD_DQ_FIRST && !Cfg::kDkEarly) {
+      wg_wait<0>(dk_acc);
+      bwd_consumer_arrive(&sm.qdo_ring.empty[prev_stage], lane);
+    }
 #endif
   }
 
@@ -1024,8 +1050,8 @@ __device__ __forceinline__ uint32_t dq_chain_copies(uint32_t copies, int col) {
   return copies >> (4 * (col / (Cfg::kHeadDim / kChains))) & 0xFu;
 }
 
-// dQ from the tiles of dq_accum, scaled by the softmax scale, to the output dtype through dq's strides: one CTA
-// of the consumer warpgroups' size per (kBlockM-row query block, head, sequence); each thread reads
+// dQ from the tiles of dq_accum, times the softmax scale, to the output dtype through dq's strides:
+// one CTA of the consumer warpgroups' size per (kBlockM-row query block, head, sequence); each thread reads
 // its own elements back and finds their (row, column) through the dQ GEMM's partition (with 128-row
 // steps a thread's rows lie in one 64-row block, whose tile it reads).
 template <typename Cfg, typename T>
