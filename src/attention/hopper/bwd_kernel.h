@@ -803,7 +803,11 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
   if (t.steps() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&sm.kv_full, 0);
     RingPos pos;
-    int prev_stage = 0;  // FLARE_HOPPER_BWD_DK_OVERLAP: the stage whose dK GEMM may still run
+    // The step's last GEMMs: dK early (the 128-row tiling), or dQ first and dK possibly left
+    // running into the next step (kDkOverlap), which then releases this step's stage.
+    constexpr bool kDkEarly = Cfg::kDkEarly && FLARE_HOPPER_BWD_DK_RS;
+    constexpr bool kDkOverlap = FLARE_HOPPER_BWD_DK_OVERLAP && FLARE_HOPPER_BWD_DQ_FIRST && !kDkEarly;
+    int prev_stage = 0;  // kDkOverlap: the stage whose dK GEMM may still run
     (void)prev_stage;
     // Step it's dQ tile, stored, made visible to its writer's bulk copies (FLARE_HOPPER_BWD_DQ_PUBLISH_LATE).
     auto publish_dq = [&](int it) {
@@ -825,12 +829,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
       if (it > 0) publish_dq(it - 1);  // the previous step's tile
 #endif
       wg_wait<1>(s_acc);
-#if FLARE_HOPPER_BWD_DK_OVERLAP
-      if (FLARE_HOPPER_BWD_DQ_FIRST && !Cfg::kDkEarly && it > 0) {  // the previous step's dK is retired too
-        cute::warpgroup_fence_operand(dk_acc);
-        bwd_consumer_arrive(&sm.qdo_ring.empty[prev_stage], lane);
+      if constexpr (kDkOverlap) {
+        if (it > 0) {  // the previous step's dK is retired too
+          cute::warpgroup_fence_operand(dk_acc);
+          bwd_consumer_arrive(&sm.qdo_ring.empty[prev_stage], lane);
+        }
       }
-#endif
 
       // P^T while dP^T finishes, rounded once: the dV GEMM's operand and the factor of dS^T
       // (freeing S^T's registers before dS^T).
@@ -874,7 +878,6 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         }
 #endif
       };
-      constexpr bool kDkEarly = Cfg::kDkEarly && FLARE_HOPPER_BWD_DK_RS;
       if constexpr (kDkEarly) issue_dk();  // from registers: on the tensor cores while both dS tiles land
       cutlass::arch::fence_view_async_shared();
       consumers_sync();  // both warpgroups' dS are in
@@ -896,12 +899,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
         wg_wait<1>(dq_acc);
         cute::warpgroup_fence_operand(dv_acc);
         store_dq();
-#if FLARE_HOPPER_BWD_DK_OVERLAP
-        prev_stage = pos.index;  // released once the next step's wait for S^T retires dK
-#else
-        wg_wait<0>(dk_acc);
-        bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
-#endif
+        if constexpr (kDkOverlap) {
+          prev_stage = pos.index;  // released once the next step's wait for S^T retires dK
+        } else {
+          wg_wait<0>(dk_acc);
+          bwd_consumer_arrive(&sm.qdo_ring.empty[pos.index], lane);  // the stage is read
+        }
         pos.template advance<Cfg::kStages>();
       } else {
         if constexpr (!kDkEarly) issue_dk();
@@ -919,12 +922,10 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
 #if FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
     publish_dq(t.steps() - 1);
 #endif
-#if FLARE_HOPPER_BWD_DK_OVERLAP
-    if (FLARE_HOPPER_BWD_DQ_FIRST && !Cfg::kDkEarly) {
+    if constexpr (kDkOverlap) {
       wg_wait<0>(dk_acc);
       bwd_consumer_arrive(&sm.qdo_ring.empty[prev_stage], lane);
     }
-#endif
   }
 
   bwd_store_dkv<Cfg, T>(P, t, dk_acc, dv_acc, dkv_coord, ct);
@@ -1069,7 +1070,6 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
   if (tile == nullptr) return;
   tile -= half * detail::kRowStatsBlockM * Cfg::kHeadDim;  // Cfg::dq_tile_offset counts from the step's first block
   const uint32_t copies = dq_accum_copies<Cfg>(P, b, h, m * Cfg::kRowBlocks);
-  const float dq_scale = p.scale;  // dQ = scale dS K: the steps' tiles add dS K
   // As bwd_store_dkv: where dQ's rows are 16-byte aligned and the fragment has the accumulator's
   // rows, 16 x 16 blocks through the quad transpose (accumulator_piece), one 16-byte store a lane.
   T* dq0 = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + m * Cfg::kBlockM, h);
@@ -1084,7 +1084,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
       const float4 lo = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk), chain);
       const float4 hi = dq_accum_load4(P, tile + Cfg::dq_tile_offset(ct, 8 * blk + 4), chain);
       const float e[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, dq_scale, dq_scale, t4);
+      const uint4 v = accumulator_piece<T>([&](int i) { return e[i % 8]; }, blk, p.scale, p.scale, t4);
       if (row_ok && my_col + 16 * blk < p.head_dim) *reinterpret_cast<uint4*>(dst + 16 * blk) = v;
     }
     return;
@@ -1099,7 +1099,7 @@ __global__ void __launch_bounds__(Cfg::kConsumerWGs * 128) hopper_dq_convert_ker
       const int q = m * Cfg::kBlockM + get<0>(dq_coord(i + e)), col = get<1>(dq_coord(i + e));
       if (q >= seq.seqlen_q || col >= p.head_dim) continue;
       T* dst = static_cast<T*>(P.dq) + detail::row_offset(P.dq_str, b, seq.q_start + q, h) + col;
-      *reinterpret_cast<uint32_t*>(dst) = portable::ElemTraits<T>::pack(vals[e] * dq_scale, vals[e + 1] * dq_scale);
+      *reinterpret_cast<uint32_t*>(dst) = portable::ElemTraits<T>::pack(vals[e] * p.scale, vals[e + 1] * p.scale);
     }
   }
 }
