@@ -4,10 +4,12 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace flare::bench {
@@ -260,6 +262,19 @@ void* GrowingDeviceBuffer::reserve(std::size_t need) {
   return data;
 }
 
+// FLARE_BENCH_COOLDOWN_MS=N: the device idle for N ms before a measurement's samples (after its
+// warm-up), so that each kernel's samples start from the same power and clock state, not from
+// whatever the kernel timed before it left (bench/peers/cuda_timing.py reads the same variable).
+static void cool_down() {
+  static const int ms = [] {
+    const char* e = std::getenv("FLARE_BENCH_COOLDOWN_MS");
+    return e == nullptr ? 0 : std::atoi(e);
+  }();
+  if (ms <= 0) return;
+  FLARE_BENCH_CHECK(cudaDeviceSynchronize());
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
 Timing time_kernel(const std::function<void(cudaStream_t)>& launch, const TimingOptions& options,
                    cudaStream_t stream) {
   if (options.repeats < 1 || options.warmup < 0 || options.graph_batch < 1 || options.calls < 1) {
@@ -289,6 +304,7 @@ Timing time_kernel(const std::function<void(cudaStream_t)>& launch, const Timing
 
   for (int i = 0; i < options.warmup; ++i) run_once("warm-up");
   FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+  cool_down();
   if (options.flush_l2) flush_l2(stream);  // allocate the flush buffer before the hold, untimed
 
   const int repeats = options.repeats;

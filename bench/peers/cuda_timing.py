@@ -41,6 +41,17 @@ def l2_flush():
     return _flush
 
 
+def cool_down():
+    """FLARE_BENCH_COOLDOWN_MS=N: the device idle N ms before a measurement's samples (after its
+    warm-up; the caller has synchronized), as the C++ harness does under the same variable."""
+    import os
+    import time
+
+    ms = int(os.environ.get("FLARE_BENCH_COOLDOWN_MS", "0") or 0)
+    if ms > 0:
+        time.sleep(ms / 1000)
+
+
 def time_ms(fn, warmup, repeats, calls=1, flush=True):
     """calls > 1: each sample times that many back-to-back calls (divided by them), so that the host's
     time per call, which an isolated call puts between the events while the GPU waits, overlaps the
@@ -51,6 +62,7 @@ def time_ms(fn, warmup, repeats, calls=1, flush=True):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    cool_down()
     times = []
     for _ in range(repeats):
         if flush:
