@@ -328,10 +328,17 @@ int dq_plan_head_group(int64_t seqlen_q, int64_t l2_bytes) {
   return static_cast<int>(std::clamp<int64_t>(2 * l2 / 3 / per_head, 1, std::numeric_limits<int>::max()));
 }
 
+int even_head_group(int group, int heads) {
+  if (heads <= 0) return group;
+  for (int g = std::max(group, 1); g < heads; ++g)
+    if (heads % g == 0) return g;
+  return heads;
+}
+
 int choose_dq_plan_head_group(const HostBlockMask& mask, int batch, int heads, int heads_kv, int64_t seqlen_q,
                               int64_t l2_bytes, DqWritePlan* chosen) {
   DqPlanOptions grouped, interleaved;
-  grouped.head_group = dq_plan_head_group(seqlen_q, l2_bytes);
+  grouped.head_group = even_head_group(dq_plan_head_group(seqlen_q, l2_bytes), batch * heads);
   DqWritePlan a, b;
   const bool planned = make_dq_write_plan(mask, batch, heads, heads_kv, interleaved, &b).ok();
   int group = 0;

@@ -209,7 +209,8 @@ sched::SimWorkload dq_plan_workload(const DqPlanView& v, const sched::BackwardCo
 // det/ordinary with all 32 heads interleaved, then in groups of 8/4/2/1: random 25 % of blocks
 // 0.59, 0.76/0.85/0.74/0.70; groups of 4 also took causal 0.91 -> 0.96 and window 1024 0.90 -> 0.96,
 // but 8 documents 0.93 -> 0.55 (a document's tiles all read the same q blocks: more of them at once
-// queue at every semaphore). So the group is dq_plan_head_group's when the planner's own grid model
+// queue at every semaphore). So the group is dq_plan_head_group's, rounded up to a divisor of the
+// (b, h) count (even_head_group), when the planner's own grid model
 // (nominal costs) puts its waits within 5 % of all heads interleaved, or when consecutive tiles of a
 // head share under half their q blocks (L2 reuse needs the group); all heads otherwise.
 //
@@ -217,6 +218,14 @@ sched::SimWorkload dq_plan_workload(const DqPlanView& v, const sched::BackwardCo
 // the fp32 dQ accumulator: 8 bytes per query and head-dim column, at head dim 128) fits in 2/3 of
 // an L2 of `l2_bytes` (0: the H100's 50 MiB), at least 1.
 int dq_plan_head_group(int64_t seqlen_q, int64_t l2_bytes);
+// even_head_group: the smallest group of at least `group` heads that divides `heads` (batch x q
+// heads; `heads` itself when none smaller does), so every group has as many heads. A short last
+// group runs its heads' tiles a few at a time, each q block's adds chained through them: on the
+// H200 (60 MB of L2: dq_plan_head_group 5 at seqlen 8192, groups of 5 with a last one of 2 of the
+// 32 (b, h)) the random mask's deterministic backward took 1.89 ms in groups of 5, 1.97 in groups
+// of 3, 1.77 in groups of 4 and 1.69 in groups of 8 (ordinary 1.43-1.50; causal 2.78 -> 2.81,
+// window level; bench/RESULTS.md, session 42). On the H100 the rule's 4 divides 32 and stays.
+int even_head_group(int group, int heads);
 // `chosen` (optional) receives the plan with the chosen group (empty data if planning failed).
 int choose_dq_plan_head_group(const HostBlockMask& mask, int batch, int heads, int heads_kv, int64_t seqlen_q,
                               int64_t l2_bytes, DqWritePlan* chosen = nullptr);

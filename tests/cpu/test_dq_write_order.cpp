@@ -237,10 +237,17 @@ TEST(DqWriteOrder, HeadGroupKeepsTheQSideInL2) {
   EXPECT_EQ(dq_plan_head_group(1024, h100), 33);
   EXPECT_EQ(dq_plan_head_group(int64_t{1} << 20, h100), 1);
   EXPECT_EQ(dq_plan_head_group(0, h100), 34133);  // as one query
+  EXPECT_EQ(even_head_group(4, 32), 4);
+  EXPECT_EQ(even_head_group(5, 32), 8);  // the H200's 5 heads a group, of 2 x 16: no short last group
+  EXPECT_EQ(even_head_group(3, 30), 3);
+  EXPECT_EQ(even_head_group(7, 30), 10);
+  EXPECT_EQ(even_head_group(33, 32), 32);  // all of them
+  EXPECT_EQ(even_head_group(0, 12), 1);
+  EXPECT_EQ(even_head_group(5, 7), 7);
 }
 
 // The head-group rule on issue 6's masks (batch 2, 16 heads, seqlen 8192, 128 x 128 blocks, broadcast
-// masks): the choices measured best on the H100 (dq_write_order.h).
+// masks): the choices measured best on the H100 and the H200 (dq_write_order.h).
 TEST(DqWriteOrder, HeadGroupFollowsTheMask) {
   const int seqlen = 8192, blocks = 64;
   BlockMaskGeometry g;
@@ -272,6 +279,9 @@ TEST(DqWriteOrder, HeadGroupFollowsTheMask) {
     const double overlap = dq_plan_list_overlap(plan.view());
     EXPECT_EQ(overlap < 0.5, kind == 3) << kind << ": overlap " << overlap;
     EXPECT_EQ(choose_dq_plan_head_group(mask, 2, 16, 16, seqlen, h100), kind == 2 ? 0 : 4) << kind;
+    // The H200's 60 MB: 5 heads fit, rounded up to 8, a divisor of the 32 (b, h) (even_head_group).
+    const int64_t h200 = int64_t{60} << 20;
+    EXPECT_EQ(choose_dq_plan_head_group(mask, 2, 16, 16, seqlen, h200), kind == 2 ? 0 : 8) << kind;
   }
   // Few enough heads for one group: interleaving them all is the same schedule.
   HostBlockMask causal;
