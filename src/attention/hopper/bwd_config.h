@@ -12,6 +12,14 @@
 #include "src/attention/bwd_params.h"
 #include "src/attention/hopper/register_split.h"
 
+// Experiments (wrong results; timing only): 1 = no exp2/mask/dpsum in P and dS, 2 = no dQ GEMM
+// and no dQ adds, 3 = no dK/dV GEMMs, 4 = the deterministic mode's dQ writers not waiting for their
+// turns (its grid, walks and hand-overs otherwise as they are), 5 = nor taking part in them (no
+// wait, no hand-over: the ordinary mode's adds on the deterministic grid).
+#ifndef FLARE_HOPPER_BWD_EXPERIMENT
+#define FLARE_HOPPER_BWD_EXPERIMENT 0
+#endif
+
 namespace flare::hopper {
 
 // Deterministic dQ turns: 0 = tile order (every kv block walks its query blocks ascending, turns

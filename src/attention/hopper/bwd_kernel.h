@@ -33,6 +33,8 @@
 // plan's schedule, CTA x key slice x % key_slices of the tile at position x / key_slices, its walk
 // the plan's, each 64-row step's dQ added on that step's semaphore at the plan's turn (a step that
 // adds nothing, and a CTA without keys, still take their turns), GQA's dK/dV at the plan's turn.
+//
+// The parameters and a CTA's tile and walk are bwd_tile.h's; the dQ writers, bwd_dq_writer.h's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,8 +48,10 @@
 
 #include "src/attention/bwd_params.h"
 #include "src/attention/hopper/bwd_config.h"
+#include "src/attention/hopper/bwd_dq_writer.h"
 #include "src/attention/hopper/bwd_layouts.h"
 #include "src/attention/hopper/bwd_split_layouts.h"
+#include "src/attention/hopper/bwd_tile.h"
 #include "src/attention/hopper/element_lookups.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/smem_struct.h"
@@ -62,14 +66,6 @@
 #include "src/common/quad_transpose.h"
 #include "src/common/turn_semaphore.h"
 #include "src/scheduling/dq_turns.h"
-
-// Experiments (wrong results; timing only): 1 = no exp2/mask/dpsum in P and dS, 2 = no dQ GEMM
-// and no dQ adds, 3 = no dK/dV GEMMs, 4 = the deterministic mode's dQ writers not waiting for their
-// turns (its grid, walks and hand-overs otherwise as they are), 5 = nor taking part in them (no
-// wait, no hand-over: the ordinary mode's adds on the deterministic grid).
-#ifndef FLARE_HOPPER_BWD_EXPERIMENT
-#define FLARE_HOPPER_BWD_EXPERIMENT 0
-#endif
 
 // dK += dS^T Q with dS^T from registers (1), as dV's P^T, or from its shared-memory tile (0; the
 // tile is written for dQ either way). Registers spare the tensor cores' shared-memory reads.
@@ -100,22 +96,6 @@
 
 namespace flare::hopper {
 
-template <typename Cfg, typename T>
-struct HopperBwdParams {
-  using L = BwdLayouts<Cfg, T>;
-  detail::BwdKernelParams p;
-  typename L::TmaQ tma_q, tma_do;
-  typename L::TmaK tma_k, tma_v;
-  typename L::TmaStats tma_stats;
-  GShape shape_q, shape_k;
-  typename L::StatsShape shape_stats;
-  // Query-block walks and dQ turns (src/scheduling/dq_turns.h) with this kernel's 64 x 128 tiles;
-  // in deterministic mode also the tile order of the 1D grid (head-major, kv blocks descending).
-  sched::DqPlan plan;
-  block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
-  block_sparse::DqPlanView dq_plan;    // its deterministic plan (the sparse kernel, deterministic)
-};
-
 // The consumers' arrivals per warpgroup on a per-step barrier (a Q/dO stage's release, a dQ tile's
 // full), and a consumer thread's part in one: lane 0 of each warp, after the warp's accesses.
 // (Every thread arriving, as the forward's Q stage does, measured the same here: bench/RESULTS.md,
@@ -125,59 +105,6 @@ __device__ __forceinline__ void bwd_consumer_arrive(uint64_t* bar, int lane) {
   __syncwarp();  // every lane's accesses precede lane 0's arrive
   if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
 }
-
-// A query step of a CTA's walk: the 64-row query block m; `valid` false: computed fully masked
-// and its dQ not added (a block mask's bad index, or a step past the sequence); `element`: the
-// block mask's element predicate applies (a partial block). Dense walks' steps are all valid.
-using QStep = block_sparse::ListStep;
-
-// What only a block-sparse tile carries: the mask's transposed lists (or the plan's walk); in
-// deterministic mode the plan's tile, the CTA's key slice of its kv block and, under GQA, the dK/dV
-// semaphore (null: none) and turn. (A dense tile goes without.)
-template <bool kSparse>
-struct BwdTileSparse {};
-template <>
-struct BwdTileSparse<true> {
-  block_sparse::ListSteps sparse;
-  block_sparse::DqTile plan_tile;
-  int slice = 0, key_slices = 1;
-  int* dkv_sem = nullptr;
-  int dkv_turn = 0;
-};
-
-template <bool kSparse_>
-struct BwdTileT : BwdTileSparse<kSparse_> {
-  static constexpr bool kSparse = kSparse_;
-  detail::SeqInfo seq;
-  sched::Band band;
-  int n = 0, h = 0, b = 0, col0 = 0, keys = 0;
-  sched::RowSpan full_rows;  // the query steps whose tile is FULL (no mask): by first row
-  sched::DqWalk walk;  // dense: the query blocks that see any of the keys, in visiting order
-  // The walk's steps [step0, step0 + walk_steps) (dense: a split tile's part, sched::tail_work;
-  // kSparse, deterministic: the walk's first step in the plan); dkv_part: where a dense part adds
-  // its dK and dV without GQA (null otherwise).
-  int step0 = 0;
-  int walk_steps = 0;
-  float* dkv_part = nullptr;
-  __device__ __forceinline__ int steps() const {
-    if constexpr (kSparse) {
-      return this->sparse.count();
-    } else {
-      return walk_steps;
-    }
-  }
-  __device__ __forceinline__ QStep step_at(int step) const {
-    if constexpr (kSparse) {
-      return this->sparse.at(step);
-    } else {
-      QStep s;
-      s.m = sched::q_block_at(walk, step0 + step);
-      return s;
-    }
-  }
-  __device__ __forceinline__ int m_at(int step) const { return step_at(step).m; }
-};
-using BwdTile = BwdTileT<false>;
 
 template <typename Cfg, typename T, int kWriters_ = Cfg::kDqWriters>
 struct BwdSmem {
@@ -201,95 +128,6 @@ template <typename Cfg, typename T>
 constexpr int hopper_bwd_smem_bytes() {
   constexpr size_t ord = sizeof(BwdSmem<Cfg, T, Cfg::kDqWriters>), det = sizeof(BwdSmem<Cfg, T, Cfg::kDetDqWriters>);
   return static_cast<int>(ord > det ? ord : det) + 1024;
-}
-
-// Tile `tile` of the ordinary grid's order: kv block fastest, then head, then sequence (its 3D grid's
-// blockIdx order; the 1D grid of a tail split numbers its tiles so too).
-__device__ __forceinline__ sched::TileCoord ordinary_bwd_tile(const detail::BwdKernelParams& P, int64_t tile) {
-  sched::TileCoord c;
-  c.block = static_cast<int>(tile % P.num_n_blocks);
-  c.head = static_cast<int>(tile / P.num_n_blocks % P.fwd.heads);
-  c.batch = static_cast<int>(tile / P.num_n_blocks / P.fwd.heads);
-  return c;
-}
-
-// Ordinary mode: the 3D grid (kv block, head, sequence), or with a tail split a 1D grid of whole
-// tiles and parts (sched::tail_work). Deterministic: a 1D grid in the plan's
-// tile order, which CTAs start in, as the turn order's deadlock freedom assumes. kSparse: the 3D
-// grid over the kernel's 128-key blocks, the steps from the block mask's lists.
-template <typename Cfg, bool kSparse = false, typename Params>
-__device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
-  const detail::BwdKernelParams& P = hp.p;
-  const detail::FwdKernelParams& p = P.fwd;
-  BwdTileT<kSparse> t;
-  if (kSparse && P.deterministic) {
-    if constexpr (kSparse) {
-      t.key_slices = hp.bs.kv_block_size / Cfg::kBlockN;
-      t.slice = blockIdx.x % t.key_slices;
-      t.plan_tile = hp.dq_plan.tile_at(blockIdx.x / t.key_slices);
-      t.n = t.plan_tile.kv_block * t.key_slices + t.slice;
-      t.h = t.plan_tile.head, t.b = t.plan_tile.batch;
-    }
-  } else if (P.deterministic) {
-    const sched::TileCoord c = sched::tile_at(hp.plan.order, blockIdx.x);
-    t.n = c.block, t.h = c.head, t.b = c.batch;
-  } else if (!kSparse && P.tail.active()) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
-    const sched::TileCoord c = ordinary_bwd_tile(P, sched::tail_work(P.tail, blockIdx.x, 0).tile);
-    t.n = c.block, t.h = c.head, t.b = c.batch;
-  } else {
-    t.n = blockIdx.x, t.h = blockIdx.y, t.b = blockIdx.z;
-  }
-  t.seq = detail::seq_info(p, t.b);
-  t.band = detail::band_of(p, t.seq);
-  t.col0 = t.n * Cfg::kBlockN;
-  t.keys = t.seq.seqlen_k - t.col0 < Cfg::kBlockN ? t.seq.seqlen_k - t.col0 : Cfg::kBlockN;
-  t.full_rows = sched::full_row_tiles(t.band, t.col0, t.col0 + Cfg::kBlockN, t.seq.seqlen_k, Cfg::kBlockM);
-  if constexpr (kSparse) {
-    // The kernel's key block lies in one mask kv block (kv_block_size % kBlockN == 0: the launcher checks).
-    if (t.keys <= 0 && !P.deterministic) return t;
-    const block_sparse::BlockSparseParams& bs = hp.bs;
-    if (P.deterministic) {  // the plan's walk (a CTA without keys still walks it: its turns)
-      const block_sparse::DqPlanView& plan = hp.dq_plan;
-      t.step0 = plan.walk_begin(t.plan_tile);
-      t.sparse = block_sparse::planned_list_steps(plan.data + plan.layout.walk_q_blocks + t.step0,
-                                                  plan.data + plan.layout.walk_is_full + t.step0,
-                                                  plan.walk_end(t.plan_tile) - t.step0, bs.q_block_size,
-                                                  bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
-      if (p.group > 1) {
-        t.dkv_sem = P.dkv_semaphore + plan.dkv_slice_semaphore(t.b, t.h / p.group, t.plan_tile.kv_block, t.slice,
-                                                               t.key_slices);
-        t.dkv_turn = plan.dkv_turn(t.plan_tile);
-      }
-    } else {
-      t.sparse = block_sparse::list_steps(bs.partial_q, bs.full_q, t.b, t.h, t.col0 / bs.kv_block_size,
-                                          bs.q_block_size, bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
-    }
-  } else {
-    if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
-    t.walk_steps = t.walk.count;
-    if (!P.deterministic && P.tail.active()) {
-      const sched::TailWork w = sched::tail_work(P.tail, blockIdx.x, t.walk.count);
-      t.step0 = w.begin;
-      t.walk_steps = w.end - w.begin;
-      if (w.part >= 0 && P.dkv_tail != nullptr)
-        t.dkv_part = P.dkv_tail + (w.tile - P.tail.whole) * Cfg::kBlockN * p.head_dim;
-    }
-  }
-  return t;
-}
-
-// The dQ tile of 64-row query block m64 in dq_accum, in thread order (detail::hopper_dq_tile_offset):
-// threads write it with conflict-free 16-byte stores and the block is one contiguous bulk add (the
-// tiles of consecutive blocks are consecutive); hopper_dq_convert_kernel maps it back to (row,
-// column). Null when a malformed cu_seqlens list (device values, not validated) would place it outside.
-template <typename Cfg>
-__device__ __forceinline__ float* hopper_dq_tile(const detail::BwdKernelParams& P, int64_t q_start, int b, int h,
-                                                 int m64) {
-  constexpr int kRows = detail::kRowStatsBlockM;
-  const int64_t first_row = detail::accum_row(P.fwd, b, q_start, 0, P.fwd.seqlen_q);
-  const int64_t row0 = detail::hopper_dq_padded_start(first_row, b) + int64_t{m64} * kRows;
-  if (row0 < 0 || row0 + kRows > P.dq_padded_rows) return nullptr;
-  return P.dq_accum + (int64_t{h} * P.dq_padded_rows + row0) * Cfg::kHeadDim;
 }
 
 // Producer warp 0 (one thread) of both backward tilings: K and V once, then per step of the walk
@@ -364,140 +202,6 @@ __device__ __forceinline__ void bwd_produce(const HopperBwdParams<Cfg, T>& hp, S
     }
     pos.template advance<Cfg::kStages>();
   });
-}
-
-// One dQ writer's share: the steps it adds (first, first + stride, ...), the barrier the consumers
-// fill its steps' tiles on, and the shared tiles (step it's is it % tiles, tile_floats apart) with
-// the barriers it frees them on.
-struct DqWriterPart {
-  const float* smem;
-  uint64_t* full;
-  uint64_t* empty;  // one per tile
-  int tiles = 1, tile_floats = 0;
-  int first_step = 0, step_stride = 1;
-  uint32_t bytes = 0;
-};
-
-// The block-sparse deterministic mode's semaphore and turn for step `it` of a tile's planned walk:
-// the semaphore of the step's 64-row part of its q block, the plan's turn of the tile's walk
-// entry (key slices of one kv block take consecutive turns).
-struct DqTurn {
-  int* sem = nullptr;
-  int turn = 0;
-};
-template <typename Params, typename Tile>
-__device__ __forceinline__ DqTurn sparse_dq_turn(const Params& hp, const Tile& t, int it) {
-  const block_sparse::DqPlanView& plan = hp.dq_plan;
-  const int subs = t.sparse.subs, entry = t.step0 + it / subs;
-  DqTurn d;
-  d.sem = hp.p.dq_semaphore + plan.dq_tile_semaphore(t.b, t.h, plan.q_block(entry), it % subs, subs);
-  d.turn = plan.dq_slice_turn(entry, t.slice, t.key_slices);
-  return d;
-}
-
-// A CTA of the block-sparse deterministic mode without keys (a key slice past seqlen_k): it adds
-// nothing but takes each of its turns, dQ and (GQA) dK/dV, so later CTAs do not wait for it.
-template <typename Params, typename Tile>
-__device__ __forceinline__ void pass_sparse_turns(const Params& hp, const Tile& t) {
-  for (int it = 0; it < t.steps(); ++it) {
-    const DqTurn d = sparse_dq_turn(hp, t, it);
-    device_sync::wait_for_turn(d.sem, d.turn);
-    device_sync::pass_turn(d.sem);
-  }
-  if (t.dkv_sem != nullptr) {
-    device_sync::wait_for_turn(t.dkv_sem, t.dkv_turn);
-    device_sync::pass_turn(t.dkv_sem);
-  }
-}
-
-// A dQ writer's turn (deterministic mode): wait for it, then let the bulk adds (async proxy) see
-// the earlier writers' adds; and, after its own adds, hand `count` adjacent chains' turns on once
-// those adds are performed.
-__device__ __forceinline__ void wait_for_dq_turn(const int* sem, int turn) {
-#if FLARE_HOPPER_BWD_EXPERIMENT != 4
-  device_sync::wait_for_turn(sem, turn);
-#else
-  (void)sem, (void)turn;
-#endif
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-__device__ __forceinline__ void pass_dq_turns(int* sem, int count = 1) {
-  sm90::bulk_wait_all();
-  __threadfence();
-  for (int i = 0; i < count; ++i) device_sync::pass_turn(sem + i);
-}
-
-// A dQ tile (`bytes` of shared memory at src) into dq_accum at dst: added, or stored where it is
-// its chain's first turn on its copy (BwdKernelParams::dq_first_stores: nothing zeroed the copy).
-__device__ __forceinline__ void dq_tile_put(float* dst, const float* src, uint32_t bytes, bool store) {
-  if (store)
-    sm90::bulk_store_s2g(dst, src, bytes);
-  else
-    sm90::bulk_reduce_add_f32_s2g(dst, src, bytes);
-}
-
-// Deterministic dense grids: where turn `turn` of a dQ chain adds (sched::dq_replica_turn): its
-// copy's offsets from the first copy's semaphore and tile, and its turn on that copy.
-struct DqReplica {
-  int64_t semaphores = 0, floats = 0;
-  int turn = 0;
-};
-__device__ __forceinline__ DqReplica dq_replica(const detail::BwdKernelParams& P, int turn) {
-  const sched::DqReplicaTurn r = sched::dq_replica_turn(turn, P.dq_replicas);
-  DqReplica d;
-  d.semaphores = r.replica * P.dq_replica_semaphores;
-  d.floats = r.replica * P.dq_replica_floats;
-  d.turn = r.turn;
-  return d;
-}
-
-// A dQ writer (one thread of a producer warp other than 0): adds each of its steps' dQ tiles into
-// dq_accum with one bulk reduction (a 128-row step's two 64-row blocks, or the first alone where
-// the second lies past the sequence; their turn is the first block's semaphore). Several writers
-// keep several adds (and, in deterministic mode, their turn handoffs) in flight. A block mask's
-// step that adds nothing still takes its turn.
-template <typename Cfg, typename Params, typename Tile>
-__device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
-  const detail::BwdKernelParams& P = hp.p;
-  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
-  const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
-  // writer_first_step(first_step, 0, ..) is first_step; written plainly, ptxas allocates the d128
-  // writer's registers differently (5 more spill instructions, session 40), so the call stays.
-  for (int it = sched::writer_first_step(part.first_step, 0, part.step_stride); it < t.steps();
-       it += part.step_stride) {
-    const int k = it / part.step_stride;  // this writer's k-th step
-    const QStep step = t.step_at(it);
-    const int m = step.m;
-    DqTurn d;
-    if constexpr (Tile::kSparse) {
-      if (P.deterministic) d = sparse_dq_turn(hp, t, it);
-    } else {
-      d.sem = portable::dq_turn_semaphore(P, t.b, t.h, m * Cfg::kRowBlocks);
-    }
-    int* sem = FLARE_HOPPER_BWD_EXPERIMENT == 5 ? nullptr : d.sem;
-    float* tile = step.valid ? hopper_dq_tile<Cfg>(P, t.seq.q_start, t.b, t.h, m * Cfg::kRowBlocks) : nullptr;
-    if constexpr (!Tile::kSparse) {
-      if (sem != nullptr) {
-        const DqReplica r = dq_replica(P, sched::dq_turn_at(turns, hp.plan, dq_seq, m));
-        sem += r.semaphores, d.turn = r.turn;
-        if (tile != nullptr) tile += r.floats;
-      }
-    }
-    cutlass::arch::ClusterBarrier::wait(part.full, k & 1);
-    if (sem != nullptr) wait_for_dq_turn(sem, d.turn);
-    uint32_t bytes = part.bytes;
-    if constexpr (Cfg::kRowBlocks == 2) {
-      if (m * Cfg::kBlockM + detail::kRowStatsBlockM >= t.seq.seqlen_q) bytes /= 2;
-    }
-    const int buf = it % part.tiles;
-    const bool store = !Tile::kSparse && sem != nullptr && P.dq_first_stores && d.turn == 0;
-    if (tile != nullptr) dq_tile_put(tile, part.smem + buf * part.tile_floats, bytes, store);
-    sm90::bulk_commit_group();
-    // The tile is free once read: the consumers go on with the next step while the add completes.
-    sm90::bulk_wait_read_all();
-    cutlass::arch::ClusterBarrier::arrive(&part.empty[buf]);
-    if (sem != nullptr) pass_dq_turns(sem);
-  }
 }
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
