@@ -14,6 +14,8 @@
 // With a block mask (kSparse, fwd_kv_walk.h) the CTA's rows lie in one mask q block and the key
 // tiles come from its lists instead of the band: partial blocks first (the element predicate on
 // top of the band's), then full ones.
+//
+// The tail split's parts are merged after the grid by fwd_tail_merge.h's kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +36,7 @@
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/fwd_grid.h"
+#include "src/attention/hopper/fwd_tail_merge.h"
 #include "src/attention/hopper/smem_struct.h"
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
@@ -376,18 +379,6 @@ __device__ __forceinline__ int leading_masked_tiles(const FwdTile<Walk>& t, int 
   }
 }
 
-// Tile i of the one-CTA-per-tile grid's order: m block fastest, then head, then sequence (its 3D
-// grid's blockIdx order; a tail split's 1D grid numbers its tiles so too).
-template <typename Cfg>
-__device__ __forceinline__ sched::TileCoord split_fwd_tile(const detail::FwdKernelParams& p, int64_t i) {
-  const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  sched::TileCoord c;
-  c.block = static_cast<int>(i % m_blocks);
-  c.head = static_cast<int>(i / m_blocks % p.heads);
-  c.batch = static_cast<int>(i / m_blocks / p.heads);
-  return c;
-}
-
 // A CTA's part of a split tile (HopperFwdParams::tail): its index (-1: a whole tile) and slot.
 struct FwdTailPart {
   int index = -1;
@@ -402,49 +393,6 @@ __device__ __forceinline__ FwdTailPart fwd_tail_part(const HopperFwdParams<Cfg, 
     part.slot = hp.partial + ((w.tile - hp.tail.whole) * hp.tail.parts + w.part) * FwdPartSlot<Cfg>::kFloats;
   }
   return part;
-}
-
-// A split tile's output: its parts' O merged by their LSE (out = sum_i e^(lse_i - lse) O_i, lse =
-// log sum_i e^lse_i; parts that saw no key, lse +inf, weigh nothing), in the output dtype, and the
-// LSE. A warp per row (kFwdMergeRows rows a CTA, grid: split tiles x row groups), lane l holding
-// columns l, l + 32, ...: the parts' loads are independent and coalesced.
-inline constexpr int kFwdMergeRows = 8;
-template <typename Cfg, typename T>
-__global__ void __launch_bounds__(32 * kFwdMergeRows)
-    hopper_fwd_tail_merge_kernel(const detail::FwdKernelParams p, const sched::TailSplit tail, const float* partial) {
-  constexpr int kCols = Cfg::kHeadDim / 32;
-  static_assert(Cfg::kHeadDim % 32 == 0, "head dims of the Hopper forward are multiples of 32");
-  using Slot = FwdPartSlot<Cfg>;
-  const sched::TileCoord c = split_fwd_tile<Cfg>(p, tail.whole + blockIdx.x);
-  const int h = c.head, b = c.batch;
-  const int lane = threadIdx.x % 32, r = blockIdx.y * kFwdMergeRows + threadIdx.x / 32;
-  const int row = c.block * Cfg::kBlockM + r;
-  if (row >= p.seqlen_q) return;
-  const float* slots = partial + int64_t{blockIdx.x} * tail.parts * Slot::kFloats;
-  auto lse_of = [&](int q) { return slots[q * Slot::kFloats + Slot::kLse + r]; };
-  float top = -INFINITY;
-  for (int q = lane; q < tail.parts; q += 32) {
-    const float l = lse_of(q);
-    if (l != INFINITY) top = fmaxf(top, l);
-  }
-  for (int o = 16; o > 0; o /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-  float sum = 0.f, acc[kCols] = {};
-  for (int q = 0; q < tail.parts; ++q) {
-    const float l = lse_of(q);  // one address for the warp
-    if (l == INFINITY) continue;
-    const float w = __expf(l - top);
-    sum += w;
-    const float* o = slots + q * Slot::kFloats + r * Cfg::kHeadDim + lane;
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) acc[c] += w * o[32 * c];
-  }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, b, row, h) + lane;
-  CUTE_UNROLL
-  for (int c = 0; c < kCols; ++c)
-    if (lane + 32 * c < p.head_dim) out[32 * c] = static_cast<T>(acc[c] * inv);
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + row] = sum > 0.f ? top + logf(sum) : INFINITY;
 }
 
 // One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
