@@ -1,0 +1,211 @@
+// How fast each load path the kernels use streams a buffer from HBM, with no math behind it
+// (issue 7: at batch 8 and 65536 keys decode's kernels read at about 90 % of the DRAM peak with
+// bulk copies where cuDNN's cp.async kernel reads at 96 %: bench/RESULTS.md, session 42). Every
+// mode reads the same buffer (2 GiB by default) exactly once, each CTA a contiguous slice of it,
+// L2 flushed before each sample (the harness's flush), CUDA events, median of the samples; GB/s of
+// bytes read, and the fraction of the device-to-device copy's read + write bandwidth measured in
+// the same run.
+//
+//   ldg      every thread loads 16-byte words (ld.global.nc.v4), four in flight, and folds them
+//   cp.async every thread copies 16-byte pieces of a stage into a shared ring (cp.async.cg, kStages
+//            stages of `stage` bytes, one commit group a stage), reads its own words back, and
+//            refills the stage it has left
+//   bulk     one producer warp copies a stage in `piece`-byte cp.async.bulk copies (one lane per
+//            piece, completing on the stage's mbarrier), eight consumer warps wait for it and release
+//            it (decode_bulk_kernel's pipeline: 2 KB pieces, 64 KB stages, 3 stages)
+//
+// Usage: probe_stream_bandwidth [--gib N] [--repeats N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench/common/bench_common.h"
+#include "src/common/bulk_copy.h"
+
+namespace {
+
+using flare::sm90::bulk_copy_g2s;
+using flare::sm90::mbar_arrive;
+using flare::sm90::mbar_arrive_expect_tx;
+using flare::sm90::mbar_init;
+using flare::sm90::mbar_init_fence;
+using flare::sm90::mbar_wait;
+
+// Folds a word into the accumulator the kernels keep live (written out only if it matches a value
+// it never takes, so the loads cannot be dropped).
+__device__ __forceinline__ uint32_t fold(uint32_t acc, uint4 v) { return acc ^ v.x ^ (v.y << 1) ^ (v.z << 2) ^ (v.w << 3); }
+
+__global__ void ldg_stream(const uint4* src, int64_t words_per_cta, uint32_t* sink) {
+  const uint4* base = src + blockIdx.x * words_per_cta;
+  uint32_t acc = 0;
+  const int64_t stride = blockDim.x;
+  int64_t i = threadIdx.x;
+  for (; i + 3 * stride < words_per_cta; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                   : "l"(base + i + k * stride));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc = fold(acc, v[k]);
+  }
+  for (; i < words_per_cta; i += stride) acc = fold(acc, base[i]);
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+template <int kStages>
+__global__ void cp_async_stream(const char* src, int64_t bytes_per_cta, int stage_bytes, uint32_t* sink) {
+  extern __shared__ __align__(128) char ring[];
+  const char* base = src + blockIdx.x * bytes_per_cta;
+  const int tiles = static_cast<int>(bytes_per_cta / stage_bytes);
+  auto issue = [&](int tile) {
+    if (tile < tiles) {
+      char* dst = ring + (tile % kStages) * stage_bytes;
+      const char* s = base + int64_t{tile} * stage_bytes;
+      for (int off = threadIdx.x * 16; off < stage_bytes; off += blockDim.x * 16) {
+        const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + off));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(s + off));
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  for (int t = 0; t < kStages - 1; ++t) issue(t);
+  uint32_t acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
+    const uint4* stage = reinterpret_cast<const uint4*>(ring + (t % kStages) * stage_bytes);
+    for (int w = threadIdx.x; w < stage_bytes / 16; w += blockDim.x) acc = fold(acc, stage[w]);  // its own copies
+    __syncthreads();  // every thread is done with the stage refilled next (t - 1's)
+    issue(t + kStages - 1);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+constexpr int kBulkConsumerWarps = 8;
+constexpr int kBulkMaxStages = 8;
+__global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_bytes, int stages, int piece,
+                            uint32_t* sink) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
+  const char* base = src + blockIdx.x * bytes_per_cta;
+  const int tiles = static_cast<int>(bytes_per_cta / stage_bytes);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kBulkConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (warp == kBulkConsumerWarps) {  // the producer warp
+    for (int t = 0; t < tiles; ++t) {
+      const int s = t % stages;
+      if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
+      if (lane == 0) mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(stage_bytes));
+      __syncwarp();
+      for (int off = lane * piece; off < stage_bytes; off += 32 * piece)
+        bulk_copy_g2s(ring + s * stage_bytes + off, base + int64_t{t} * stage_bytes + off, static_cast<uint32_t>(piece),
+                      &full[s]);
+    }
+    return;
+  }
+  uint32_t acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % stages;
+    mbar_wait(&full[s], (t / stages) & 1);
+    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * stage_bytes)[threadIdx.x]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[s]);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+struct Mode {
+  std::string name;
+  int ctas = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t gib = 2;
+  int repeats = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--gib")) gib = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+  }
+  flare::bench::require_cuda_device_or_exit();
+  cudaStream_t stream;
+  FLARE_BENCH_CHECK(cudaStreamCreate(&stream));
+  int dev = 0, sms = 0, major = 0;
+  FLARE_BENCH_CHECK(cudaGetDevice(&dev));
+  FLARE_BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  FLARE_BENCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const double copy_gbps = flare::bench::measure_copy_bandwidth_gbps(stream);
+  const int64_t bytes = gib << 30;
+  char* buf = nullptr;
+  uint32_t* sink = nullptr;
+  FLARE_BENCH_CHECK(cudaMalloc(&buf, bytes));
+  FLARE_BENCH_CHECK(cudaMalloc(&sink, sizeof(uint32_t)));
+  FLARE_BENCH_CHECK(cudaMemset(buf, 0x5a, bytes));
+  std::printf("%s: %d SMs; device-to-device copy %.0f GB/s (read + write); %lld GiB read once a sample, "
+              "L2 flushed, median of %d\n",
+              flare::bench::device_tags()["device"].c_str(), sms, copy_gbps, static_cast<long long>(gib), repeats);
+
+  // Times `launch(ctas)` over a buffer split into `ctas` slices of a multiple of `granule` bytes.
+  auto measure = [&](const std::string& name, int ctas, int64_t granule, auto&& launch) {
+    const int64_t per_cta = bytes / ctas / granule * granule;
+    flare::bench::TimingOptions o;
+    o.warmup = 2;
+    o.repeats = repeats;
+    const flare::bench::Timing t = flare::bench::time_kernel([&](cudaStream_t st) { launch(st, ctas, per_cta); }, o, stream);
+    const double gbps = static_cast<double>(per_cta) * ctas / (t.median_ms * 1e6);
+    std::printf("  %-44s %5d CTAs  %8.1f us  %6.0f GB/s  %.3f of the copy\n", name.c_str(), ctas, t.median_ms * 1e3,
+                gbps, gbps / copy_gbps);
+  };
+
+  for (int per_sm : {4, 8})
+    measure("ldg, 256 threads, 4 x 16 B in flight", per_sm * sms, 16 * 256 * 4, [&](cudaStream_t st, int ctas, int64_t per) {
+      ldg_stream<<<ctas, 256, 0, st>>>(reinterpret_cast<const uint4*>(buf), per / 16, sink);
+    });
+
+  struct CpAsyncCase {
+    int threads, stage, per_sm;
+  };
+  for (const CpAsyncCase c : {CpAsyncCase{128, 32 << 10, 1}, CpAsyncCase{128, 32 << 10, 2}, CpAsyncCase{256, 32 << 10, 2},
+                              CpAsyncCase{128, 16 << 10, 2}}) {
+    const int smem = 3 * c.stage;
+    FLARE_BENCH_CHECK(cudaFuncSetAttribute(cp_async_stream<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const std::string name = "cp.async, " + std::to_string(c.threads) + " threads, 3 x " + std::to_string(c.stage >> 10) + " KB";
+    measure(name, c.per_sm * sms, c.stage, [&](cudaStream_t st, int ctas, int64_t per) {
+      cp_async_stream<3><<<ctas, c.threads, smem, st>>>(buf, per, c.stage, sink);
+    });
+  }
+
+  if (major < 9) return 0;
+  struct BulkCase {
+    int stage, stages, piece, ctas;
+  };
+  const int ctas_128 = std::min(128, sms);
+  for (const BulkCase c : {BulkCase{64 << 10, 3, 2048, ctas_128}, BulkCase{64 << 10, 3, 2048, sms},
+                           BulkCase{64 << 10, 3, 512, sms}, BulkCase{64 << 10, 3, 8192, sms},
+                           BulkCase{32 << 10, 6, 1024, sms}, BulkCase{32 << 10, 3, 1024, 2 * sms},
+                           BulkCase{16 << 10, 6, 512, 2 * sms}}) {
+    const int smem = c.stages * c.stage;
+    FLARE_BENCH_CHECK(cudaFuncSetAttribute(bulk_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const std::string name = "bulk, " + std::to_string(c.stages) + " x " + std::to_string(c.stage >> 10) + " KB, " +
+                             std::to_string(c.piece) + " B pieces";
+    measure(name, c.ctas, c.stage, [&](cudaStream_t st, int ctas, int64_t per) {
+      bulk_stream<<<ctas, 32 * (kBulkConsumerWarps + 1), smem, st>>>(buf, per, c.stage, c.stages, c.piece, sink);
+    });
+  }
+  return 0;
+}
