@@ -45,6 +45,8 @@
 // lse; a second barrier keeps every CTA's shared memory alive until its peers have read it. The
 // producer warp joins both barriers. No global round trip between the splits' last stores and
 // the merge, no counters, no second kernel.
+//
+// Both merges are decode_split_merge.h's.
 #pragma once
 
 #include <cooperative_groups.h>
