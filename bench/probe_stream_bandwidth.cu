@@ -23,7 +23,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "bench/common/bench_common.h"
 #include "src/common/bulk_copy.h"
@@ -127,11 +126,6 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
-
-struct Mode {
-  std::string name;
-  int ctas = 0;
-};
 
 }  // namespace
 

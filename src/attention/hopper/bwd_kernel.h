@@ -60,12 +60,10 @@
 #include "src/attention/portable/bwd_kernel.h"
 #include "src/attention/portable/warp_mma.h"
 #include "src/block_sparse/block_sparse_params.h"
-#include "src/block_sparse/dq_write_order.h"
 #include "src/block_sparse/list_steps.h"
 #include "src/common/bulk_copy.h"
 #include "src/common/quad_transpose.h"
 #include "src/common/turn_semaphore.h"
-#include "src/scheduling/dq_turns.h"
 
 // dK += dS^T Q with dS^T from registers (1), as dV's P^T, or from its shared-memory tile (0; the
 // tile is written for dQ either way). Registers spare the tensor cores' shared-memory reads.
