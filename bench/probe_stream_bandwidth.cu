@@ -12,9 +12,12 @@
 //            refills the stage it has left
 //   bulk     one producer warp copies a stage in `piece`-byte cp.async.bulk copies (one lane per
 //            piece, completing on the stage's mbarrier), eight consumer warps wait for it and release
-//            it (decode_bulk_kernel's pipeline: 2 KB pieces, 64 KB stages, 3 stages)
+//            it (decode_bulk_kernel's pipeline: 2 KB pieces, 64 KB stages, 3 stages); "K|V": each
+//            stage half from each of two regions, as decode's K and V caches
 //
-// Usage: probe_stream_bandwidth [--gib N] [--repeats N]
+// Usage: probe_stream_bandwidth [--gib N] [--repeats N] [--fill constant|random]
+//   --fill: the buffer's contents (default constant, a 0x5a byte; random: a hash of each word's
+//   index, as decode's random caches)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -89,12 +92,28 @@ __global__ void cp_async_stream(const char* src, int64_t bytes_per_cta, int stag
 
 constexpr int kBulkConsumerWarps = 8;
 constexpr int kBulkMaxStages = 8;
+// regions > 1: the buffer is `regions` equal parts (decode's K and V caches) and every stage takes
+// stage_bytes / regions from the CTA's slice of each, as a decode stage takes 16 keys of K and V.
+__global__ void fill_random(uint32_t* words, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 0x9e3779b9u ^ static_cast<uint32_t>(i >> 32);
+    x ^= x >> 16;
+    x *= 0x85ebca6bu;
+    x ^= x >> 13;
+    words[i] = x;
+  }
+}
+
 __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_bytes, int stages, int piece,
-                            uint32_t* sink) {
+                            int regions, int dst_pad, uint32_t* sink) {
   extern __shared__ __align__(128) char ring[];
   __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
-  const char* base = src + blockIdx.x * bytes_per_cta;
+  const int64_t region_bytes = bytes_per_cta / regions * gridDim.x;  // one part of the buffer
+  const int region_stage = stage_bytes / regions;                   // a stage's bytes from each part
+  const char* base = src + blockIdx.x * (bytes_per_cta / regions);
   const int tiles = static_cast<int>(bytes_per_cta / stage_bytes);
+  // dst_pad: each piece lands dst_pad bytes after the previous one ends (decode's padded rows)
+  const int ring_stage = stage_bytes + stage_bytes / piece * dst_pad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -110,9 +129,11 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
       if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
       if (lane == 0) mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(stage_bytes));
       __syncwarp();
-      for (int off = lane * piece; off < stage_bytes; off += 32 * piece)
-        bulk_copy_g2s(ring + s * stage_bytes + off, base + int64_t{t} * stage_bytes + off, static_cast<uint32_t>(piece),
-                      &full[s]);
+      for (int off = lane * piece; off < stage_bytes; off += 32 * piece) {
+        const int r = off / region_stage, in = off % region_stage;
+        bulk_copy_g2s(ring + s * ring_stage + off / piece * (piece + dst_pad),
+                      base + r * region_bytes + int64_t{t} * region_stage + in, static_cast<uint32_t>(piece), &full[s]);
+      }
     }
     return;
   }
@@ -120,7 +141,7 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
   for (int t = 0; t < tiles; ++t) {
     const int s = t % stages;
     mbar_wait(&full[s], (t / stages) & 1);
-    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * stage_bytes)[threadIdx.x]);
+    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * ring_stage)[threadIdx.x]);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[s]);
   }
@@ -132,9 +153,11 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
 int main(int argc, char** argv) {
   int64_t gib = 2;
   int repeats = 10;
+  bool random_fill = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--gib")) gib = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--fill")) random_fill = !std::strcmp(argv[i + 1], "random");
   }
   flare::bench::require_cuda_device_or_exit();
   cudaStream_t stream;
@@ -150,9 +173,14 @@ int main(int argc, char** argv) {
   FLARE_BENCH_CHECK(cudaMalloc(&buf, bytes));
   FLARE_BENCH_CHECK(cudaMalloc(&sink, sizeof(uint32_t)));
   FLARE_BENCH_CHECK(cudaMemset(buf, 0x5a, bytes));
-  std::printf("%s: %d SMs; device-to-device copy %.0f GB/s (read + write); %lld GiB read once a sample, "
+  if (random_fill) {
+    fill_random<<<4 * sms, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(buf), bytes / 4);
+    FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
+  }
+  std::printf("%s: %d SMs; device-to-device copy %.0f GB/s (read + write); %lld GiB (%s) read once a sample, "
               "L2 flushed, median of %d\n",
-              flare::bench::device_tags()["device"].c_str(), sms, copy_gbps, static_cast<long long>(gib), repeats);
+              flare::bench::device_tags()["device"].c_str(), sms, copy_gbps, static_cast<long long>(gib),
+              random_fill ? "random" : "constant", repeats);
 
   // Times `launch(ctas)` over a buffer split into `ctas` slices of a multiple of `granule` bytes.
   auto measure = [&](const std::string& name, int ctas, int64_t granule, auto&& launch) {
@@ -186,19 +214,27 @@ int main(int argc, char** argv) {
 
   if (major < 9) return 0;
   struct BulkCase {
-    int stage, stages, piece, ctas;
+    int stage, stages, piece, ctas, regions, dst_pad = 0;
   };
   const int ctas_128 = std::min(128, sms);
-  for (const BulkCase c : {BulkCase{64 << 10, 3, 2048, ctas_128}, BulkCase{64 << 10, 3, 2048, sms},
-                           BulkCase{64 << 10, 3, 512, sms}, BulkCase{64 << 10, 3, 8192, sms},
-                           BulkCase{32 << 10, 6, 1024, sms}, BulkCase{32 << 10, 3, 1024, 2 * sms},
-                           BulkCase{16 << 10, 6, 512, 2 * sms}}) {
-    const int smem = c.stages * c.stage;
+  // The last rows: decode's grids at batch 8 and 65536 keys (K and V as two regions): the head-warp
+  // kernel's 128 CTAs (16 splits), the key-group kernel's 40 (5 splits of 8 heads), and one region
+  // at the same CTA counts.
+  for (const BulkCase c : {BulkCase{64 << 10, 3, 2048, ctas_128, 1}, BulkCase{64 << 10, 3, 2048, sms, 1},
+                           BulkCase{64 << 10, 3, 512, sms, 1}, BulkCase{64 << 10, 3, 8192, sms, 1},
+                           BulkCase{32 << 10, 6, 1024, sms, 1}, BulkCase{32 << 10, 3, 1024, 2 * sms, 1},
+                           BulkCase{16 << 10, 6, 512, 2 * sms, 1}, BulkCase{64 << 10, 3, 2048, ctas_128, 2},
+                           BulkCase{64 << 10, 3, 2048, 40, 1}, BulkCase{64 << 10, 3, 2048, 40, 2},
+                           BulkCase{32 << 10, 3, 1024, 2 * ctas_128, 2},
+                           BulkCase{64 << 10, 3, 2048, ctas_128, 2, 16}}) {
+    const int smem = c.stages * (c.stage + c.stage / c.piece * c.dst_pad);
     FLARE_BENCH_CHECK(cudaFuncSetAttribute(bulk_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const std::string name = "bulk, " + std::to_string(c.stages) + " x " + std::to_string(c.stage >> 10) + " KB, " +
-                             std::to_string(c.piece) + " B pieces";
+                             std::to_string(c.piece) + " B pieces" + (c.regions > 1 ? ", K|V" : "") +
+                             (c.dst_pad > 0 ? ", +" + std::to_string(c.dst_pad) + " B apart" : "");
     measure(name, c.ctas, c.stage, [&](cudaStream_t st, int ctas, int64_t per) {
-      bulk_stream<<<ctas, 32 * (kBulkConsumerWarps + 1), smem, st>>>(buf, per, c.stage, c.stages, c.piece, sink);
+      bulk_stream<<<ctas, 32 * (kBulkConsumerWarps + 1), smem, st>>>(buf, per, c.stage, c.stages, c.piece, c.regions,
+                                                                   c.dst_pad, sink);
     });
   }
   return 0;

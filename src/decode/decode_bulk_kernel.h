@@ -61,10 +61,21 @@ inline constexpr int kBulkSmemBudget = 200 * 1024;  // K/V stages: one CTA per S
 inline constexpr int kBulkNarrowMaxKeys1 = 64;
 inline constexpr int kBulkNarrowMaxKeys2 = 512;
 
+// Shared row padding in elements: 16 bytes, so the 8 rows of an ldmatrix fall in distinct bank
+// groups. The cost: row k lands 16 k bytes off its global row's 128-byte alignment, and its bulk
+// copy reaches L2 in pieces (42.5 M requests and 74.0 M sectors for the 67.1 M of 2.15 GB at batch
+// 8, 65536 keys; about 7 % of the pipeline's speed). An experiment switch (bench/RESULTS.md,
+// session 43): 0 aligns the rows (the copies then stream at the probe's speed, but the consumers'
+// ldmatrix reads conflict 8 ways).
+#ifndef FLARE_DECODE_EXPERIMENT_ROW_PAD
+#define FLARE_DECODE_EXPERIMENT_ROW_PAD 8
+#endif
+inline constexpr int kBulkRowPad = FLARE_DECODE_EXPERIMENT_ROW_PAD;
+
 // How a launch lays out its CTA (host and device agree through these).
 struct BulkLayout {
   int heads_per_cta = 0;  // KV heads per CTA (consumer warps), divides heads_kv
-  int row_elems = 0;      // shared row stride: heads_per_cta * head_dim + 8 (16 bytes of padding)
+  int row_elems = 0;      // shared row stride: heads_per_cta * head_dim + kBulkRowPad
   int stages = 0;
 };
 
@@ -73,7 +84,8 @@ struct BulkLayout {
 template <int kHeadDim, typename T>
 inline int bulk_max_heads_per_cta(int heads_kv) {
   int h = bulk_heads_cap(kHeadDim);
-  while (h > 1 && (heads_kv % h != 0 || 3 * 2 * kBulkBlockN * (h * kHeadDim + 8) * int(sizeof(T)) > kBulkSmemBudget))
+  while (h > 1 &&
+         (heads_kv % h != 0 || 3 * 2 * kBulkBlockN * (h * kHeadDim + kBulkRowPad) * int(sizeof(T)) > kBulkSmemBudget))
     h /= 2;
   return h;
 }
@@ -82,7 +94,7 @@ template <int kHeadDim, typename T>
 inline BulkLayout bulk_layout(int heads_per_cta) {
   BulkLayout l;
   l.heads_per_cta = heads_per_cta;
-  l.row_elems = heads_per_cta * kHeadDim + 8;
+  l.row_elems = heads_per_cta * kHeadDim + kBulkRowPad;
   const int stage_bytes = 2 * kBulkBlockN * l.row_elems * int(sizeof(T));
   l.stages = kBulkSmemBudget / stage_bytes < kBulkMaxStages ? kBulkSmemBudget / stage_bytes : kBulkMaxStages;
   return l;
@@ -214,7 +226,7 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
     T* const k_chunk = kv_smem + s * stage_elems + warp * kHeadDim;
     T* const v_chunk = k_chunk + kN * R;
     const int key0 = keys.tile_begin + it * kN;
-    const bool visible = it < keys.num_tiles && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
+    const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH && it < keys.num_tiles && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
       zero_v_rows_past_end<kHeadDim, kN>(v_chunk, R, key0, keys.kv_end, lane);
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;

@@ -9,6 +9,13 @@
 #include "src/common/bulk_copy.h"
 #include "src/decode/decode_kernel.h"
 
+// Experiment switch (bench/RESULTS.md, session 43): 1 makes the sm_90 kernels' consumer warps skip
+// every tile's math (they wait for each stage and release it), so a run times the load pipeline
+// alone. Results are wrong with it; builds for measurement only.
+#ifndef FLARE_DECODE_EXPERIMENT_SKIP_MATH
+#define FLARE_DECODE_EXPERIMENT_SKIP_MATH 0
+#endif
+
 namespace flare::decode::device {
 
 // V rows of a sub-tile at keys [kv_end, key0 + kN) were never copied (or were copied
