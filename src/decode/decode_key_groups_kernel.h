@@ -19,8 +19,9 @@
 // Producer. The last warp issues stage i into buffer i % stages once every consumer warp released
 // it (empty barrier, count = consumer warps): per sub-tile holding keys of the stage's range, a
 // box of K and one of V per 64 columns, issued by one lane, completing on the stage's full
-// barrier. A stage is [K | V][64-column block][key][head][64 columns], 128-byte swizzled (the
-// consumers' ldmatrix addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
+// barrier. A stage is [K | V][64-column block][sub-tile][head][key][64 columns], 128-byte
+// swizzled (head-major boxes, decode_tensor_maps.h: cache_box_line; the consumers' ldmatrix
+// addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
 // one page (pages are >= 16 keys and sub-tiles 16-aligned), so lane g < key_groups reads the page
 // of sub-tile g one stage ahead, and the issuing lane takes it by a shuffle. Contiguous caches
 // without a window issue their first stages before reading cache_seqlens (speculative; see
@@ -86,7 +87,7 @@ __device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int bloc
   T* const v_rows = const_cast<T*>(v_stage);
   for (int idx = lane; idx < (key0 + kN - kv_end) * (kHeadDim / 8); idx += 32) {
     const int r = kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
-    const int line = (kN * kg + r) * hpc + head;
+    const int line = cache_box_line(kg, r, head, hpc);
     *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
         make_uint4(0, 0, 0, 0);
   }
@@ -118,7 +119,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   static_assert(kKSteps % 2 == 0, "S runs as two chains over the halves of the head dim");
   constexpr int kColBlocks = kHeadDim / kCacheBoxCols;  // 64-column blocks of a row (TMA boxes)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // [stages][K | V][column block][stage_keys][heads_per_cta][64], 128-byte swizzled: 1024-aligned
+  // [stages][K | V][column block][key group][heads_per_cta][16 keys][64] (cache_box_line), 128-byte
+  // swizzled: 1024-aligned
   T* const kv_smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + kKeyGroupSmemAlign - 1) &
                                           ~uintptr_t{kKeyGroupSmemAlign - 1});
   float* const merge_smem = reinterpret_cast<float*>(smem_raw);  // after the walk: [kWarps][16][kMergeStride]
@@ -166,6 +168,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
     // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
     const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
+    const bool head_major = cache_boxes_head_major(hpc);  // the maps' dimension order (decode_tensor_maps.h)
     const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
     // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
     // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
@@ -186,6 +189,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       for (int g = 0; g < subs; ++g) {
         const int g_tok = __shfl_sync(0xffffffffu, static_cast<int>(tok), g);
         const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), g);
+        const int box_y = head_major ? g_tok : hk0, box_z = head_major ? hk0 : g_tok;
         if (leader) {
           T* const k_dst = kv_smem + s * lay.stage_elems + g * kN * hpc * kCacheBoxCols;
           // The two policies as two written-out branches: the same calls through one lambda ran
@@ -193,13 +197,13 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
 #pragma unroll
           for (int cb = 0; cb < kColBlocks; ++cb) {
             if (p.l2_evict_first) {
-              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, g_tok, g_slot, &full_bar[s],
+              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, box_y, box_z, g_slot, &full_bar[s],
                           policy);
-              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, g_tok, g_slot,
+              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, box_y, box_z, g_slot,
                           &full_bar[s], policy);
             } else {
-              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, g_tok, g_slot, &full_bar[s]);
-              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, g_tok, g_slot,
+              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, box_y, box_z, g_slot, &full_bar[s]);
+              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, box_y, box_z, g_slot,
                           &full_bar[s]);
             }
           }
@@ -273,8 +277,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   // This lane's ldmatrix rows in a stage (128-byte lines: key-major, then head): K (non-transposed,
   // keys lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
   // lane % 8 + 8 ((lane / 8) % 2)).
-  const int k_line = (kN * kg + lane % 8 + (lane / 16) * 8) * hpc + head, k_hi = (lane / 8) % 2;
-  const int v_line = (kN * kg + lane % 8 + ((lane / 8) % 2) * 8) * hpc + head;
+  const int k_line = cache_box_line(kg, lane % 8 + (lane / 16) * 8, head, hpc), k_hi = (lane / 8) % 2;
+  const int v_line = cache_box_line(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc);
 
   // Every issued stage is waited for (speculative ones past a short sequence too: no copy may
   // still be writing shared memory when the buffers are reused for the merge or the CTA exits).
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     const T* const k_stage = kv_smem + s * lay.stage_elems;
     const T* const v_stage = k_stage + kColBlocks * block_elems;
     const int key0 = key_group_sub_tile_key0(keys.tile_begin, it, SK, kg);
-    const bool visible =
+    const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH &&
         it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
       zero_v_lines_past_end<kHeadDim, kN>(v_stage, block_elems, kg, hpc, head, key0, keys.kv_end, lane);

@@ -1,11 +1,11 @@
 // Host side of the key-group decode kernel's cache loads: TMA tensor maps of the K and V caches.
 //
 // A cache, contiguous [batch, max_cache_len, heads_kv, d] or paged [num_pages, page_size,
-// heads_kv, d], is a 4-D tensor (d, heads_kv, token, batch or page) to the TMA unit; one load is a
-// box of 64 columns x heads_per_cta heads x 16 tokens of one sequence or page, written to shared
-// memory as 16 x heads_per_cta rows of 128 bytes, 128-byte swizzled (the 16-byte chunk j of row
-// r lands at chunk j ^ (r % 8), so ldmatrix's eight rows of one column chunk hit eight bank
-// groups). One such load replaces 16 x heads_per_cta row copies: the TMA unit took about 30 ns per
+// heads_kv, d], is a 4-D tensor (d, token, heads_kv, batch or page) to the TMA unit; one load is a
+// box of 64 columns x 16 tokens x heads_per_cta heads of one sequence or page, written to shared
+// memory as heads_per_cta x 16 rows of 128 bytes, 128-byte swizzled (the 16-byte chunk j of row
+// r lands at chunk j ^ (r % 8), so ldmatrix's eight rows of one column chunk, eight keys of a head,
+// hit eight bank groups). One such load replaces 16 x heads_per_cta row copies: the TMA unit took about 30 ns per
 // bulk copy of a 256-512 byte row, which capped a CTA of one or two heads at about 17 GB/s and
 // made its first stage land 5 us after its start (bench/RESULTS.md, session 18).
 #pragma once
@@ -21,6 +21,29 @@ namespace flare::decode {
 
 inline constexpr int kCacheBoxCols = 64;   // columns per load: 128 bytes, the swizzle's span
 inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile
+
+// Head-major boxes: the map's dimensions are (d, token, head, batch or page), so a box lands as
+// heads_per_cta x 16 rows of 128 bytes, head-major, and the 8 keys of an ldmatrix (consecutive
+// lines) take 8 distinct swizzle phases whatever heads_per_cta is. Token-major boxes (d, head,
+// token, ...) put one head's keys heads_per_cta lines apart: with 8 heads a CTA all 8 keys of an
+// ldmatrix share a swizzle phase (8-way bank conflicts), with 4 heads 4-way, with 2 heads 2-way.
+// With one head a CTA both orders give the same lines, and the token-major map is kept: the
+// head-major one ran 3-6 % slower at batch 1 up to 4096 keys, all plans of one head a CTA
+// (bench/RESULTS.md, session 43). FLARE_DECODE_HEAD_MAJOR_BOXES=0 keeps token-major boxes
+// throughout (an A/B switch).
+#ifndef FLARE_DECODE_HEAD_MAJOR_BOXES
+#define FLARE_DECODE_HEAD_MAJOR_BOXES 1
+#endif
+__host__ __device__ constexpr bool cache_boxes_head_major(int heads_per_cta) {
+  return FLARE_DECODE_HEAD_MAJOR_BOXES && heads_per_cta > 1;
+}
+
+// The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a column block
+// (one formula for both orders at one head a CTA, where they coincide: no branch on the count).
+__host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta) {
+  return FLARE_DECODE_HEAD_MAJOR_BOXES ? (sub * heads_per_cta + head) * kCacheBoxTokens + key
+                                       : (sub * kCacheBoxTokens + key) * heads_per_cta + head;
+}
 
 // The driver's encoder (through the runtime: no -lcuda), or null.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -64,12 +87,18 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const int64_t eb = key.elem_bytes;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(key.head_dim), static_cast<cuuint64_t>(key.heads),
-                              static_cast<cuuint64_t>(key.extent_1), static_cast<cuuint64_t>(key.extent_0)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(key.stride_h * eb),
-                                 static_cast<cuuint64_t>(key.stride_tok * eb),
+  const cuuint64_t heads = static_cast<cuuint64_t>(key.heads), tokens = static_cast<cuuint64_t>(key.extent_1);
+  const cuuint64_t head_stride = static_cast<cuuint64_t>(key.stride_h * eb);
+  const cuuint64_t tok_stride = static_cast<cuuint64_t>(key.stride_tok * eb);
+  const cuuint32_t box_heads = static_cast<cuuint32_t>(key.box_heads);
+  const bool head_major = cache_boxes_head_major(key.box_heads);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(key.head_dim), head_major ? tokens : heads,
+                              head_major ? heads : tokens, static_cast<cuuint64_t>(key.extent_0)};
+  const cuuint64_t strides[3] = {head_major ? tok_stride : head_stride,
+                                 head_major ? head_stride : tok_stride,
                                  static_cast<cuuint64_t>(key.stride_0 * eb)};
-  const cuuint32_t box[4] = {kCacheBoxCols, static_cast<cuuint32_t>(key.box_heads), kCacheBoxTokens, 1};
+  const cuuint32_t box[4] = {kCacheBoxCols, head_major ? kCacheBoxTokens : box_heads,
+                             head_major ? box_heads : kCacheBoxTokens, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   CUtensorMap m;
   const CUresult r = encode(&m, key.bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
