@@ -80,14 +80,14 @@ __device__ __forceinline__ int swizzled_chunk(int c, int line, int block_elems) 
 // or garbage values (loaded past the sequence, or left by an earlier stage): zeroed, so that P = 0
 // multiplies zeros. Whole 128-byte lines, so the swizzle does not matter. As zero_v_rows_past_end
 // (decode_subtile.h) for the TMA stage layout.
-template <int kHeadDim, int kN, typename T>
+template <int kHeadDim, int kN, bool kHeadMajor, typename T>
 __device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int block_elems, int kg, int hpc, int head,
                                                       int key0, int kv_end, int lane) {
   if (key0 + kN <= kv_end) return;
   T* const v_rows = const_cast<T*>(v_stage);
   for (int idx = lane; idx < (key0 + kN - kv_end) * (kHeadDim / 8); idx += 32) {
     const int r = kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
-    const int line = cache_box_line(kg, r, head, hpc);
+    const int line = cache_box_line<kHeadMajor>(kg, r, head, hpc);
     *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
         make_uint4(0, 0, 0, 0);
   }
@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(256) zero_arrival_counters_kernel(int* counter
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) counters[i] = 0;
 }
 
-template <int kHeadDim, typename T, bool kSplit>
+// kHeadMajor: the maps' boxes are head-major (decode_tensor_maps.h: cache_boxes_head_major).
+template <int kHeadDim, typename T, bool kSplit, bool kHeadMajor>
 __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     decode_key_groups_kernel(const DecodeKernelParams p, const KeyGroupLayout lay,
                              const __grid_constant__ CUtensorMap tmap_k, const __grid_constant__ CUtensorMap tmap_v) {
@@ -168,7 +169,6 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
     // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
     const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
-    const bool head_major = cache_boxes_head_major(hpc);  // the maps' dimension order (decode_tensor_maps.h)
     const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
     // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
     // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       for (int g = 0; g < subs; ++g) {
         const int g_tok = __shfl_sync(0xffffffffu, static_cast<int>(tok), g);
         const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), g);
-        const int box_y = head_major ? g_tok : hk0, box_z = head_major ? hk0 : g_tok;
+        const int box_y = kHeadMajor ? g_tok : hk0, box_z = kHeadMajor ? hk0 : g_tok;
         if (leader) {
           T* const k_dst = kv_smem + s * lay.stage_elems + g * kN * hpc * kCacheBoxCols;
           // The two policies as two written-out branches: the same calls through one lambda ran
@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   // This lane's ldmatrix rows in a stage (128-byte lines: key-major, then head): K (non-transposed,
   // keys lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
   // lane % 8 + 8 ((lane / 8) % 2)).
-  const int k_line = cache_box_line(kg, lane % 8 + (lane / 16) * 8, head, hpc), k_hi = (lane / 8) % 2;
-  const int v_line = cache_box_line(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc);
+  const int k_line = cache_box_line<kHeadMajor>(kg, lane % 8 + (lane / 16) * 8, head, hpc), k_hi = (lane / 8) % 2;
+  const int v_line = cache_box_line<kHeadMajor>(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc);
 
   // Every issued stage is waited for (speculative ones past a short sequence too: no copy may
   // still be writing shared memory when the buffers are reused for the merge or the CTA exits).
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH &&
         it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
-      zero_v_lines_past_end<kHeadDim, kN>(v_stage, block_elems, kg, hpc, head, key0, keys.kv_end, lane);
+      zero_v_lines_past_end<kHeadDim, kN, kHeadMajor>(v_stage, block_elems, kg, hpc, head, key0, keys.kv_end, lane);
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
       // S = Q K^T: keys 0-7 and 8-15 (j), head-dim halves a and b: four independent chains.
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

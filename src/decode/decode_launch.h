@@ -58,7 +58,7 @@ template <int kHeadDim, typename T>
 bool device_runs_sm90_decode() {
   static const bool ok = [] {
     cudaFuncAttributes attributes = {};
-    const bool has = cudaFuncGetAttributes(&attributes, decode_key_groups_kernel<kHeadDim, T, false>) == cudaSuccess &&
+    const bool has = cudaFuncGetAttributes(&attributes, decode_key_groups_kernel<kHeadDim, T, false, false>) == cudaSuccess &&
                      attributes.binaryVersion >= 90;
     if (!has) (void)cudaGetLastError();  // e.g. no sm_90 binary for this device
     return has;
@@ -69,7 +69,7 @@ bool device_runs_sm90_decode() {
 // Whether `kernel` may run clusters of `splits` CTAs with the most shared memory a key-group CTA
 // takes (then any layout fits): sizes up to 8 are portable; larger ones need the non-portable
 // attribute and a device whose GPCs hold them, checked once.
-template <int kHeadDim, typename T, typename Kernel>
+template <int kHeadDim, typename T, bool kHeadMajor, typename Kernel>
 bool key_group_cluster_ready(Kernel kernel, int splits) {  // a template per kernel: each sets its attribute
   static const bool large_ok = [&] {
     cudaLaunchConfig_t config = {};
@@ -88,12 +88,13 @@ bool key_group_cluster_ready(Kernel kernel, int splits) {  // a template per ker
   return splits <= 8 || large_ok;
 }
 
-// The key-group kernel; *combined tells whether the split-KV states were merged in the kernel.
-template <int kHeadDim, typename T>
-Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch& how, cudaStream_t stream,
-                                bool* combined) {
-  auto standard = decode_key_groups_kernel<kHeadDim, T, false>;
-  auto split_kv = decode_key_groups_kernel<kHeadDim, T, true>;
+// The key-group kernel of one box order (its maps made), with heads_per_cta heads a CTA.
+template <int kHeadDim, typename T, bool kHeadMajor>
+Status launch_decode_key_groups_kernel(const DecodeKernelParams& p, const DecodeLaunch& how, int heads_per_cta,
+                                       const CUtensorMap& tmap_k, const CUtensorMap& tmap_v, cudaStream_t stream,
+                                       bool* combined) {
+  auto standard = decode_key_groups_kernel<kHeadDim, T, false, kHeadMajor>;
+  auto split_kv = decode_key_groups_kernel<kHeadDim, T, true, kHeadMajor>;
   // Once per kernel (not a stream operation, so also fine while a graph is being captured).
   static const bool ready = [&] {
     const bool ok =
@@ -105,28 +106,11 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   }();
   if (!ready) return launch_decode_portable<kHeadDim, T>(p, stream);
 
-  const int num_sms = detail::current_device_facts().num_sms;
-  const int heads_per_cta = key_group_heads_per_cta(how.heads_per_cta, key_group_max_heads_per_cta(kHeadDim, p.heads_kv),
-                                                    p.batch, p.heads_kv, p.num_splits, num_sms);
   const int64_t max_keys = p.num_splits > 1 ? int64_t{p.kv_chunk} : int64_t{p.max_cache_len};
   const KeyGroupLayout lay = key_group_layout(kHeadDim, static_cast<int>(sizeof(T)), heads_per_cta, max_keys);
   const int64_t ctas = int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits;
   if (ctas > INT_MAX) return Status::NotSupported("decode: " + std::to_string(ctas) + " CTAs exceed the grid limit");
   const dim3 grid(static_cast<unsigned>(ctas)), block(32 * (lay.consumer_warps + 1));
-  // The caches' TMA maps (decode_tensor_maps.h): boxes of heads_per_cta heads; the head-warp
-  // kernel runs where the driver refuses them.
-  CUtensorMap tmap_k, tmap_v;
-  auto key_of = [&](const void* base, int64_t e0, int64_t e1, int64_t s0, int64_t s_tok, int64_t s_h) {
-    CacheMapKey k;
-    k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
-    k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
-    k.box_heads = heads_per_cta, k.elem_bytes = static_cast<int>(sizeof(T));
-    k.bf16 = std::is_same_v<T, __nv_bfloat16>;
-    return k;
-  };
-  if (!cache_tensor_map(key_of(p.k, p.k_extent_0, p.k_extent_1, p.k_stride_0, p.k_stride_tok, p.k_stride_h), &tmap_k) ||
-      !cache_tensor_map(key_of(p.v, p.v_extent_0, p.v_extent_1, p.v_stride_0, p.v_stride_tok, p.v_stride_h), &tmap_v))
-    return launch_decode_head_warps<kHeadDim, T>(p, stream);
   DecodeKernelParams kp = p;
 #if FLARE_DECODE_TIMELINE
   kp.timeline = decode_timeline_buffer();
@@ -136,7 +120,7 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     return detail::cuda_status(cudaGetLastError(), "decode attention launch");
   }
   if (how.combine == DecodeCombine::kCluster && p.num_splits <= kDecodeMaxClusterSplits &&
-      key_group_cluster_ready<kHeadDim, T>(split_kv, p.num_splits)) {
+      key_group_cluster_ready<kHeadDim, T, kHeadMajor>(split_kv, p.num_splits)) {
     kp.counters = nullptr;
     kp.cluster_combine = true;
     FLARE_RETURN_IF_ERROR(detail::cuda_status(
@@ -164,6 +148,32 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   FLARE_RETURN_IF_ERROR(detail::cuda_status(e, "decode attention launch"));
   *combined = true;
   return Status::Ok();
+}
+
+// The key-group kernel; *combined tells whether the split-KV states were merged in the kernel.
+template <int kHeadDim, typename T>
+Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch& how, cudaStream_t stream,
+                                bool* combined) {
+  const int num_sms = detail::current_device_facts().num_sms;
+  const int heads_per_cta = key_group_heads_per_cta(how.heads_per_cta, key_group_max_heads_per_cta(kHeadDim, p.heads_kv),
+                                                    p.batch, p.heads_kv, p.num_splits, num_sms);
+  // The caches' TMA maps (decode_tensor_maps.h): boxes of heads_per_cta heads; the head-warp
+  // kernel runs where the driver refuses them.
+  CUtensorMap tmap_k, tmap_v;
+  auto key_of = [&](const void* base, int64_t e0, int64_t e1, int64_t s0, int64_t s_tok, int64_t s_h) {
+    CacheMapKey k;
+    k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
+    k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
+    k.box_heads = heads_per_cta, k.elem_bytes = static_cast<int>(sizeof(T));
+    k.bf16 = std::is_same_v<T, __nv_bfloat16>;
+    return k;
+  };
+  if (!cache_tensor_map(key_of(p.k, p.k_extent_0, p.k_extent_1, p.k_stride_0, p.k_stride_tok, p.k_stride_h), &tmap_k) ||
+      !cache_tensor_map(key_of(p.v, p.v_extent_0, p.v_extent_1, p.v_stride_0, p.v_stride_tok, p.v_stride_h), &tmap_v))
+    return launch_decode_head_warps<kHeadDim, T>(p, stream);
+  if (cache_boxes_head_major(heads_per_cta))
+    return launch_decode_key_groups_kernel<kHeadDim, T, true>(p, how, heads_per_cta, tmap_k, tmap_v, stream, combined);
+  return launch_decode_key_groups_kernel<kHeadDim, T, false>(p, how, heads_per_cta, tmap_k, tmap_v, stream, combined);
 }
 
 // Launches the plan's attention kernel (see the top of this file). *combined: the split-KV states

@@ -27,8 +27,9 @@ inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile
 // lines) take 8 distinct swizzle phases whatever heads_per_cta is. Token-major boxes (d, head,
 // token, ...) put one head's keys heads_per_cta lines apart: with 8 heads a CTA all 8 keys of an
 // ldmatrix share a swizzle phase (8-way bank conflicts), with 4 heads 4-way, with 2 heads 2-way.
-// With one head a CTA both orders give the same lines, and the token-major map is kept: the
-// head-major one ran 3-6 % slower at batch 1 up to 4096 keys, all plans of one head a CTA
+// With one head a CTA both orders give the same lines, and the token-major map and kernel (the
+// kernel's kHeadMajor = false instantiation) are kept: at batch 1 up to 4096 keys, all plans of one
+// head a CTA, the head-major map ran 3-6 % slower and a kernel choosing the order at run time 0-5 %
 // (bench/RESULTS.md, session 43). FLARE_DECODE_HEAD_MAJOR_BOXES=0 keeps token-major boxes
 // throughout (an A/B switch).
 #ifndef FLARE_DECODE_HEAD_MAJOR_BOXES
@@ -38,11 +39,11 @@ __host__ __device__ constexpr bool cache_boxes_head_major(int heads_per_cta) {
   return FLARE_DECODE_HEAD_MAJOR_BOXES && heads_per_cta > 1;
 }
 
-// The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a column block
-// (one formula for both orders at one head a CTA, where they coincide: no branch on the count).
+// The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a column block.
+template <bool kHeadMajor>
 __host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta) {
-  return FLARE_DECODE_HEAD_MAJOR_BOXES ? (sub * heads_per_cta + head) * kCacheBoxTokens + key
-                                       : (sub * kCacheBoxTokens + key) * heads_per_cta + head;
+  return kHeadMajor ? (sub * heads_per_cta + head) * kCacheBoxTokens + key
+                    : (sub * kCacheBoxTokens + key) * heads_per_cta + head;
 }
 
 // The driver's encoder (through the runtime: no -lcuda), or null.
