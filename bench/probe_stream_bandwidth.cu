@@ -14,6 +14,9 @@
 //            piece, completing on the stage's mbarrier), eight consumer warps wait for it and release
 //            it (decode_bulk_kernel's pipeline: 2 KB pieces, 64 KB stages, 3 stages); "K|V": each
 //            stage half from each of two regions, as decode's K and V caches
+//   boxes    the producer's lane 0 loads a stage as TMA tensor boxes of the key-group decode
+//            kernel's shape (64 columns x 8 heads x 16 tokens, 128-byte swizzled), token-major or
+//            head-major maps
 //
 // Usage: probe_stream_bandwidth [--gib N] [--repeats N] [--fill constant|random]
 //   --fill: the buffer's contents (default constant, a 0x5a byte; random: a hash of each word's
@@ -29,6 +32,7 @@
 
 #include "bench/common/bench_common.h"
 #include "src/common/bulk_copy.h"
+#include "src/decode/decode_tensor_maps.h"
 
 namespace {
 
@@ -38,6 +42,8 @@ using flare::sm90::mbar_arrive_expect_tx;
 using flare::sm90::mbar_init;
 using flare::sm90::mbar_init_fence;
 using flare::sm90::mbar_wait;
+using flare::sm90::prefetch_tensor_map;
+using flare::sm90::tma_load_4d;
 
 // Folds a word into the accumulator the kernels keep live (written out only if it matches a value
 // it never takes, so the loads cannot be dropped).
@@ -148,6 +154,58 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
+// TMA tensor boxes of a decode cache's shape: the buffer is K of one sequence, [tokens, 8 heads,
+// 128 columns] bf16 (2 KB a token), and a 64 KB stage is 32 tokens as four boxes of 64 columns x 8
+// heads x 16 tokens, 128-byte swizzled: the key-group kernel's loads at 8 heads a CTA. The map
+// orders its dimensions token-major (d, head, token) or head-major (d, token, head), as
+// decode_tensor_maps.h does; head_major picks the coordinates to match.
+constexpr int kBoxStageBytes = 64 << 10;
+constexpr int kBoxStageTokens = kBoxStageBytes / 2048;
+__global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_per_cta, int stages, int head_major,
+                           uint32_t* sink) {
+  extern __shared__ __align__(1024) char box_raw[];
+  char* const ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(box_raw) + 1023) & ~uintptr_t{1023});
+  __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
+  const int tiles = tokens_per_cta / kBoxStageTokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&map);
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kBulkConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (warp == kBulkConsumerWarps) {  // the producer warp: lane 0 issues the boxes
+    if (lane == 0) {
+      for (int t = 0; t < tiles; ++t) {
+        const int s = t % stages;
+        if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
+        mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(kBoxStageBytes));
+        for (int box = 0; box < 4; ++box) {
+          const int cb = box % 2, tok = blockIdx.x * tokens_per_cta + t * kBoxStageTokens + 16 * (box / 2);
+          char* const dst = ring + s * kBoxStageBytes + box * (kBoxStageBytes / 4);
+          if (head_major)
+            tma_load_4d(dst, &map, 64 * cb, tok, 0, 0, &full[s]);
+          else
+            tma_load_4d(dst, &map, 64 * cb, 0, tok, 0, &full[s]);
+        }
+      }
+    }
+    return;
+  }
+  uint32_t acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % stages;
+    mbar_wait(&full[s], (t / stages) & 1);
+    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * kBoxStageBytes)[threadIdx.x]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[s]);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -236,6 +294,34 @@ int main(int argc, char** argv) {
       bulk_stream<<<ctas, 32 * (kBulkConsumerWarps + 1), smem, st>>>(buf, per, c.stage, c.stages, c.piece, c.regions,
                                                                    c.dst_pad, sink);
     });
+  }
+
+  // TMA boxes of a decode cache's shape (box_stream), both dimension orders.
+  const auto encode = flare::decode::tensor_map_encoder();
+  if (encode == nullptr) return 0;
+  const cuuint64_t tokens = static_cast<cuuint64_t>(bytes / 2048);
+  for (int head_major : {0, 1}) {
+    const cuuint64_t dims[4] = {128, head_major ? tokens : 8, head_major ? 8 : tokens, 1};
+    const cuuint64_t strides[3] = {head_major ? 2048u : 256u, head_major ? 256u : 2048u, tokens * 2048};
+    const cuuint32_t box[4] = {64, head_major ? 16u : 8u, head_major ? 8u : 16u, 1};
+    const cuuint32_t unit[4] = {1, 1, 1, 1};
+    CUtensorMap map;
+    if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, buf, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) !=
+        CUDA_SUCCESS) {
+      std::printf("  boxes: the driver refused the %s map\n", head_major ? "head-major" : "token-major");
+      continue;
+    }
+    const int smem = 3 * kBoxStageBytes + 1024;
+    FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    for (int ctas : {ctas_128, sms}) {
+      const std::string name = std::string("TMA boxes 64 x 8 heads x 16 tokens, ") + (head_major ? "head" : "token") +
+                               "-major, 3 x 64 KB";
+      measure(name, ctas, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
+        box_stream<<<n, 32 * (kBulkConsumerWarps + 1), smem, st>>>(map, static_cast<int>(per / 2048), 3, head_major,
+                                                                   sink);
+      });
+    }
   }
   return 0;
 }
