@@ -98,6 +98,21 @@ __global__ void cp_async_stream(const char* src, int64_t bytes_per_cta, int stag
 
 constexpr int kBulkConsumerWarps = 8;
 constexpr int kBulkMaxStages = 8;
+// The consumer warps of the mbarrier rings (bulk_stream, box_stream): wait for each stage, fold a
+// word of it, release it.
+__device__ __forceinline__ void drain_ring(const char* ring, int ring_stage, int tiles, int stages, uint64_t* full,
+                                           uint64_t* empty, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (int t = 0; t < tiles; ++t) {
+    const int s = t % stages;
+    mbar_wait(&full[s], (t / stages) & 1);
+    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * ring_stage)[threadIdx.x]);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
 // regions > 1: the buffer is `regions` equal parts (decode's K and V caches) and every stage takes
 // stage_bytes / regions from the CTA's slice of each, as a decode stage takes 16 keys of K and V.
 __global__ void fill_random(uint32_t* words, int64_t count) {
@@ -143,15 +158,7 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
     }
     return;
   }
-  uint32_t acc = 0;
-  for (int t = 0; t < tiles; ++t) {
-    const int s = t % stages;
-    mbar_wait(&full[s], (t / stages) & 1);
-    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * ring_stage)[threadIdx.x]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]);
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
+  drain_ring(ring, ring_stage, tiles, stages, full, empty, sink);
 }
 
 // TMA tensor boxes of a decode cache's shape: the buffer is K of one sequence, [tokens, 8 heads,
@@ -195,15 +202,7 @@ __global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_p
     }
     return;
   }
-  uint32_t acc = 0;
-  for (int t = 0; t < tiles; ++t) {
-    const int s = t % stages;
-    mbar_wait(&full[s], (t / stages) & 1);
-    acc = fold(acc, reinterpret_cast<const uint4*>(ring + s * kBoxStageBytes)[threadIdx.x]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]);
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;
+  drain_ring(ring, kBoxStageBytes, tiles, stages, full, empty, sink);
 }
 
 }  // namespace

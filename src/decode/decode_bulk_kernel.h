@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(32 * (bulk_heads_cap(kHeadDim) + 1)) decode_bu
     T* const k_chunk = kv_smem + s * stage_elems + warp * kHeadDim;
     T* const v_chunk = k_chunk + kN * R;
     const int key0 = keys.tile_begin + it * kN;
-    const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH && it < keys.num_tiles && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
+    const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH && it < keys.num_tiles && key0 <= rows.last_max &&
+                         key0 + kN - 1 >= rows.lo_min;
     if (visible) {
       zero_v_rows_past_end<kHeadDim, kN>(v_chunk, R, key0, keys.kv_end, lane);
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;

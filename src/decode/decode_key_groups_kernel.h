@@ -20,8 +20,8 @@
 // it (empty barrier, count = consumer warps): per sub-tile holding keys of the stage's range, a
 // box of K and one of V per 64 columns, issued by one lane, completing on the stage's full
 // barrier. A stage is [K | V][64-column block][sub-tile][head][key][64 columns], 128-byte
-// swizzled (head-major boxes, decode_tensor_maps.h: cache_box_line; the consumers' ldmatrix
-// addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
+// swizzled (head-major boxes where a CTA has 2+ heads, decode_tensor_maps.h: cache_box_line; the
+// consumers' ldmatrix addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
 // one page (pages are >= 16 keys and sub-tiles 16-aligned), so lane g < key_groups reads the page
 // of sub-tile g one stage ahead, and the issuing lane takes it by a shuffle. Contiguous caches
 // without a window issue their first stages before reading cache_seqlens (speculative; see
@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  // This lane's ldmatrix rows in a stage (128-byte lines: key-major, then head): K (non-transposed,
-  // keys lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
+  // This lane's ldmatrix rows in a stage (128-byte lines, cache_box_line): K (non-transposed, keys
+  // lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
   // lane % 8 + 8 ((lane / 8) % 2)).
   const int k_line = cache_box_line<kHeadMajor>(kg, lane % 8 + (lane / 16) * 8, head, hpc), k_hi = (lane / 8) % 2;
   const int v_line = cache_box_line<kHeadMajor>(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc);

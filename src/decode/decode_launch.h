@@ -58,8 +58,9 @@ template <int kHeadDim, typename T>
 bool device_runs_sm90_decode() {
   static const bool ok = [] {
     cudaFuncAttributes attributes = {};
-    const bool has = cudaFuncGetAttributes(&attributes, decode_key_groups_kernel<kHeadDim, T, false, false>) == cudaSuccess &&
-                     attributes.binaryVersion >= 90;
+    const bool has =
+        cudaFuncGetAttributes(&attributes, decode_key_groups_kernel<kHeadDim, T, false, false>) == cudaSuccess &&
+        attributes.binaryVersion >= 90;
     if (!has) (void)cudaGetLastError();  // e.g. no sm_90 binary for this device
     return has;
   }();
@@ -69,8 +70,10 @@ bool device_runs_sm90_decode() {
 // Whether `kernel` may run clusters of `splits` CTAs with the most shared memory a key-group CTA
 // takes (then any layout fits): sizes up to 8 are portable; larger ones need the non-portable
 // attribute and a device whose GPCs hold them, checked once.
+// A template per kernel, each setting its attribute (kHeadMajor tells apart the two box orders'
+// kernels, which share a type).
 template <int kHeadDim, typename T, bool kHeadMajor, typename Kernel>
-bool key_group_cluster_ready(Kernel kernel, int splits) {  // a template per kernel: each sets its attribute
+bool key_group_cluster_ready(Kernel kernel, int splits) {
   static const bool large_ok = [&] {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(kDecodeMaxClusterSplits);
