@@ -2,7 +2,7 @@
 // force: the CTA layout fits the shared memory and feeds every warp, a walk's sub-tiles cover its
 // keys exactly once and lie inside what the producer copied, a sub-tile never straddles a page,
 // speculative stages stay inside the split and the cache, the heads-per-CTA rule, the arrival
-// counters and the combine's warps per row.
+// counters and the combine's warps per row; the key-group stage's 128-byte lines (cache_box_line).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "src/decode/decode_schedule.h"
+#include "src/decode/decode_tensor_maps.h"
 
 namespace flare::decode {
 namespace {
@@ -231,6 +232,49 @@ TEST(KeyGroupCombine, WarpsPerRowCoverTheWarpsAndRows) {
   EXPECT_EQ(combine_warps_per_row(8, 4), 2);  // batch 1, 4 query heads per KV head, 1 head per CTA
   EXPECT_EQ(combine_warps_per_row(8, 1), 8);
   EXPECT_EQ(combine_warps_per_row(8, 32), 1);
+}
+
+// The line of each (sub-tile, key, head) of a column block in the layout the kernel runs at
+// heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major).
+int kernel_line(int sub, int key, int head, int heads_per_cta) {
+  return cache_boxes_head_major(heads_per_cta) ? cache_box_line<true>(sub, key, head, heads_per_cta)
+                                               : cache_box_line<false>(sub, key, head, heads_per_cta);
+}
+
+// A stage's lines are a permutation of [0, stage lines), a box (one sub-tile) fills its own
+// 16 x heads_per_cta lines, and the 8 keys an ldmatrix reads (keys 0-7 or 8-15 of one head of one
+// sub-tile) lie in 8 distinct 128-byte swizzle phases (line % 8), so they hit 8 bank groups.
+TEST(CacheBoxLines, EightKeysOfAnLdmatrixTakeEightSwizzlePhases) {
+  for (int head_dim : {64, 128, 256})
+    for (int heads : heads_options(head_dim)) {
+      SCOPED_TRACE("d" + std::to_string(head_dim) + " heads " + std::to_string(heads));
+      const int key_groups = key_group_consumer_warps(head_dim) / heads;
+      const int lines = key_groups * kCacheBoxTokens * heads;
+      std::vector<int> seen(lines, 0);
+      for (int sub = 0; sub < key_groups; ++sub)
+        for (int head = 0; head < heads; ++head) {
+          for (int key = 0; key < kCacheBoxTokens; ++key) {
+            const int line = kernel_line(sub, key, head, heads);
+            ASSERT_GE(line, sub * kCacheBoxTokens * heads);
+            ASSERT_LT(line, (sub + 1) * kCacheBoxTokens * heads);
+            ++seen[line];
+          }
+          for (int first : {0, 8}) {
+            std::set<int> phases;
+            for (int key = first; key < first + 8; ++key) phases.insert(kernel_line(sub, key, head, heads) % 8);
+            EXPECT_EQ(phases.size(), 8u) << "sub-tile " << sub << " head " << head << " keys " << first << "+";
+          }
+        }
+      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), lines);
+    }
+  // One head a CTA: both orders give the same lines (the token-major kernel serves it).
+  for (int sub = 0; sub < 8; ++sub)
+    for (int key = 0; key < kCacheBoxTokens; ++key)
+      EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1), cache_box_line<false>(sub, key, 0, 1));
+  // What the head-major order fixes: token-major lines put 8 heads' keys in one phase.
+  std::set<int> token_major;
+  for (int key = 0; key < 8; ++key) token_major.insert(cache_box_line<false>(0, key, 3, 8) % 8);
+  EXPECT_EQ(token_major.size(), 1u);
 }
 
 }  // namespace
