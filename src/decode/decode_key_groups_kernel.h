@@ -179,6 +179,28 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       const int s = i % stages;
       if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
       const int key0 = key_group_stage_key0(walk_begin, i, SK);
+#if FLARE_DECODE_WIDE_BOXES
+      if (!kHeadMajor && lay.box_tokens > kN) {  // whole-stage boxes (key_group_box_tokens: contiguous, one head)
+        if (elect_one_lane()) {
+          mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * (lay.box_tokens / kN) * box_bytes);
+          T* const k_dst = kv_smem + s * lay.stage_elems;
+#pragma unroll
+          for (int cb = 0; cb < kColBlocks; ++cb) {
+            if (p.l2_evict_first) {
+              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, key0, b, &full_bar[s], policy);
+              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, key0, b,
+                          &full_bar[s], policy);
+            } else {
+              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, key0, b, &full_bar[s]);
+              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, key0, b,
+                          &full_bar[s]);
+            }
+          }
+        }
+        __syncwarp();
+        return;
+      }
+#endif
       const int subs = min(kgs, (end - key0 + kN - 1) / kN);
       int64_t slot = 0, tok = 0;
       locate(key0, kN * (lane % kgs), &slot, &tok);  // lane g: sub-tile g's coordinates

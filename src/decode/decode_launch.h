@@ -91,9 +91,9 @@ bool key_group_cluster_ready(Kernel kernel, int splits) {
   return splits <= 8 || large_ok;
 }
 
-// The key-group kernel of one box order (its maps made), with heads_per_cta heads a CTA.
+// The key-group kernel of one box order, with its layout and maps.
 template <int kHeadDim, typename T, bool kHeadMajor>
-Status launch_decode_key_groups_kernel(const DecodeKernelParams& p, const DecodeLaunch& how, int heads_per_cta,
+Status launch_decode_key_groups_kernel(const DecodeKernelParams& p, const DecodeLaunch& how, const KeyGroupLayout& lay,
                                        const CUtensorMap& tmap_k, const CUtensorMap& tmap_v, cudaStream_t stream,
                                        bool* combined) {
   auto standard = decode_key_groups_kernel<kHeadDim, T, false, kHeadMajor>;
@@ -109,9 +109,7 @@ Status launch_decode_key_groups_kernel(const DecodeKernelParams& p, const Decode
   }();
   if (!ready) return launch_decode_portable<kHeadDim, T>(p, stream);
 
-  const int64_t max_keys = p.num_splits > 1 ? int64_t{p.kv_chunk} : int64_t{p.max_cache_len};
-  const KeyGroupLayout lay = key_group_layout(kHeadDim, static_cast<int>(sizeof(T)), heads_per_cta, max_keys);
-  const int64_t ctas = int64_t{p.batch} * (p.heads_kv / heads_per_cta) * p.num_splits;
+  const int64_t ctas = int64_t{p.batch} * (p.heads_kv / lay.heads_per_cta) * p.num_splits;
   if (ctas > INT_MAX) return Status::NotSupported("decode: " + std::to_string(ctas) + " CTAs exceed the grid limit");
   const dim3 grid(static_cast<unsigned>(ctas)), block(32 * (lay.consumer_warps + 1));
   DecodeKernelParams kp = p;
@@ -160,6 +158,10 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   const int num_sms = detail::current_device_facts().num_sms;
   const int heads_per_cta = key_group_heads_per_cta(how.heads_per_cta, key_group_max_heads_per_cta(kHeadDim, p.heads_kv),
                                                     p.batch, p.heads_kv, p.num_splits, num_sms);
+  const int64_t max_keys = p.num_splits > 1 ? int64_t{p.kv_chunk} : int64_t{p.max_cache_len};
+  KeyGroupLayout lay = key_group_layout(kHeadDim, static_cast<int>(sizeof(T)), heads_per_cta, max_keys);
+  lay.box_tokens = key_group_box_tokens(FLARE_DECODE_WIDE_BOXES != 0, p.page_table == nullptr, heads_per_cta,
+                                        lay.stage_keys, max_keys);
   // The caches' TMA maps (decode_tensor_maps.h): boxes of heads_per_cta heads; the head-warp
   // kernel runs where the driver refuses them.
   CUtensorMap tmap_k, tmap_v;
@@ -167,7 +169,7 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     CacheMapKey k;
     k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
     k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
-    k.box_heads = heads_per_cta, k.elem_bytes = static_cast<int>(sizeof(T));
+    k.box_heads = heads_per_cta, k.box_tokens = lay.box_tokens, k.elem_bytes = static_cast<int>(sizeof(T));
     k.bf16 = std::is_same_v<T, __nv_bfloat16>;
     return k;
   };
@@ -175,8 +177,8 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
       !cache_tensor_map(key_of(p.v, p.v_extent_0, p.v_extent_1, p.v_stride_0, p.v_stride_tok, p.v_stride_h), &tmap_v))
     return launch_decode_head_warps<kHeadDim, T>(p, stream);
   if (cache_boxes_head_major(heads_per_cta))
-    return launch_decode_key_groups_kernel<kHeadDim, T, true>(p, how, heads_per_cta, tmap_k, tmap_v, stream, combined);
-  return launch_decode_key_groups_kernel<kHeadDim, T, false>(p, how, heads_per_cta, tmap_k, tmap_v, stream, combined);
+    return launch_decode_key_groups_kernel<kHeadDim, T, true>(p, how, lay, tmap_k, tmap_v, stream, combined);
+  return launch_decode_key_groups_kernel<kHeadDim, T, false>(p, how, lay, tmap_k, tmap_v, stream, combined);
 }
 
 // Launches the plan's attention kernel (see the top of this file). *combined: the split-KV states

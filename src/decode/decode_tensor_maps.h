@@ -20,7 +20,8 @@
 namespace flare::decode {
 
 inline constexpr int kCacheBoxCols = 64;   // columns per load: 128 bytes, the swizzle's span
-inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile
+inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile (whole-stage boxes where
+                                           // key_group_box_tokens allows them)
 
 // Head-major boxes: the map's dimensions are (d, token, head, batch or page), so a box lands as
 // heads_per_cta x 16 rows of 128 bytes, head-major, and the 8 keys of an ldmatrix (consecutive
@@ -66,7 +67,7 @@ struct CacheMapKey {
   const void* base = nullptr;
   int64_t head_dim = 0, heads = 0, extent_1 = 0, extent_0 = 0;
   int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
-  int box_heads = 0, elem_bytes = 0;
+  int box_heads = 0, box_tokens = kCacheBoxTokens, elem_bytes = 0;
   bool bf16 = false;
   bool operator==(const CacheMapKey&) const = default;
 };
@@ -98,8 +99,8 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   const cuuint64_t strides[3] = {head_major ? tok_stride : head_stride,
                                  head_major ? head_stride : tok_stride,
                                  static_cast<cuuint64_t>(key.stride_0 * eb)};
-  const cuuint32_t box[4] = {kCacheBoxCols, head_major ? kCacheBoxTokens : box_heads,
-                             head_major ? box_heads : kCacheBoxTokens, 1};
+  const cuuint32_t box_tokens = static_cast<cuuint32_t>(key.box_tokens);
+  const cuuint32_t box[4] = {kCacheBoxCols, head_major ? box_tokens : box_heads, head_major ? box_heads : box_tokens, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   CUtensorMap m;
   const CUresult r = encode(&m, key.bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,

@@ -234,6 +234,30 @@ TEST(KeyGroupCombine, WarpsPerRowCoverTheWarpsAndRows) {
   EXPECT_EQ(combine_warps_per_row(8, 32), 1);
 }
 
+// Whole-stage boxes only where allowed, on a contiguous cache, at one head a CTA, for walks of one
+// stage, within the TMA unit's 256 rows; otherwise a sub-tile's 16 tokens. A whole-stage box of
+// one head holds the stage's keys in the lines its sub-tiles' boxes would (token-major).
+TEST(KeyGroupBoxTokens, WholeStagesOnlyForOneStageContiguousOneHeadWalks) {
+  for (bool wide : {false, true})
+    for (bool contiguous : {false, true})
+      for (int head_dim : {64, 128, 256})
+        for (int heads : heads_options(head_dim))
+          for (int64_t max_keys : {int64_t{1}, int64_t{16}, int64_t{64}, int64_t{127}, int64_t{128}, int64_t{129},
+                                   int64_t{256}, int64_t{65536}}) {
+            const KeyGroupLayout l = key_group_layout(head_dim, 2, heads, max_keys);
+            const int t = key_group_box_tokens(wide, contiguous, heads, l.stage_keys, max_keys);
+            const bool expect_wide = wide && contiguous && heads == 1 && max_keys <= l.stage_keys;
+            EXPECT_EQ(t, expect_wide ? l.stage_keys : kSubTileKeys)
+                << wide << contiguous << " d" << head_dim << " heads " << heads << " keys " << max_keys;
+            EXPECT_LE(t, 256);
+            EXPECT_EQ(l.stage_keys % t, 0);
+            if (expect_wide) EXPECT_EQ(l.stages, 1);
+          }
+  for (int sub = 0; sub < 8; ++sub)
+    for (int key = 0; key < kSubTileKeys; ++key)  // the wide box's token-major line: its token in the stage
+      EXPECT_EQ(cache_box_line<false>(sub, key, 0, 1), sub * kSubTileKeys + key);
+}
+
 // The line of each (sub-tile, key, head) of a column block in the layout the kernel runs at
 // heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major).
 int kernel_line(int sub, int key, int head, int heads_per_cta) {
