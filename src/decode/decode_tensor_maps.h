@@ -1,12 +1,13 @@
 // Host side of the key-group decode kernel's cache loads: TMA tensor maps of the K and V caches.
 //
 // A cache, contiguous [batch, max_cache_len, heads_kv, d] or paged [num_pages, page_size,
-// heads_kv, d], is a 4-D tensor (d, token, heads_kv, batch or page) to the TMA unit; one load is a
-// box of 64 columns x 16 tokens x heads_per_cta heads of one sequence or page, written to shared
-// memory as heads_per_cta x 16 rows of 128 bytes, 128-byte swizzled (the 16-byte chunk j of row
-// r lands at chunk j ^ (r % 8), so ldmatrix's eight rows of one column chunk, eight keys of a head,
-// hit eight bank groups). One such load replaces 16 x heads_per_cta row copies: the TMA unit took about 30 ns per
-// bulk copy of a 256-512 byte row, which capped a CTA of one or two heads at about 17 GB/s and
+// heads_kv, d], is a 4-D tensor (d, token, heads_kv, batch or page) to the TMA unit where a CTA
+// has 2+ heads (head-major, below), (d, heads_kv, token, ...) at one; one load is a box of 64
+// columns x 16 tokens x heads_per_cta heads of one sequence or page, written to shared memory as
+// heads_per_cta x 16 rows of 128 bytes, 128-byte swizzled (the 16-byte chunk j of row r lands at
+// chunk j ^ (r % 8), so ldmatrix's eight rows of one column chunk, eight keys of a head, hit eight
+// bank groups). One such load replaces 16 x heads_per_cta row copies: the TMA unit took about 30 ns
+// per bulk copy of a 256-512 byte row, which capped a CTA of one or two heads at about 17 GB/s and
 // made its first stage land 5 us after its start (bench/RESULTS.md, session 18).
 #pragma once
 
