@@ -19,8 +19,8 @@
 //            head-major maps
 //
 // Usage: probe_stream_bandwidth [--gib N] [--repeats N] [--fill constant|random]
-//   --fill: the buffer's contents (default constant, a 0x5a byte; random: a hash of each word's
-//   index, as decode's random caches)
+//   --fill: the buffer's contents (default constant, a 0x5a byte; random: normal bf16 values,
+//   as bench_decode fills its caches)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -98,6 +98,19 @@ __global__ void cp_async_stream(const char* src, int64_t bytes_per_cta, int stag
 
 constexpr int kBulkConsumerWarps = 8;
 constexpr int kBulkMaxStages = 8;
+// The mbarrier rings of bulk_stream and box_stream: one producer arrival a stage filled, one
+// arrival a consumer warp a stage released; the block's threads see them initialized on return.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kBulkConsumerWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
 // The consumer warps of the mbarrier rings (bulk_stream, box_stream): wait for each stage, fold a
 // word of it, release it.
 __device__ __forceinline__ void drain_ring(const char* ring, int ring_stage, int tiles, int stages, uint64_t* full,
@@ -115,16 +128,6 @@ __device__ __forceinline__ void drain_ring(const char* ring, int ring_stage, int
 
 // regions > 1: the buffer is `regions` equal parts (decode's K and V caches) and every stage takes
 // stage_bytes / regions from the CTA's slice of each, as a decode stage takes 16 keys of K and V.
-__global__ void fill_random(uint32_t* words, int64_t count) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t x = static_cast<uint32_t>(i) * 0x9e3779b9u ^ static_cast<uint32_t>(i >> 32);
-    x ^= x >> 16;
-    x *= 0x85ebca6bu;
-    x ^= x >> 13;
-    words[i] = x;
-  }
-}
-
 __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_bytes, int stages, int piece,
                             int regions, int dst_pad, uint32_t* sink) {
   extern __shared__ __align__(128) char ring[];
@@ -136,14 +139,7 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
   // dst_pad: each piece lands dst_pad bytes after the previous one ends (decode's padded rows)
   const int ring_stage = stage_bytes + stage_bytes / piece * dst_pad;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kBulkConsumerWarps);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_ring(full, empty, stages);
   if (warp == kBulkConsumerWarps) {  // the producer warp
     for (int t = 0; t < tiles; ++t) {
       const int s = t % stages;
@@ -163,27 +159,20 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
 
 // TMA tensor boxes of a decode cache's shape: the buffer is K of one sequence, [tokens, 8 heads,
 // 128 columns] bf16 (2 KB a token), and a 64 KB stage is 32 tokens as four boxes of 64 columns x 8
-// heads x 16 tokens, 128-byte swizzled: the key-group kernel's loads at 8 heads a CTA. The map
-// orders its dimensions token-major (d, head, token) or head-major (d, token, head), as
-// decode_tensor_maps.h does; head_major picks the coordinates to match.
+// heads x 16 tokens, 128-byte swizzled: the key-group kernel's loads at 8 heads a CTA, through the
+// map decode's launcher makes (cache_tensor_map), token-major (d, head, token) or head-major (d,
+// token, head); head_major picks the coordinates to match.
 constexpr int kBoxStageBytes = 64 << 10;
 constexpr int kBoxStageTokens = kBoxStageBytes / 2048;
-__global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_per_cta, int stages, int head_major,
+__global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_per_cta, int stages, bool head_major,
                            uint32_t* sink) {
   extern __shared__ __align__(1024) char box_raw[];
   char* const ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(box_raw) + 1023) & ~uintptr_t{1023});
   __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
   const int tiles = tokens_per_cta / kBoxStageTokens;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    prefetch_tensor_map(&map);
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kBulkConsumerWarps);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  if (threadIdx.x == 0) prefetch_tensor_map(&map);
+  init_ring(full, empty, stages);
   if (warp == kBulkConsumerWarps) {  // the producer warp: lane 0 issues the boxes
     if (lane == 0) {
       for (int t = 0; t < tiles; ++t) {
@@ -231,7 +220,7 @@ int main(int argc, char** argv) {
   FLARE_BENCH_CHECK(cudaMalloc(&sink, sizeof(uint32_t)));
   FLARE_BENCH_CHECK(cudaMemset(buf, 0x5a, bytes));
   if (random_fill) {
-    fill_random<<<4 * sms, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(buf), bytes / 4);
+    flare::bench::fill_normal_bf16(buf, bytes / 2, 1, stream);
     FLARE_BENCH_CHECK(cudaStreamSynchronize(stream));
   }
   std::printf("%s: %d SMs; device-to-device copy %.0f GB/s (read + write); %lld GiB (%s) read once a sample, "
@@ -295,20 +284,17 @@ int main(int argc, char** argv) {
     });
   }
 
-  // TMA boxes of a decode cache's shape (box_stream), both dimension orders.
-  const auto encode = flare::decode::tensor_map_encoder();
-  if (encode == nullptr) return 0;
-  const cuuint64_t tokens = static_cast<cuuint64_t>(bytes / 2048);
-  for (int head_major : {0, 1}) {
-    const cuuint64_t dims[4] = {128, head_major ? tokens : 8, head_major ? 8 : tokens, 1};
-    const cuuint64_t strides[3] = {head_major ? 2048u : 256u, head_major ? 256u : 2048u, tokens * 2048};
-    const cuuint32_t box[4] = {64, head_major ? 16u : 8u, head_major ? 8u : 16u, 1};
-    const cuuint32_t unit[4] = {1, 1, 1, 1};
+  // TMA boxes of a decode cache's shape (box_stream), both dimension orders: the buffer as K of one
+  // sequence, [tokens, 8 heads, 128], mapped as decode's launcher maps a cache (cache_tensor_map).
+  for (bool head_major : {false, true}) {
+    flare::decode::CacheMapKey key;
+    key.base = buf, key.head_dim = 128, key.heads = 8, key.extent_1 = bytes / 2048, key.extent_0 = 1;
+    key.stride_h = 128, key.stride_tok = 1024, key.stride_0 = key.extent_1 * 1024;
+    key.box_heads = 8, key.elem_bytes = 2, key.head_major = head_major, key.bf16 = true;
     CUtensorMap map;
-    if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, buf, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) !=
-        CUDA_SUCCESS) {
-      std::printf("  boxes: the driver refused the %s map\n", head_major ? "head-major" : "token-major");
+    if (!flare::decode::cache_tensor_map(key, &map)) {
+      std::printf("  boxes: no %s map (the driver's encoder refused it or is missing)\n",
+                  head_major ? "head-major" : "token-major");
       continue;
     }
     const int smem = 3 * kBoxStageBytes + 1024;

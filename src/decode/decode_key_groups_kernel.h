@@ -169,6 +169,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
     // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
     const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
+    constexpr bool kWholeStageBoxes = FLARE_DECODE_WIDE_BOXES && !kHeadMajor;  // built in (decode_schedule.h)
     const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
     // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
     // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
@@ -179,34 +180,15 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       const int s = i % stages;
       if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
       const int key0 = key_group_stage_key0(walk_begin, i, SK);
-#if FLARE_DECODE_WIDE_BOXES
-      if (!kHeadMajor && lay.box_tokens > kN) {  // whole-stage boxes (key_group_box_tokens: contiguous, one head)
-        if (elect_one_lane()) {
-          mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * (lay.box_tokens / kN) * box_bytes);
-          T* const k_dst = kv_smem + s * lay.stage_elems;
-          // Written out as the sub-tile loads below are (a shared lambda cost 14-28 %: session 22).
-#pragma unroll
-          for (int cb = 0; cb < kColBlocks; ++cb) {
-            if (p.l2_evict_first) {
-              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, key0, b, &full_bar[s], policy);
-              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, key0, b,
-                          &full_bar[s], policy);
-            } else {
-              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, hk0, key0, b, &full_bar[s]);
-              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, hk0, key0, b,
-                          &full_bar[s]);
-            }
-          }
-        }
-        __syncwarp();
-        return;
-      }
-#endif
-      const int subs = min(kgs, (end - key0 + kN - 1) / kN);
+      // A whole-stage box (key_group_box_tokens: contiguous caches, one head) is sub-tile 0's box
+      // grown to the stage: one box a column block of K and of V, the bytes of all its sub-tiles.
+      const bool whole_stage = kWholeStageBoxes && lay.box_tokens > kN;
+      const int subs = whole_stage ? 1 : min(kgs, (end - key0 + kN - 1) / kN);
+      const int boxed_sub_tiles = whole_stage ? lay.box_tokens / kN : subs;
       int64_t slot = 0, tok = 0;
       locate(key0, kN * (lane % kgs), &slot, &tok);  // lane g: sub-tile g's coordinates
       const bool leader = elect_one_lane();
-      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * subs * box_bytes);
+      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * boxed_sub_tiles * box_bytes);
       // One lane issues every box, sub-tile by sub-tile (a warp-uniform loop, so the operands sit
       // in uniform registers as TMA wants them, with no per-lane loop around each load).
       for (int g = 0; g < subs; ++g) {

@@ -164,19 +164,21 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
                                         lay.stage_keys, max_keys);
   // The caches' TMA maps (decode_tensor_maps.h): boxes of heads_per_cta heads; the head-warp
   // kernel runs where the driver refuses them.
+  const bool head_major = cache_boxes_head_major(heads_per_cta);
   CUtensorMap tmap_k, tmap_v;
   auto key_of = [&](const void* base, int64_t e0, int64_t e1, int64_t s0, int64_t s_tok, int64_t s_h) {
     CacheMapKey k;
     k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
     k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
     k.box_heads = heads_per_cta, k.box_tokens = lay.box_tokens, k.elem_bytes = static_cast<int>(sizeof(T));
+    k.head_major = head_major;
     k.bf16 = std::is_same_v<T, __nv_bfloat16>;
     return k;
   };
   if (!cache_tensor_map(key_of(p.k, p.k_extent_0, p.k_extent_1, p.k_stride_0, p.k_stride_tok, p.k_stride_h), &tmap_k) ||
       !cache_tensor_map(key_of(p.v, p.v_extent_0, p.v_extent_1, p.v_stride_0, p.v_stride_tok, p.v_stride_h), &tmap_v))
     return launch_decode_head_warps<kHeadDim, T>(p, stream);
-  if (cache_boxes_head_major(heads_per_cta))
+  if (head_major)
     return launch_decode_key_groups_kernel<kHeadDim, T, true>(p, how, lay, tmap_k, tmap_v, stream, combined);
   return launch_decode_key_groups_kernel<kHeadDim, T, false>(p, how, lay, tmap_k, tmap_v, stream, combined);
 }

@@ -69,6 +69,7 @@ struct CacheMapKey {
   int64_t head_dim = 0, heads = 0, extent_1 = 0, extent_0 = 0;
   int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
   int box_heads = 0, box_tokens = kCacheBoxTokens, elem_bytes = 0;
+  bool head_major = false;  // the dimension order (the launcher's: cache_boxes_head_major(box_heads))
   bool bf16 = false;
   bool operator==(const CacheMapKey&) const = default;
 };
@@ -94,7 +95,7 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   const cuuint64_t head_stride = static_cast<cuuint64_t>(key.stride_h * eb);
   const cuuint64_t tok_stride = static_cast<cuuint64_t>(key.stride_tok * eb);
   const cuuint32_t box_heads = static_cast<cuuint32_t>(key.box_heads);
-  const bool head_major = cache_boxes_head_major(key.box_heads);
+  const bool head_major = key.head_major;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(key.head_dim), head_major ? tokens : heads,
                               head_major ? heads : tokens, static_cast<cuuint64_t>(key.extent_0)};
   const cuuint64_t strides[3] = {head_major ? tok_stride : head_stride,
