@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <initializer_list>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -194,6 +196,43 @@ __global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_p
   drain_ring(ring, kBoxStageBytes, tiles, stages, full, empty, sink);
 }
 
+
+// Box shapes beside the key-group kernel's (which read at 0.97 of the copy where 2 KB bulk pieces
+// read at 1.03: session 44): the same buffer through maps of other shapes, swizzles and L2
+// promotions. A stage (64 KB, 32 tokens) is `boxes` boxes; box b's coordinates are coord[b], its
+// token coordinate (dimension tok_dim) advanced by the stage's first token.
+struct BoxShape {
+  int boxes = 0, tok_dim = 0;
+  int coord[4][4] = {};
+};
+__global__ void box_shape_stream(const __grid_constant__ CUtensorMap map, BoxShape shape, int tokens_per_cta,
+                                 int stages, uint32_t* sink) {
+  extern __shared__ __align__(1024) char shape_raw[];
+  char* const ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(shape_raw) + 1023) & ~uintptr_t{1023});
+  __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
+  const int tiles = tokens_per_cta / kBoxStageTokens;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) prefetch_tensor_map(&map);
+  init_ring(full, empty, stages);
+  if (warp == kBulkConsumerWarps) {
+    if (lane == 0) {
+      for (int t = 0; t < tiles; ++t) {
+        const int s = t % stages;
+        if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
+        mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(kBoxStageBytes));
+        for (int b = 0; b < shape.boxes; ++b) {
+          int c[4] = {shape.coord[b][0], shape.coord[b][1], shape.coord[b][2], shape.coord[b][3]};
+          c[shape.tok_dim] += blockIdx.x * tokens_per_cta + t * kBoxStageTokens;
+          tma_load_4d(ring + s * kBoxStageBytes + b * (kBoxStageBytes / shape.boxes), &map, c[0], c[1], c[2], c[3],
+                      &full[s]);
+        }
+      }
+    }
+    return;
+  }
+  drain_ring(ring, kBoxStageBytes, tiles, stages, full, empty, sink);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -291,6 +330,7 @@ int main(int argc, char** argv) {
     key.base = buf, key.head_dim = 128, key.heads = 8, key.extent_1 = bytes / 2048, key.extent_0 = 1;
     key.stride_h = 128, key.stride_tok = 1024, key.stride_0 = key.extent_1 * 1024;
     key.box_heads = 8, key.elem_bytes = 2, key.head_major = head_major, key.bf16 = true;
+    key.l2_promotion_bytes = 256;  // as session 43 measured these rows (the box shapes below vary it)
     CUtensorMap map;
     if (!flare::decode::cache_tensor_map(key, &map)) {
       std::printf("  boxes: no %s map (the driver's encoder refused it or is missing)\n",
@@ -305,6 +345,70 @@ int main(int argc, char** argv) {
       measure(name, ctas, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
         box_stream<<<n, 32 * (kBulkConsumerWarps + 1), smem, st>>>(map, static_cast<int>(per / 2048), 3, head_major,
                                                                    sink);
+      });
+    }
+  }
+
+  // Box shapes (box_shape_stream): the buffer [tokens, 8 heads, 128] bf16 through 4-D maps.
+  {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = flare::decode::tensor_map_encoder();
+    const cuuint64_t tokens = static_cast<cuuint64_t>(bytes / 2048);
+    struct ShapeCase {
+      const char* name;
+      cuuint64_t dims[4];
+      cuuint64_t strides[3];  // bytes, dimensions 1-3
+      cuuint32_t box[4];
+      CUtensorMapSwizzle swizzle;
+      CUtensorMapL2promotion promotion;
+      BoxShape shape;
+    };
+    auto sh = [](int boxes, int tok_dim, std::initializer_list<std::array<int, 4>> coords) {
+      BoxShape b;
+      b.boxes = boxes, b.tok_dim = tok_dim;
+      int i = 0;
+      for (const auto& c : coords) {
+        for (int k = 0; k < 4; ++k) b.coord[i][k] = c[k];
+        ++i;
+      }
+      return b;
+    };
+    const auto swz = CU_TENSOR_MAP_SWIZZLE_128B, none = CU_TENSOR_MAP_SWIZZLE_NONE;
+    const auto p256 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+    // (d, token, head): the key-group kernel's head-major boxes
+    const ShapeCase cases[] = {
+        {"swz (64, 16 tok, 8 h) x4, L2 256B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, p256,
+         sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
+        {"swz (64, 16 tok, 8 h) x4, L2 none", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz,
+         CU_TENSOR_MAP_L2_PROMOTION_NONE, sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
+        {"swz (64, 16 tok, 8 h) x4, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz,
+         CU_TENSOR_MAP_L2_PROMOTION_L2_128B, sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
+        {"none (64, 16 tok, 8 h) x4", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, none, p256,
+         sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
+        {"swz (64, 32 tok, 8 h) x2", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 32, 8, 1}, swz, p256,
+         sh(2, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}})},
+        // (d 64, token, column block, head): both halves of a row in one box
+        {"swz (64, 16 tok, 2 cb, 8 h) x2", {64, tokens, 2, 8}, {2048, 128, 256}, {64, 16, 2, 8}, swz, p256,
+         sh(2, 1, {{0, 0, 0, 0}, {0, 16, 0, 0}})},
+        // (d, head, token) unswizzled whole rows: 32 KB contiguous a box
+        {"none (128, 8 h, 16 tok) x2, contiguous", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
+         p256, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
+        {"none (128, 8 h, 16 tok) x2, L2 none", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
+         CU_TENSOR_MAP_L2_PROMOTION_NONE, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
+    };
+    const int smem = 3 * kBoxStageBytes + 1024;
+    FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_shape_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    for (const ShapeCase& c : cases) {
+      CUtensorMap map;
+      const cuuint32_t unit[4] = {1, 1, 1, 1};
+      if (encode == nullptr ||
+          encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, buf, c.dims, c.strides, c.box, unit,
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, c.swizzle, c.promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        std::printf("  %s: the encoder refused it\n", c.name);
+        continue;
+      }
+      measure(std::string("boxes ") + c.name, ctas_128, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
+        box_shape_stream<<<n, 32 * (kBulkConsumerWarps + 1), smem, st>>>(map, c.shape, static_cast<int>(per / 2048), 3,
+                                                                         sink);
       });
     }
   }

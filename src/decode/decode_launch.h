@@ -172,6 +172,7 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
     k.box_heads = heads_per_cta, k.box_tokens = lay.box_tokens, k.elem_bytes = static_cast<int>(sizeof(T));
     k.head_major = head_major;
+    k.l2_promotion_bytes = cache_map_l2_promotion_bytes(max_keys);
     k.bf16 = std::is_same_v<T, __nv_bfloat16>;
     return k;
   };

@@ -41,6 +41,29 @@ __host__ __device__ constexpr bool cache_boxes_head_major(int heads_per_cta) {
   return FLARE_DECODE_HEAD_MAJOR_BOXES && heads_per_cta > 1;
 }
 
+// The L2 promotion of a CTA's cache boxes, in bytes, from the most keys it walks. 256-byte
+// promotion cost long walks 5-7 %: at batch 8, 32768-65536 keys (4 splits of 4 heads a CTA) 128
+// bytes ran 0.94-0.96 of its time, and a probe streaming 2 GiB through these boxes read at 0.94 of
+// the copy with 256 bytes and 1.01 with 128 or none. Short walks (one head a CTA, 512 keys at
+// batch 1 and 256-4096 keys) ran 1-3 % faster with 256 (each 128-byte box line fetches its row's
+// other half, the next column block's, into L2) (bench/RESULTS.md, session 44).
+// FLARE_DECODE_MAP_L2_PROMOTION_BYTES (0, 64, 128 or 256) forces one (an A/B switch).
+#ifndef FLARE_DECODE_MAP_L2_PROMOTION_BYTES
+#define FLARE_DECODE_MAP_L2_PROMOTION_BYTES -1
+#endif
+inline constexpr int64_t kCacheMapShortWalkKeys = 1024;
+__host__ __device__ constexpr int cache_map_l2_promotion_bytes(int64_t max_keys) {
+  return FLARE_DECODE_MAP_L2_PROMOTION_BYTES >= 0 ? FLARE_DECODE_MAP_L2_PROMOTION_BYTES
+         : max_keys <= kCacheMapShortWalkKeys     ? 256
+                                                  : 128;
+}
+inline CUtensorMapL2promotion cache_map_l2_promotion(int bytes) {
+  return bytes == 256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+         : bytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+         : bytes == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+                        : CU_TENSOR_MAP_L2_PROMOTION_NONE;
+}
+
 // The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a column block.
 template <bool kHeadMajor>
 __host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta) {
@@ -70,6 +93,7 @@ struct CacheMapKey {
   int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
   int box_heads = 0, box_tokens = kCacheBoxTokens, elem_bytes = 0;
   bool head_major = false;  // the dimension order (the launcher's: cache_boxes_head_major(box_heads))
+  int l2_promotion_bytes = 256;  // the launcher's: cache_map_l2_promotion_bytes(the CTA's walk)
   bool bf16 = false;
   bool operator==(const CacheMapKey&) const = default;
 };
@@ -107,7 +131,7 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   CUtensorMap m;
   const CUresult r = encode(&m, key.bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                             const_cast<void*>(key.base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_SWIZZLE_128B, cache_map_l2_promotion(key.l2_promotion_bytes),
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return false;
   keys[next] = key;

@@ -301,5 +301,18 @@ TEST(CacheBoxLines, EightKeysOfAnLdmatrixTakeEightSwizzlePhases) {
   EXPECT_EQ(token_major.size(), 1u);
 }
 
+// The boxes' L2 promotion: 256 bytes for walks of up to kCacheMapShortWalkKeys keys (the row's other
+// half comes along for the next column block's box), 128 beyond (256 cost long walks 5-7 %).
+TEST(CacheMapL2Promotion, WholeRowsForShortWalksLinesForLongOnes) {
+  if (FLARE_DECODE_MAP_L2_PROMOTION_BYTES >= 0) GTEST_SKIP() << "promotion forced by FLARE_DECODE_MAP_L2_PROMOTION_BYTES";
+  for (int64_t keys : {int64_t{1}, int64_t{16}, int64_t{512}, kCacheMapShortWalkKeys})
+    EXPECT_EQ(cache_map_l2_promotion_bytes(keys), 256) << keys;
+  for (int64_t keys : {kCacheMapShortWalkKeys + 1, int64_t{4096}, int64_t{65536}, int64_t{1} << 31})
+    EXPECT_EQ(cache_map_l2_promotion_bytes(keys), 128) << keys;
+  EXPECT_EQ(cache_map_l2_promotion(256), CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  EXPECT_EQ(cache_map_l2_promotion(128), CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  EXPECT_EQ(cache_map_l2_promotion(0), CU_TENSOR_MAP_L2_PROMOTION_NONE);
+}
+
 }  // namespace
 }  // namespace flare::decode
