@@ -15,8 +15,9 @@
 //            it (decode_bulk_kernel's pipeline: 2 KB pieces, 64 KB stages, 3 stages); "K|V": each
 //            stage half from each of two regions, as decode's K and V caches
 //   boxes    the producer's lane 0 loads a stage as TMA tensor boxes of the key-group decode
-//            kernel's shape (64 columns x 8 heads x 16 tokens, 128-byte swizzled), token-major or
-//            head-major maps
+//            kernel's shape (8 heads x 16 tokens x the 64-column blocks its boxes hold, 128-byte
+//            swizzled, a long walk's L2 promotion), token-major or head-major maps; "box shapes":
+//            other shapes, swizzles and promotions through maps of the probe's own
 //
 // Usage: probe_stream_bandwidth [--gib N] [--repeats N] [--fill constant|random]
 //   --fill: the buffer's contents (default constant, a 0x5a byte; random: normal bf16 values,
@@ -46,6 +47,7 @@ using flare::sm90::mbar_init_fence;
 using flare::sm90::mbar_wait;
 using flare::sm90::prefetch_tensor_map;
 using flare::sm90::tma_load_4d;
+using flare::sm90::tma_load_5d;
 
 // Folds a word into the accumulator the kernels keep live (written out only if it matches a value
 // it never takes, so the loads cannot be dropped).
@@ -160,8 +162,8 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
 }
 
 // TMA tensor boxes of a decode cache's shape: the buffer is K of one sequence, [tokens, 8 heads,
-// 128 columns] bf16 (2 KB a token), and a 64 KB stage is 32 tokens as four boxes of 64 columns x 8
-// heads x 16 tokens, 128-byte swizzled: the key-group kernel's loads at 8 heads a CTA, through the
+// 128 columns] bf16 (2 KB a token), and a 64 KB stage is 32 tokens as boxes of 8 heads x 16 tokens
+// x both 64-column blocks (row boxes) or one (FLARE_DECODE_ROW_BOXES=0), 128-byte swizzled: the key-group kernel's loads at 8 heads a CTA, through the
 // map decode's launcher makes (cache_tensor_map), token-major (d, head, token) or head-major (d,
 // token, head); head_major picks the coordinates to match.
 constexpr int kBoxStageBytes = 64 << 10;
@@ -181,13 +183,15 @@ __global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_p
         const int s = t % stages;
         if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
         mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(kBoxStageBytes));
-        for (int box = 0; box < 4; ++box) {
-          const int cb = box % 2, tok = blockIdx.x * tokens_per_cta + t * kBoxStageTokens + 16 * (box / 2);
-          char* const dst = ring + s * kBoxStageBytes + box * (kBoxStageBytes / 4);
+        // 32 tokens x 2 column blocks: 2 row boxes (both column blocks) or 4 (one each)
+        constexpr int kPerTokens = 2 / flare::decode::cache_box_col_blocks(128);
+        for (int box = 0; box < 2 * kPerTokens; ++box) {
+          const int cb = box % kPerTokens, tok = blockIdx.x * tokens_per_cta + t * kBoxStageTokens + 16 * (box / kPerTokens);
+          char* const dst = ring + s * kBoxStageBytes + box * (kBoxStageBytes / (2 * kPerTokens));
           if (head_major)
-            tma_load_4d(dst, &map, 64 * cb, tok, 0, 0, &full[s]);
+            tma_load_5d(dst, &map, 0, tok, 0, cb, 0, &full[s]);
           else
-            tma_load_4d(dst, &map, 64 * cb, 0, tok, 0, &full[s]);
+            tma_load_5d(dst, &map, 0, 0, tok, cb, 0, &full[s]);
         }
       }
     }
@@ -330,7 +334,7 @@ int main(int argc, char** argv) {
     key.base = buf, key.head_dim = 128, key.heads = 8, key.extent_1 = bytes / 2048, key.extent_0 = 1;
     key.stride_h = 128, key.stride_tok = 1024, key.stride_0 = key.extent_1 * 1024;
     key.box_heads = 8, key.elem_bytes = 2, key.head_major = head_major, key.bf16 = true;
-    key.l2_promotion_bytes = 256;  // as session 43 measured these rows (the box shapes below vary it)
+    key.l2_promotion_bytes = flare::decode::cache_map_l2_promotion_bytes(int64_t{1} << 30);  // a long walk's
     CUtensorMap map;
     if (!flare::decode::cache_tensor_map(key, &map)) {
       std::printf("  boxes: no %s map (the driver's encoder refused it or is missing)\n",
@@ -340,7 +344,7 @@ int main(int argc, char** argv) {
     const int smem = 3 * kBoxStageBytes + 1024;
     FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     for (int ctas : {ctas_128, sms}) {
-      const std::string name = std::string("TMA boxes 64 x 8 heads x 16 tokens, ") + (head_major ? "head" : "token") +
+      const std::string name = std::string(flare::decode::kCacheRowBoxes ? "TMA row boxes 8 heads x 16 tokens, " : "TMA boxes 64 x 8 heads x 16 tokens, ") + (head_major ? "head" : "token") +
                                "-major, 3 x 64 KB";
       measure(name, ctas, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
         box_stream<<<n, 32 * (kBulkConsumerWarps + 1), smem, st>>>(map, static_cast<int>(per / 2048), 3, head_major,
@@ -375,25 +379,32 @@ int main(int argc, char** argv) {
     const auto swz = CU_TENSOR_MAP_SWIZZLE_128B, none = CU_TENSOR_MAP_SWIZZLE_NONE;
     const auto p256 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     // (d, token, head): the key-group kernel's head-major boxes
+    const auto p128 = CU_TENSOR_MAP_L2_PROMOTION_L2_128B, pnone = CU_TENSOR_MAP_L2_PROMOTION_NONE;
+    const BoxShape four = sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}});
     const ShapeCase cases[] = {
+        // (d, token, head): the key-group kernel's head-major boxes, 16 tokens (a sub-tile) and 32
         {"swz (64, 16 tok, 8 h) x4, L2 256B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, p256,
-         sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
-        {"swz (64, 16 tok, 8 h) x4, L2 none", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz,
-         CU_TENSOR_MAP_L2_PROMOTION_NONE, sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
-        {"swz (64, 16 tok, 8 h) x4, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz,
-         CU_TENSOR_MAP_L2_PROMOTION_L2_128B, sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
-        {"none (64, 16 tok, 8 h) x4", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, none, p256,
-         sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}})},
-        {"swz (64, 32 tok, 8 h) x2", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 32, 8, 1}, swz, p256,
+         four},
+        {"swz (64, 16 tok, 8 h) x4, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, p128,
+         four},
+        {"swz (64, 16 tok, 8 h) x4, L2 none", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, pnone,
+         four},
+        {"none (64, 16 tok, 8 h) x4, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, none, p128,
+         four},
+        {"swz (64, 32 tok, 8 h) x2, L2 256B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 32, 8, 1}, swz, p256,
+         sh(2, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}})},
+        {"swz (64, 32 tok, 8 h) x2, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 32, 8, 1}, swz, p128,
          sh(2, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}})},
         // (d 64, token, column block, head): both halves of a row in one box
-        {"swz (64, 16 tok, 2 cb, 8 h) x2", {64, tokens, 2, 8}, {2048, 128, 256}, {64, 16, 2, 8}, swz, p256,
+        {"swz (64, 16 tok, 2 cb, 8 h) x2, L2 128B", {64, tokens, 2, 8}, {2048, 128, 256}, {64, 16, 2, 8}, swz, p128,
          sh(2, 1, {{0, 0, 0, 0}, {0, 16, 0, 0}})},
+        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", {64, tokens, 2, 8}, {2048, 128, 256}, {64, 32, 2, 8}, swz, p128,
+         sh(1, 1, {{0, 0, 0, 0}})},
         // (d, head, token) unswizzled whole rows: 32 KB contiguous a box
-        {"none (128, 8 h, 16 tok) x2, contiguous", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
+        {"none (128, 8 h, 16 tok) x2, L2 256B", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
          p256, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
-        {"none (128, 8 h, 16 tok) x2, L2 none", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
-         CU_TENSOR_MAP_L2_PROMOTION_NONE, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
+        {"none (128, 8 h, 16 tok) x2, L2 128B", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
+         p128, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
     };
     const int smem = 3 * kBoxStageBytes + 1024;
     FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_shape_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

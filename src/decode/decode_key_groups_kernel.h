@@ -18,9 +18,10 @@
 //
 // Producer. The last warp issues stage i into buffer i % stages once every consumer warp released
 // it (empty barrier, count = consumer warps): per sub-tile holding keys of the stage's range, a
-// box of K and one of V per 64 columns, issued by one lane, completing on the stage's full
-// barrier. A stage is [K | V][64-column block][sub-tile][head][key][64 columns], 128-byte
-// swizzled (head-major boxes where a CTA has 2+ heads, decode_tensor_maps.h: cache_box_line; the
+// box of K and one of V (whole rows: every 64-column block; per column block with
+// FLARE_DECODE_ROW_BOXES=0), issued by one lane, completing on the stage's full barrier. A stage
+// is [K | V][sub-tile][64-column block][head][key][64 columns] (column block outermost without row
+// boxes), 128-byte swizzled (head-major boxes where a CTA has 2+ heads, decode_tensor_maps.h: cache_box_line; the
 // consumers' ldmatrix addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
 // one page (pages are >= 16 keys and sub-tiles 16-aligned), so lane g < key_groups reads the page
 // of sub-tile g one stage ahead, and the issuing lane takes it by a shuffle. Contiguous caches
@@ -83,11 +84,12 @@ __device__ __forceinline__ int swizzled_chunk(int c, int line, int block_elems) 
 template <int kHeadDim, int kN, bool kHeadMajor, typename T>
 __device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int block_elems, int kg, int hpc, int head,
                                                       int key0, int kv_end, int lane) {
+  constexpr int kBoxColBlocks = cache_box_col_blocks(kHeadDim);
   if (key0 + kN <= kv_end) return;
   T* const v_rows = const_cast<T*>(v_stage);
   for (int idx = lane; idx < (key0 + kN - kv_end) * (kHeadDim / 8); idx += 32) {
     const int r = kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
-    const int line = cache_box_line<kHeadMajor>(kg, r, head, hpc);
+    const int line = cache_box_line<kHeadMajor>(kg, r, head, hpc, kBoxColBlocks);
     *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
         make_uint4(0, 0, 0, 0);
   }
@@ -120,8 +122,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   static_assert(kKSteps % 2 == 0, "S runs as two chains over the halves of the head dim");
   constexpr int kColBlocks = kHeadDim / kCacheBoxCols;  // 64-column blocks of a row (TMA boxes)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // [stages][K | V][column block][key group][heads_per_cta][16 keys][64] (cache_box_line), 128-byte
-  // swizzled: 1024-aligned
+  // [stages][K | V][key group][column block][heads_per_cta][16 keys][64] (cache_box_line; column
+  // block outermost without row boxes), 128-byte swizzled: 1024-aligned
   T* const kv_smem = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + kKeyGroupSmemAlign - 1) &
                                           ~uintptr_t{kKeyGroupSmemAlign - 1});
   float* const merge_smem = reinterpret_cast<float*>(smem_raw);  // after the walk: [kWarps][16][kMergeStride]
@@ -137,7 +139,9 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   if (kSplit && !in_kernel_combine) allow_dependent_launch();  // the combine kernel may start launching
 
   const int hpc = lay.heads_per_cta, kgs = lay.key_groups, SK = lay.stage_keys;
-  const int block_elems = SK * hpc * kCacheBoxCols;  // one column block of K or V in a stage
+  constexpr int kBoxColBlocks = cache_box_col_blocks(kHeadDim);  // column blocks a box holds
+  const int kv_elems = kColBlocks * SK * hpc * kCacheBoxCols;    // K (or V) of a stage
+  const int block_elems = cache_col_block_lines(hpc, SK) * kCacheBoxCols;  // column block to column block
   const int stages = lay.stages;
   // blockIdx.x = (b * head_blocks + hb) * num_splits + split
   const int head_blocks = p.heads_kv / hpc;
@@ -167,9 +171,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   if (warp == kWarps) {
     // ================= producer warp
     FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
-    // One TMA box: 16 keys x hpc heads x 64 columns (decode_tensor_maps.h).
-    const uint32_t box_bytes = kN * hpc * kCacheBoxCols * uint32_t(sizeof(T));
-    constexpr bool kWholeStageBoxes = FLARE_DECODE_WIDE_BOXES && !kHeadMajor;  // built in (decode_schedule.h)
+    // One TMA box: 16 keys x hpc heads x kBoxColBlocks x 64 columns (decode_tensor_maps.h).
+    const uint32_t box_bytes = kN * hpc * kBoxColBlocks * kCacheBoxCols * uint32_t(sizeof(T));
     const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
     // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
     // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
@@ -180,15 +183,11 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
       const int s = i % stages;
       if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
       const int key0 = key_group_stage_key0(walk_begin, i, SK);
-      // A whole-stage box (key_group_box_tokens: contiguous caches, one head) is sub-tile 0's box
-      // grown to the stage: one box a column block of K and of V, the bytes of all its sub-tiles.
-      const bool whole_stage = kWholeStageBoxes && lay.box_tokens > kN;
-      const int subs = whole_stage ? 1 : min(kgs, (end - key0 + kN - 1) / kN);
-      const int boxed_sub_tiles = whole_stage ? lay.box_tokens / kN : subs;
+      const int subs = min(kgs, (end - key0 + kN - 1) / kN);
       int64_t slot = 0, tok = 0;
       locate(key0, kN * (lane % kgs), &slot, &tok);  // lane g: sub-tile g's coordinates
       const bool leader = elect_one_lane();
-      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * kColBlocks * boxed_sub_tiles * box_bytes);
+      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * (kColBlocks / kBoxColBlocks) * subs * box_bytes);
       // One lane issues every box, sub-tile by sub-tile (a warp-uniform loop, so the operands sit
       // in uniform registers as TMA wants them, with no per-lane loop around each load).
       for (int g = 0; g < subs; ++g) {
@@ -196,20 +195,18 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
         const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), g);
         const int box_y = kHeadMajor ? g_tok : hk0, box_z = kHeadMajor ? hk0 : g_tok;
         if (leader) {
-          T* const k_dst = kv_smem + s * lay.stage_elems + g * kN * hpc * kCacheBoxCols;
+          T* const k_dst = kv_smem + s * lay.stage_elems + g * kBoxColBlocks * kN * hpc * kCacheBoxCols;
           // The two policies as two written-out branches: the same calls through one lambda ran
           // 14-28 % slower at batch 1 with 65536 keys and batch 8 with 1k (session 22, call 12).
 #pragma unroll
-          for (int cb = 0; cb < kColBlocks; ++cb) {
+          for (int cb = 0; cb < kColBlocks / kBoxColBlocks; ++cb) {
+            T* const dst = k_dst + cb * block_elems;
             if (p.l2_evict_first) {
-              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, box_y, box_z, g_slot, &full_bar[s],
-                          policy);
-              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, box_y, box_z, g_slot,
-                          &full_bar[s], policy);
+              tma_load_5d(dst, &tmap_k, 0, box_y, box_z, cb, g_slot, &full_bar[s], policy);
+              tma_load_5d(dst + kv_elems, &tmap_v, 0, box_y, box_z, cb, g_slot, &full_bar[s], policy);
             } else {
-              tma_load_4d(k_dst + cb * block_elems, &tmap_k, cb * kCacheBoxCols, box_y, box_z, g_slot, &full_bar[s]);
-              tma_load_4d(k_dst + (kColBlocks + cb) * block_elems, &tmap_v, cb * kCacheBoxCols, box_y, box_z, g_slot,
-                          &full_bar[s]);
+              tma_load_5d(dst, &tmap_k, 0, box_y, box_z, cb, g_slot, &full_bar[s]);
+              tma_load_5d(dst + kv_elems, &tmap_v, 0, box_y, box_z, cb, g_slot, &full_bar[s]);
             }
           }
         }
@@ -282,8 +279,9 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   // This lane's ldmatrix rows in a stage (128-byte lines, cache_box_line): K (non-transposed, keys
   // lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
   // lane % 8 + 8 ((lane / 8) % 2)).
-  const int k_line = cache_box_line<kHeadMajor>(kg, lane % 8 + (lane / 16) * 8, head, hpc), k_hi = (lane / 8) % 2;
-  const int v_line = cache_box_line<kHeadMajor>(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc);
+  const int k_line = cache_box_line<kHeadMajor>(kg, lane % 8 + (lane / 16) * 8, head, hpc, kBoxColBlocks);
+  const int k_hi = (lane / 8) % 2;
+  const int v_line = cache_box_line<kHeadMajor>(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc, kBoxColBlocks);
 
   // Every issued stage is waited for (speculative ones past a short sequence too: no copy may
   // still be writing shared memory when the buffers are reused for the merge or the CTA exits).
@@ -293,7 +291,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     mbar_wait(&full_bar[s], (it / stages) & 1);
     FLARE_DECODE_MARK(it == 0 && threadIdx.x == 0, kDecodeMarkLanded);
     const T* const k_stage = kv_smem + s * lay.stage_elems;
-    const T* const v_stage = k_stage + kColBlocks * block_elems;
+    const T* const v_stage = k_stage + kv_elems;
     const int key0 = key_group_sub_tile_key0(keys.tile_begin, it, SK, kg);
     const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH &&
         it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;

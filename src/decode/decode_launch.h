@@ -159,9 +159,7 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
   const int heads_per_cta = key_group_heads_per_cta(how.heads_per_cta, key_group_max_heads_per_cta(kHeadDim, p.heads_kv),
                                                     p.batch, p.heads_kv, p.num_splits, num_sms);
   const int64_t max_keys = p.num_splits > 1 ? int64_t{p.kv_chunk} : int64_t{p.max_cache_len};
-  KeyGroupLayout lay = key_group_layout(kHeadDim, static_cast<int>(sizeof(T)), heads_per_cta, max_keys);
-  lay.box_tokens = key_group_box_tokens(FLARE_DECODE_WIDE_BOXES != 0, p.page_table == nullptr, heads_per_cta,
-                                        lay.stage_keys, max_keys);
+  const KeyGroupLayout lay = key_group_layout(kHeadDim, static_cast<int>(sizeof(T)), heads_per_cta, max_keys);
   // The caches' TMA maps (decode_tensor_maps.h): boxes of heads_per_cta heads; the head-warp
   // kernel runs where the driver refuses them.
   const bool head_major = cache_boxes_head_major(heads_per_cta);
@@ -170,7 +168,7 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     CacheMapKey k;
     k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
     k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
-    k.box_heads = heads_per_cta, k.box_tokens = lay.box_tokens, k.elem_bytes = static_cast<int>(sizeof(T));
+    k.box_heads = heads_per_cta, k.elem_bytes = static_cast<int>(sizeof(T));
     k.head_major = head_major;
     k.l2_promotion_bytes = cache_map_l2_promotion_bytes(max_keys);
     k.bf16 = std::is_same_v<T, __nv_bfloat16>;

@@ -23,12 +23,6 @@
 #endif
 #endif
 
-// Whole-stage TMA boxes (key_group_box_tokens) built in: an A/B switch, off until measured on this
-// code (bench/RESULTS.md, session 43). Off, the producer's code is as before.
-#ifndef FLARE_DECODE_WIDE_BOXES
-#define FLARE_DECODE_WIDE_BOXES 0
-#endif
-
 namespace flare::decode {
 
 inline constexpr int kSubTileKeys = 16;          // keys per warp step: one k-step of P V
@@ -57,7 +51,6 @@ struct KeyGroupLayout {
   int stages = 0;
   int stage_elems = 0;     // 2 x stage_keys x row_elems (K, then V; each in 64-column blocks of 128-byte lines)
   int smem_bytes = 0;      // dynamic shared memory: the stages, or the merge buffer where larger, + kKeyGroupSmemAlign
-  int box_tokens = kSubTileKeys;  // tokens per TMA box: a sub-tile, or a whole stage (key_group_box_tokens)
 };
 
 // Bytes of the buffer the key groups merge through after the walk: fp32 [consumer_warps][16][head_dim + pad].
@@ -94,19 +87,6 @@ FLARE_HD KeyGroupLayout key_group_layout(int head_dim, int elem_bytes, int heads
   const int merge = key_group_merge_bytes(head_dim);
   l.smem_bytes = (l.stages * stage_bytes > merge ? l.stages * stage_bytes : merge) + kKeyGroupSmemAlign;
   return l;
-}
-
-// Tokens per TMA box of a launch. A sub-tile's 16 normally: a stage then takes boxes x sub-tiles
-// x 2 (K and V) x column blocks loads, 32 at one head a CTA and head dim 128, which one thread
-// issues at about 55 cycles each (bench/RESULTS.md, session 22). Whole-stage boxes (one a column
-// block of K and of V) where `wide` allows them and they fit the TMA unit's 256-row box: a
-// contiguous cache (a stage's keys are consecutive rows; a paged one's may cross pages), one head a
-// CTA (its token-major lines are a whole box's), and a walk of one stage (max_keys <= stage_keys):
-// session 22 measured batch 1 at 256 keys 7.5 % faster with them, walks of two stages or more
-// slower (the 16 KB box lands as a whole where 16 small ones land in parallel).
-FLARE_HD int key_group_box_tokens(bool wide, bool contiguous, int heads_per_cta, int stage_keys, int64_t max_keys) {
-  return wide && contiguous && heads_per_cta == 1 && max_keys <= stage_keys && stage_keys <= 256 ? stage_keys
-                                                                                                    : kSubTileKeys;
 }
 
 // The most KV heads per CTA: the largest power of two up to the consumer warps that divides heads_kv.

@@ -1,14 +1,15 @@
 // Host side of the key-group decode kernel's cache loads: TMA tensor maps of the K and V caches.
 //
 // A cache, contiguous [batch, max_cache_len, heads_kv, d] or paged [num_pages, page_size,
-// heads_kv, d], is a 4-D tensor (d, token, heads_kv, batch or page) to the TMA unit where a CTA
-// has 2+ heads (head-major, below), (d, heads_kv, token, ...) at one; one load is a box of 64
-// columns x 16 tokens x heads_per_cta heads of one sequence or page, written to shared memory as
-// heads_per_cta x 16 rows of 128 bytes, 128-byte swizzled (the 16-byte chunk j of row r lands at
+// heads_kv, d], is a 5-D tensor to the TMA unit: (64 columns, token, head, column block, batch or
+// page) where a CTA has 2+ heads (head-major, below), (64 columns, head, token, column block, ...)
+// at one. One load is a box of 64 columns x 16 tokens x heads_per_cta heads x every column block
+// (d / 64) of one sequence or page: a sub-tile's whole rows, written to shared memory as
+// column-block-major 128-byte lines, 128-byte swizzled (the 16-byte chunk j of line r lands at
 // chunk j ^ (r % 8), so ldmatrix's eight rows of one column chunk, eight keys of a head, hit eight
-// bank groups). One such load replaces 16 x heads_per_cta row copies: the TMA unit took about 30 ns
-// per bulk copy of a 256-512 byte row, which capped a CTA of one or two heads at about 17 GB/s and
-// made its first stage land 5 us after its start (bench/RESULTS.md, session 18).
+// bank groups). One such load replaces 16 x heads_per_cta x d / 64 row pieces: the TMA unit took
+// about 30 ns per bulk copy of a 256-512 byte row, which capped a CTA of one or two heads at about
+// 17 GB/s and made its first stage land 5 us after its start (bench/RESULTS.md, session 18).
 #pragma once
 
 #include <cuda.h>
@@ -21,19 +22,19 @@
 namespace flare::decode {
 
 inline constexpr int kCacheBoxCols = 64;   // columns per load: 128 bytes, the swizzle's span
-inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile (whole-stage boxes where
-                                           // key_group_box_tokens allows them)
+inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile
 
-// Head-major boxes: the map's dimensions are (d, token, head, batch or page), so a box lands as
-// heads_per_cta x 16 rows of 128 bytes, head-major, and the 8 keys of an ldmatrix (consecutive
-// lines) take 8 distinct swizzle phases whatever heads_per_cta is. Token-major boxes (d, head,
-// token, ...) put one head's keys heads_per_cta lines apart: with 8 heads a CTA all 8 keys of an
-// ldmatrix share a swizzle phase (8-way bank conflicts), with 4 heads 4-way, with 2 heads 2-way.
-// With one head a CTA both orders give the same lines, and the token-major map and kernel (the
-// kernel's kHeadMajor = false instantiation) are kept: at batch 1 up to 4096 keys, all plans of one
-// head a CTA, the head-major map ran 3-6 % slower and a kernel choosing the order at run time 0-5 %
-// (bench/RESULTS.md, session 43). FLARE_DECODE_HEAD_MAJOR_BOXES=0 keeps token-major boxes
-// throughout (an A/B switch).
+// Head-major boxes: the map's dimensions are (64 columns, token, head, column block, batch or
+// page), so a box's column block lands as heads_per_cta x 16 lines of 128 bytes, head-major, and
+// the 8 keys of an ldmatrix (consecutive lines) take 8 distinct swizzle phases whatever
+// heads_per_cta is. Token-major boxes (64 columns, head, token, ...) put one head's keys
+// heads_per_cta lines apart: with 8 heads a CTA all 8 keys of an ldmatrix share a swizzle phase
+// (8-way bank conflicts), with 4 heads 4-way, with 2 heads 2-way. With one head a CTA both orders
+// give the same lines, and the token-major map and kernel (the kernel's kHeadMajor = false
+// instantiation) are kept: at batch 1 up to 4096 keys, all plans of one head a CTA, the head-major
+// map ran 3-6 % slower (bench/RESULTS.md, session 43; a kernel choosing the order at run time
+// measured 0-5 % slower there and level in session 44). FLARE_DECODE_HEAD_MAJOR_BOXES=0 keeps
+// token-major boxes throughout (an A/B switch).
 #ifndef FLARE_DECODE_HEAD_MAJOR_BOXES
 #define FLARE_DECODE_HEAD_MAJOR_BOXES 1
 #endif
@@ -64,12 +65,32 @@ inline CUtensorMapL2promotion cache_map_l2_promotion(int bytes) {
                         : CU_TENSOR_MAP_L2_PROMOTION_NONE;
 }
 
-// The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a column block.
+// Row boxes: a box holds every column block of its sub-tile's rows (the column block is the map's
+// fourth dimension), so a stage takes one load of K and one of V per sub-tile where it took one per
+// 64 columns: 16 KB boxes instead of 8 KB at 4 heads a CTA and head dim 128. A probe streaming
+// 2 GiB through such boxes read at 1.07 of the copy against 1.03 for the per-column-block boxes
+// (bench/RESULTS.md, session 44). FLARE_DECODE_ROW_BOXES=0 loads a box per column block, each
+// column block of the stage a region of its own (an A/B switch).
+#ifndef FLARE_DECODE_ROW_BOXES
+#define FLARE_DECODE_ROW_BOXES 1
+#endif
+inline constexpr bool kCacheRowBoxes = FLARE_DECODE_ROW_BOXES != 0;
+
+// The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a stage's K
+// (or V), column block 0; column block c lies cache_col_block_lines(...) x c lines further. A
+// sub-tile's box is col_blocks x 16 x heads_per_cta lines (row boxes: col_blocks = d / 64; per
+// column block boxes: 1, the column blocks then a stage apart), head-major or token-major inside.
 template <bool kHeadMajor>
-__host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta) {
-  return kHeadMajor ? (sub * heads_per_cta + head) * kCacheBoxTokens + key
-                    : (sub * kCacheBoxTokens + key) * heads_per_cta + head;
+__host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta, int col_blocks) {
+  return sub * col_blocks * kCacheBoxTokens * heads_per_cta +
+         (kHeadMajor ? head * kCacheBoxTokens + key : key * heads_per_cta + head);
 }
+// Lines between column blocks: a box's column block (row boxes) or a stage's.
+__host__ __device__ constexpr int cache_col_block_lines(int heads_per_cta, int stage_keys) {
+  return kCacheRowBoxes ? kCacheBoxTokens * heads_per_cta : stage_keys * heads_per_cta;
+}
+// Column blocks in one box.
+__host__ __device__ constexpr int cache_box_col_blocks(int head_dim) { return kCacheRowBoxes ? head_dim / 64 : 1; }
 
 // The driver's encoder (through the runtime: no -lcuda), or null.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -91,7 +112,7 @@ struct CacheMapKey {
   const void* base = nullptr;
   int64_t head_dim = 0, heads = 0, extent_1 = 0, extent_0 = 0;
   int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
-  int box_heads = 0, box_tokens = kCacheBoxTokens, elem_bytes = 0;
+  int box_heads = 0, elem_bytes = 0;
   bool head_major = false;  // the dimension order (the launcher's: cache_boxes_head_major(box_heads))
   int l2_promotion_bytes = 256;  // the launcher's: cache_map_l2_promotion_bytes(the CTA's walk)
   bool bf16 = false;
@@ -120,16 +141,20 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   const cuuint64_t tok_stride = static_cast<cuuint64_t>(key.stride_tok * eb);
   const cuuint32_t box_heads = static_cast<cuuint32_t>(key.box_heads);
   const bool head_major = key.head_major;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(key.head_dim), head_major ? tokens : heads,
-                              head_major ? heads : tokens, static_cast<cuuint64_t>(key.extent_0)};
-  const cuuint64_t strides[3] = {head_major ? tok_stride : head_stride,
-                                 head_major ? head_stride : tok_stride,
+  // (64 columns, token and head in the box's order, column block, batch or page); the column block
+  // has one box row (a box per column block) unless kCacheRowBoxes
+  const cuuint64_t col_blocks = static_cast<cuuint64_t>(key.head_dim / kCacheBoxCols);
+  const cuuint64_t dims[5] = {static_cast<cuuint64_t>(kCacheBoxCols), head_major ? tokens : heads,
+                              head_major ? heads : tokens, col_blocks, static_cast<cuuint64_t>(key.extent_0)};
+  const cuuint64_t strides[4] = {head_major ? tok_stride : head_stride, head_major ? head_stride : tok_stride,
+                                 static_cast<cuuint64_t>(kCacheBoxCols * eb),
                                  static_cast<cuuint64_t>(key.stride_0 * eb)};
-  const cuuint32_t box_tokens = static_cast<cuuint32_t>(key.box_tokens);
-  const cuuint32_t box[4] = {kCacheBoxCols, head_major ? box_tokens : box_heads, head_major ? box_heads : box_tokens, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const cuuint32_t box_tokens = kCacheBoxTokens;
+  const cuuint32_t box[5] = {kCacheBoxCols, head_major ? box_tokens : box_heads, head_major ? box_heads : box_tokens,
+                             static_cast<cuuint32_t>(cache_box_col_blocks(static_cast<int>(key.head_dim))), 1};
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
   CUtensorMap m;
-  const CUresult r = encode(&m, key.bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+  const CUresult r = encode(&m, key.bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
                             const_cast<void*>(key.base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, cache_map_l2_promotion(key.l2_promotion_bytes),
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

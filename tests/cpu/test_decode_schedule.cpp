@@ -234,70 +234,56 @@ TEST(KeyGroupCombine, WarpsPerRowCoverTheWarpsAndRows) {
   EXPECT_EQ(combine_warps_per_row(8, 32), 1);
 }
 
-// Whole-stage boxes only where allowed, on a contiguous cache, at one head a CTA, for walks of one
-// stage, within the TMA unit's 256 rows; otherwise a sub-tile's 16 tokens. A whole-stage box of
-// one head holds the stage's keys in the lines its sub-tiles' boxes would (token-major).
-TEST(KeyGroupBoxTokens, WholeStagesOnlyForOneStageContiguousOneHeadWalks) {
-  for (bool wide : {false, true})
-    for (bool contiguous : {false, true})
-      for (int head_dim : {64, 128, 256})
-        for (int heads : heads_options(head_dim))
-          for (int64_t max_keys : {int64_t{1}, int64_t{16}, int64_t{64}, int64_t{127}, int64_t{128}, int64_t{129},
-                                   int64_t{256}, int64_t{65536}}) {
-            const KeyGroupLayout l = key_group_layout(head_dim, 2, heads, max_keys);
-            const int t = key_group_box_tokens(wide, contiguous, heads, l.stage_keys, max_keys);
-            const bool expect_wide = wide && contiguous && heads == 1 && max_keys <= l.stage_keys;
-            EXPECT_EQ(t, expect_wide ? l.stage_keys : kSubTileKeys)
-                << wide << contiguous << " d" << head_dim << " heads " << heads << " keys " << max_keys;
-            EXPECT_LE(t, 256);
-            EXPECT_EQ(l.stage_keys % t, 0);
-            if (expect_wide) EXPECT_EQ(l.stages, 1);
-          }
-  for (int sub = 0; sub < 8; ++sub)
-    for (int key = 0; key < kSubTileKeys; ++key)  // the wide box's token-major line: its token in the stage
-      EXPECT_EQ(cache_box_line<false>(sub, key, 0, 1), sub * kSubTileKeys + key);
+// The line of each (sub-tile, key, head) of column block 0 in the layout the kernel runs at
+// heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major), and column block cb's.
+int kernel_line(int head_dim, int sub, int key, int head, int heads_per_cta, int cb = 0) {
+  const int cbs = cache_box_col_blocks(head_dim), stage_keys = key_group_layout(head_dim, 2, heads_per_cta, 65536).stage_keys;
+  const int line0 = cache_boxes_head_major(heads_per_cta) ? cache_box_line<true>(sub, key, head, heads_per_cta, cbs)
+                                                          : cache_box_line<false>(sub, key, head, heads_per_cta, cbs);
+  return line0 + cb * cache_col_block_lines(heads_per_cta, stage_keys);
 }
 
-// The line of each (sub-tile, key, head) of a column block in the layout the kernel runs at
-// heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major).
-int kernel_line(int sub, int key, int head, int heads_per_cta) {
-  return cache_boxes_head_major(heads_per_cta) ? cache_box_line<true>(sub, key, head, heads_per_cta)
-                                               : cache_box_line<false>(sub, key, head, heads_per_cta);
-}
-
-// A stage's lines are a permutation of [0, stage lines), a box (one sub-tile) fills its own
-// 16 x heads_per_cta lines, and the 8 keys an ldmatrix reads (keys 0-7 or 8-15 of one head of one
-// sub-tile) lie in 8 distinct 128-byte swizzle phases (line % 8), so they hit 8 bank groups.
+// A stage's K lines (every column block) are a permutation of [0, stage lines), a sub-tile's box
+// fills its own lines (row boxes: its 16 x heads_per_cta x d / 64 lines, each column block 16 x
+// heads_per_cta of them; per column block boxes: 16 x heads_per_cta lines of each column block's
+// region), and the 8 keys an ldmatrix reads (keys 0-7 or 8-15 of one head of one sub-tile, one
+// column block) lie in 8 distinct 128-byte swizzle phases (line % 8), so they hit 8 bank groups.
 TEST(CacheBoxLines, EightKeysOfAnLdmatrixTakeEightSwizzlePhases) {
   for (int head_dim : {64, 128, 256})
     for (int heads : heads_options(head_dim)) {
       SCOPED_TRACE("d" + std::to_string(head_dim) + " heads " + std::to_string(heads));
-      const int key_groups = key_group_consumer_warps(head_dim) / heads;
-      const int lines = key_groups * kCacheBoxTokens * heads;
+      const int key_groups = key_group_consumer_warps(head_dim) / heads, cbs = head_dim / kCacheBoxCols;
+      const int box_lines = kCacheBoxTokens * heads * cache_box_col_blocks(head_dim);
+      const int lines = key_groups * kCacheBoxTokens * heads * cbs;
       std::vector<int> seen(lines, 0);
       for (int sub = 0; sub < key_groups; ++sub)
-        for (int head = 0; head < heads; ++head) {
-          for (int key = 0; key < kCacheBoxTokens; ++key) {
-            const int line = kernel_line(sub, key, head, heads);
-            ASSERT_GE(line, sub * kCacheBoxTokens * heads);
-            ASSERT_LT(line, (sub + 1) * kCacheBoxTokens * heads);
-            ++seen[line];
+        for (int head = 0; head < heads; ++head)
+          for (int cb = 0; cb < cbs; ++cb) {
+            for (int key = 0; key < kCacheBoxTokens; ++key) {
+              const int line = kernel_line(head_dim, sub, key, head, heads, cb);
+              ASSERT_GE(line, 0);
+              ASSERT_LT(line, lines);
+              // the box that loads this line: sub-tile sub's (and, per column block, cb's)
+              const int box = kCacheRowBoxes ? line / box_lines : (line % (lines / cbs)) / box_lines;
+              EXPECT_EQ(box, sub) << "key " << key << " cb " << cb;
+              ++seen[line];
+            }
+            for (int first : {0, 8}) {
+              std::set<int> phases;
+              for (int key = first; key < first + 8; ++key)
+                phases.insert(kernel_line(head_dim, sub, key, head, heads, cb) % 8);
+              EXPECT_EQ(phases.size(), 8u) << "sub-tile " << sub << " head " << head << " keys " << first << "+";
+            }
           }
-          for (int first : {0, 8}) {
-            std::set<int> phases;
-            for (int key = first; key < first + 8; ++key) phases.insert(kernel_line(sub, key, head, heads) % 8);
-            EXPECT_EQ(phases.size(), 8u) << "sub-tile " << sub << " head " << head << " keys " << first << "+";
-          }
-        }
       EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), lines);
     }
   // One head a CTA: both orders give the same lines (the token-major kernel serves it).
   for (int sub = 0; sub < 8; ++sub)
     for (int key = 0; key < kCacheBoxTokens; ++key)
-      EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1), cache_box_line<false>(sub, key, 0, 1));
+      EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1, 2), cache_box_line<false>(sub, key, 0, 1, 2));
   // What the head-major order fixes: token-major lines put 8 heads' keys in one phase.
   std::set<int> token_major;
-  for (int key = 0; key < 8; ++key) token_major.insert(cache_box_line<false>(0, key, 3, 8) % 8);
+  for (int key = 0; key < 8; ++key) token_major.insert(cache_box_line<false>(0, key, 3, 8, 2) % 8);
   EXPECT_EQ(token_major.size(), 1u);
 }
 
