@@ -107,23 +107,12 @@ __device__ __forceinline__ void stmatrix_x4_trans(const uint32_t (&r)[4], void* 
 #endif
 }
 
-// An A/B switch (bench/RESULTS.md, session 43): 1 adds the 128-byte L2 prefetch hint
-// (.L2::128B, LDGSTS.LTC128B) to cp_async_16, as FlashAttention-2's copies carry. The portable d256
-// forward reads 806 M L2 sectors where FA2 reads 494 M at the same time under ncu's locked clock
-// (session 42); session 37 timed the hint only together with FA2's copy mapping (slower).
-#ifndef FLARE_PORTABLE_COPY_L2_PREFETCH
-#define FLARE_PORTABLE_COPY_L2_PREFETCH 0
-#endif
-
-// 16-byte global -> shared copy that bypasses L1; zero-fills when `valid` is false.
+// 16-byte global -> shared copy that bypasses L1; zero-fills when `valid` is false. Without the
+// 128-byte L2 prefetch hint FlashAttention-2's copies carry (.L2::128B): on the d256 and d128
+// forward it measured 0.97-1.02 of these copies' time (bench/RESULTS.md, session 44).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-#if FLARE_PORTABLE_COPY_L2_PREFETCH
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0));
-#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
