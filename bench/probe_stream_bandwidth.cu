@@ -46,7 +46,6 @@ using flare::sm90::mbar_init;
 using flare::sm90::mbar_init_fence;
 using flare::sm90::mbar_wait;
 using flare::sm90::prefetch_tensor_map;
-using flare::sm90::tma_load_4d;
 using flare::sm90::tma_load_5d;
 
 // Folds a word into the accumulator the kernels keep live (written out only if it matches a value
@@ -161,14 +160,18 @@ __global__ void bulk_stream(const char* src, int64_t bytes_per_cta, int stage_by
   drain_ring(ring, ring_stage, tiles, stages, full, empty, sink);
 }
 
-// TMA tensor boxes of a decode cache's shape: the buffer is K of one sequence, [tokens, 8 heads,
-// 128 columns] bf16 (2 KB a token), and a 64 KB stage is 32 tokens as boxes of 8 heads x 16 tokens
-// x both 64-column blocks (row boxes) or one (FLARE_DECODE_ROW_BOXES=0), 128-byte swizzled: the key-group kernel's loads at 8 heads a CTA, through the
-// map decode's launcher makes (cache_tensor_map), token-major (d, head, token) or head-major (d,
-// token, head); head_major picks the coordinates to match.
+// TMA tensor boxes: the buffer is K of one sequence, [tokens, 8 heads, 128 columns] bf16 (2 KB a
+// token), and a 64 KB stage (32 tokens) is `boxes` boxes of a 5-D map; box b's coordinates are
+// coord[b], its token coordinate (dimension tok_dim) advanced by the stage's first token. The
+// key-group kernel's loads at 8 heads a CTA come through the map decode's launcher makes
+// (cache_tensor_map); the box-shape rows through maps of other shapes, swizzles and L2 promotions.
 constexpr int kBoxStageBytes = 64 << 10;
 constexpr int kBoxStageTokens = kBoxStageBytes / 2048;
-__global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_per_cta, int stages, bool head_major,
+struct BoxShape {
+  int boxes = 0, tok_dim = 0;
+  int coord[4][5] = {};
+};
+__global__ void box_stream(const __grid_constant__ CUtensorMap map, BoxShape shape, int tokens_per_cta, int stages,
                            uint32_t* sink) {
   extern __shared__ __align__(1024) char box_raw[];
   char* const ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(box_raw) + 1023) & ~uintptr_t{1023});
@@ -183,15 +186,12 @@ __global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_p
         const int s = t % stages;
         if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
         mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(kBoxStageBytes));
-        // 32 tokens x 2 column blocks: 2 row boxes (both column blocks) or 4 (one each)
-        constexpr int kPerTokens = 2 / flare::decode::cache_box_col_blocks(128);
-        for (int box = 0; box < 2 * kPerTokens; ++box) {
-          const int cb = box % kPerTokens, tok = blockIdx.x * tokens_per_cta + t * kBoxStageTokens + 16 * (box / kPerTokens);
-          char* const dst = ring + s * kBoxStageBytes + box * (kBoxStageBytes / (2 * kPerTokens));
-          if (head_major)
-            tma_load_5d(dst, &map, 0, tok, 0, cb, 0, &full[s]);
-          else
-            tma_load_5d(dst, &map, 0, 0, tok, cb, 0, &full[s]);
+        for (int b = 0; b < shape.boxes; ++b) {
+          int c[5];
+          for (int k = 0; k < 5; ++k) c[k] = shape.coord[b][k];
+          c[shape.tok_dim] += blockIdx.x * tokens_per_cta + t * kBoxStageTokens;
+          tma_load_5d(ring + s * kBoxStageBytes + b * (kBoxStageBytes / shape.boxes), &map, c[0], c[1], c[2], c[3],
+                      c[4], &full[s]);
         }
       }
     }
@@ -200,41 +200,15 @@ __global__ void box_stream(const __grid_constant__ CUtensorMap map, int tokens_p
   drain_ring(ring, kBoxStageBytes, tiles, stages, full, empty, sink);
 }
 
-
-// Box shapes beside the key-group kernel's (which read at 0.97 of the copy where 2 KB bulk pieces
-// read at 1.03: session 44): the same buffer through maps of other shapes, swizzles and L2
-// promotions. A stage (64 KB, 32 tokens) is `boxes` boxes; box b's coordinates are coord[b], its
-// token coordinate (dimension tok_dim) advanced by the stage's first token.
-struct BoxShape {
-  int boxes = 0, tok_dim = 0;
-  int coord[4][4] = {};
-};
-__global__ void box_shape_stream(const __grid_constant__ CUtensorMap map, BoxShape shape, int tokens_per_cta,
-                                 int stages, uint32_t* sink) {
-  extern __shared__ __align__(1024) char shape_raw[];
-  char* const ring = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(shape_raw) + 1023) & ~uintptr_t{1023});
-  __shared__ __align__(8) uint64_t full[kBulkMaxStages], empty[kBulkMaxStages];
-  const int tiles = tokens_per_cta / kBoxStageTokens;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) prefetch_tensor_map(&map);
-  init_ring(full, empty, stages);
-  if (warp == kBulkConsumerWarps) {
-    if (lane == 0) {
-      for (int t = 0; t < tiles; ++t) {
-        const int s = t % stages;
-        if (t >= stages) mbar_wait(&empty[s], ((t / stages) + 1) & 1);
-        mbar_arrive_expect_tx(&full[s], static_cast<uint32_t>(kBoxStageBytes));
-        for (int b = 0; b < shape.boxes; ++b) {
-          int c[4] = {shape.coord[b][0], shape.coord[b][1], shape.coord[b][2], shape.coord[b][3]};
-          c[shape.tok_dim] += blockIdx.x * tokens_per_cta + t * kBoxStageTokens;
-          tma_load_4d(ring + s * kBoxStageBytes + b * (kBoxStageBytes / shape.boxes), &map, c[0], c[1], c[2], c[3],
-                      &full[s]);
-        }
-      }
-    }
-    return;
+BoxShape box_shape(int boxes, int tok_dim, std::initializer_list<std::array<int, 5>> coords) {
+  BoxShape b;
+  b.boxes = boxes, b.tok_dim = tok_dim;
+  int i = 0;
+  for (const auto& c : coords) {
+    for (int k = 0; k < 5; ++k) b.coord[i][k] = c[k];
+    ++i;
   }
-  drain_ring(ring, kBoxStageBytes, tiles, stages, full, empty, sink);
+  return b;
 }
 
 }  // namespace
@@ -327,100 +301,101 @@ int main(int argc, char** argv) {
     });
   }
 
-  // TMA boxes of a decode cache's shape (box_stream), both dimension orders: the buffer as K of one
-  // sequence, [tokens, 8 heads, 128], mapped as decode's launcher maps a cache (cache_tensor_map).
+  const int box_smem = 3 * kBoxStageBytes + 1024;
+  FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, box_smem));
+  auto measure_boxes = [&](const std::string& name, int ctas, const CUtensorMap& map, const BoxShape& shape) {
+    measure(name, ctas, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
+      box_stream<<<n, 32 * (kBulkConsumerWarps + 1), box_smem, st>>>(map, shape, static_cast<int>(per / 2048), 3, sink);
+    });
+  };
+
+  // The key-group kernel's boxes, both dimension orders: the buffer mapped as decode's launcher maps
+  // a cache (cache_tensor_map), a long walk's L2 promotion; row boxes (both column blocks, 2 a
+  // stage) or one column block a box (4).
   for (bool head_major : {false, true}) {
     flare::decode::CacheMapKey key;
     key.base = buf, key.head_dim = 128, key.heads = 8, key.extent_1 = bytes / 2048, key.extent_0 = 1;
     key.stride_h = 128, key.stride_tok = 1024, key.stride_0 = key.extent_1 * 1024;
     key.box_heads = 8, key.elem_bytes = 2, key.head_major = head_major, key.bf16 = true;
-    key.l2_promotion_bytes = flare::decode::cache_map_l2_promotion_bytes(int64_t{1} << 30);  // a long walk's
+    key.l2_promotion_bytes = flare::decode::cache_map_l2_promotion_bytes(int64_t{1} << 30);
     CUtensorMap map;
     if (!flare::decode::cache_tensor_map(key, &map)) {
       std::printf("  boxes: no %s map (the driver's encoder refused it or is missing)\n",
                   head_major ? "head-major" : "token-major");
       continue;
     }
-    const int smem = 3 * kBoxStageBytes + 1024;
-    FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    for (int ctas : {ctas_128, sms}) {
-      const std::string name = std::string(flare::decode::kCacheRowBoxes ? "TMA row boxes 8 heads x 16 tokens, " : "TMA boxes 64 x 8 heads x 16 tokens, ") + (head_major ? "head" : "token") +
-                               "-major, 3 x 64 KB";
-      measure(name, ctas, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
-        box_stream<<<n, 32 * (kBulkConsumerWarps + 1), smem, st>>>(map, static_cast<int>(per / 2048), 3, head_major,
-                                                                   sink);
-      });
-    }
+    const int tok_dim = head_major ? 1 : 2;
+    auto at = [&](int tok, int cb) {
+      std::array<int, 5> c = {0, 0, 0, cb, 0};
+      c[tok_dim] = tok;
+      return c;
+    };
+    const BoxShape shape = flare::decode::kCacheRowBoxes
+                               ? box_shape(2, tok_dim, {at(0, 0), at(16, 0)})
+                               : box_shape(4, tok_dim, {at(0, 0), at(0, 1), at(16, 0), at(16, 1)});
+    for (int ctas : {ctas_128, sms})
+      measure_boxes(std::string(flare::decode::kCacheRowBoxes ? "TMA row boxes 8 heads x 16 tokens, "
+                                                              : "TMA boxes 64 x 8 heads x 16 tokens, ") +
+                        (head_major ? "head" : "token") + "-major, 3 x 64 KB",
+                    ctas, map, shape);
   }
 
-  // Box shapes (box_shape_stream): the buffer [tokens, 8 heads, 128] bf16 through 4-D maps.
+  // Box shapes: the buffer [tokens, 8 heads, 128] bf16 through 5-D maps of the probe's own (the
+  // last dimension of extent 1 where the shape needs four).
   {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = flare::decode::tensor_map_encoder();
-    const cuuint64_t tokens = static_cast<cuuint64_t>(bytes / 2048);
+    const cuuint64_t tokens = static_cast<cuuint64_t>(bytes / 2048), all = static_cast<cuuint64_t>(bytes);
     struct ShapeCase {
       const char* name;
-      cuuint64_t dims[4];
-      cuuint64_t strides[3];  // bytes, dimensions 1-3
-      cuuint32_t box[4];
+      cuuint64_t dims[5];
+      cuuint64_t strides[4];  // bytes, dimensions 1-4
+      cuuint32_t box[5];
       CUtensorMapSwizzle swizzle;
       CUtensorMapL2promotion promotion;
       BoxShape shape;
     };
-    auto sh = [](int boxes, int tok_dim, std::initializer_list<std::array<int, 4>> coords) {
-      BoxShape b;
-      b.boxes = boxes, b.tok_dim = tok_dim;
-      int i = 0;
-      for (const auto& c : coords) {
-        for (int k = 0; k < 4; ++k) b.coord[i][k] = c[k];
-        ++i;
-      }
-      return b;
-    };
     const auto swz = CU_TENSOR_MAP_SWIZZLE_128B, none = CU_TENSOR_MAP_SWIZZLE_NONE;
-    const auto p256 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
-    // (d, token, head): the key-group kernel's head-major boxes
-    const auto p128 = CU_TENSOR_MAP_L2_PROMOTION_L2_128B, pnone = CU_TENSOR_MAP_L2_PROMOTION_NONE;
-    const BoxShape four = sh(4, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}, {0, 16, 0, 0}, {64, 16, 0, 0}});
+    const auto p256 = CU_TENSOR_MAP_L2_PROMOTION_L2_256B, p128 = CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               pnone = CU_TENSOR_MAP_L2_PROMOTION_NONE;
+    const BoxShape four = box_shape(4, 1, {{0, 0, 0, 0, 0}, {64, 0, 0, 0, 0}, {0, 16, 0, 0, 0}, {64, 16, 0, 0, 0}});
+    const BoxShape two_cb = box_shape(2, 1, {{0, 0, 0, 0, 0}, {64, 0, 0, 0, 0}});
+    const BoxShape two_tok = box_shape(2, 1, {{0, 0, 0, 0, 0}, {0, 16, 0, 0, 0}});
+    const BoxShape two_tok_d2 = box_shape(2, 2, {{0, 0, 0, 0, 0}, {0, 0, 16, 0, 0}});
+    // (d, token, head): the key-group kernel's head-major boxes per column block, 16 tokens (a
+    // sub-tile) and 32
+    const cuuint64_t dth[5] = {128, tokens, 8, 1, 1}, dth_s[4] = {2048, 256, all, all};
+    // (d 64, token, column block, head): both halves of a row in one box
+    const cuuint64_t dtch[5] = {64, tokens, 2, 8, 1}, dtch_s[4] = {2048, 128, 256, all};
+    // (d, head, token): unswizzled whole rows, 32 KB contiguous a box
+    const cuuint64_t dht[5] = {128, 8, tokens, 1, 1}, dht_s[4] = {256, 2048, all, all};
     const ShapeCase cases[] = {
-        // (d, token, head): the key-group kernel's head-major boxes, 16 tokens (a sub-tile) and 32
-        {"swz (64, 16 tok, 8 h) x4, L2 256B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, p256,
-         four},
-        {"swz (64, 16 tok, 8 h) x4, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, p128,
-         four},
-        {"swz (64, 16 tok, 8 h) x4, L2 none", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, swz, pnone,
-         four},
-        {"none (64, 16 tok, 8 h) x4, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 16, 8, 1}, none, p128,
-         four},
-        {"swz (64, 32 tok, 8 h) x2, L2 256B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 32, 8, 1}, swz, p256,
-         sh(2, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}})},
-        {"swz (64, 32 tok, 8 h) x2, L2 128B", {128, tokens, 8, 1}, {2048, 256, 2048 * tokens}, {64, 32, 8, 1}, swz, p128,
-         sh(2, 1, {{0, 0, 0, 0}, {64, 0, 0, 0}})},
-        // (d 64, token, column block, head): both halves of a row in one box
-        {"swz (64, 16 tok, 2 cb, 8 h) x2, L2 128B", {64, tokens, 2, 8}, {2048, 128, 256}, {64, 16, 2, 8}, swz, p128,
-         sh(2, 1, {{0, 0, 0, 0}, {0, 16, 0, 0}})},
-        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", {64, tokens, 2, 8}, {2048, 128, 256}, {64, 32, 2, 8}, swz, p128,
-         sh(1, 1, {{0, 0, 0, 0}})},
-        // (d, head, token) unswizzled whole rows: 32 KB contiguous a box
-        {"none (128, 8 h, 16 tok) x2, L2 256B", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
-         p256, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
-        {"none (128, 8 h, 16 tok) x2, L2 128B", {128, 8, tokens, 1}, {256, 2048, 2048 * tokens}, {128, 8, 16, 1}, none,
-         p128, sh(2, 2, {{0, 0, 0, 0}, {0, 0, 16, 0}})},
+        {"swz (64, 16 tok, 8 h) x4, L2 256B", {}, {}, {64, 16, 8, 1, 1}, swz, p256, four},
+        {"swz (64, 16 tok, 8 h) x4, L2 128B", {}, {}, {64, 16, 8, 1, 1}, swz, p128, four},
+        {"swz (64, 16 tok, 8 h) x4, L2 none", {}, {}, {64, 16, 8, 1, 1}, swz, pnone, four},
+        {"none (64, 16 tok, 8 h) x4, L2 128B", {}, {}, {64, 16, 8, 1, 1}, none, p128, four},
+        {"swz (64, 32 tok, 8 h) x2, L2 256B", {}, {}, {64, 32, 8, 1, 1}, swz, p256, two_cb},
+        {"swz (64, 32 tok, 8 h) x2, L2 128B", {}, {}, {64, 32, 8, 1, 1}, swz, p128, two_cb},
+        {"swz (64, 16 tok, 2 cb, 8 h) x2, L2 128B", {}, {}, {64, 16, 2, 8, 1}, swz, p128, two_tok},
+        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", {}, {}, {64, 32, 2, 8, 1}, swz, p128, box_shape(1, 1, {{0, 0, 0, 0, 0}})},
+        {"none (128, 8 h, 16 tok) x2, L2 256B", {}, {}, {128, 8, 16, 1, 1}, none, p256, two_tok_d2},
+        {"none (128, 8 h, 16 tok) x2, L2 128B", {}, {}, {128, 8, 16, 1, 1}, none, p128, two_tok_d2},
     };
-    const int smem = 3 * kBoxStageBytes + 1024;
-    FLARE_BENCH_CHECK(cudaFuncSetAttribute(box_shape_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     for (const ShapeCase& c : cases) {
+      // the dimension order from the name's shape: "2 cb" (d, token, column block, head), "8 h, 16
+      // tok" (d, head, token), else (d, token, head)
+      const std::string n = c.name;
+      const bool cb = n.find("2 cb") != std::string::npos, ht = n.find("8 h, 16 tok") != std::string::npos;
+      const cuuint64_t* dims = cb ? dtch : ht ? dht : dth;
+      const cuuint64_t* strides = cb ? dtch_s : ht ? dht_s : dth_s;
       CUtensorMap map;
-      const cuuint32_t unit[4] = {1, 1, 1, 1};
+      const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
       if (encode == nullptr ||
-          encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, buf, c.dims, c.strides, c.box, unit,
+          encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, buf, dims, strides, c.box, unit,
                  CU_TENSOR_MAP_INTERLEAVE_NONE, c.swizzle, c.promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
         std::printf("  %s: the encoder refused it\n", c.name);
         continue;
       }
-      measure(std::string("boxes ") + c.name, ctas_128, kBoxStageBytes, [&](cudaStream_t st, int n, int64_t per) {
-        box_shape_stream<<<n, 32 * (kBulkConsumerWarps + 1), smem, st>>>(map, c.shape, static_cast<int>(per / 2048), 3,
-                                                                         sink);
-      });
+      measure_boxes(std::string("boxes ") + c.name, ctas_128, map, c.shape);
     }
   }
   return 0;

@@ -45,9 +45,9 @@ __host__ __device__ constexpr bool cache_boxes_head_major(int heads_per_cta) {
 // The L2 promotion of a CTA's cache boxes, in bytes, from the most keys it walks. 256-byte
 // promotion cost long walks 5-7 %: at batch 8, 32768-65536 keys (4 splits of 4 heads a CTA) 128
 // bytes ran 0.94-0.96 of its time, and a probe streaming 2 GiB through these boxes read at 0.94 of
-// the copy with 256 bytes and 1.01 with 128 or none. Short walks (one head a CTA, 512 keys at
-// batch 1 and 256-4096 keys) ran 1-3 % faster with 256 (each 128-byte box line fetches its row's
-// other half, the next column block's, into L2) (bench/RESULTS.md, session 44).
+// the copy with 256 bytes and 1.01 with 128 or none. Short walks (one head a CTA and 512 keys or
+// fewer: batch 1 up to 4096 keys, batch 8 at 256-512) ran 1-3 % faster with 256, which brings a
+// box line's 256-byte neighbour into L2 with it (bench/RESULTS.md, session 44).
 // FLARE_DECODE_MAP_L2_PROMOTION_BYTES (0, 64, 128 or 256) forces one (an A/B switch).
 #ifndef FLARE_DECODE_MAP_L2_PROMOTION_BYTES
 #define FLARE_DECODE_MAP_L2_PROMOTION_BYTES -1
@@ -68,7 +68,9 @@ inline CUtensorMapL2promotion cache_map_l2_promotion(int bytes) {
 // Row boxes: a box holds every column block of its sub-tile's rows (the column block is the map's
 // fourth dimension), so a stage takes one load of K and one of V per sub-tile where it took one per
 // 64 columns: 16 KB boxes instead of 8 KB at 4 heads a CTA and head dim 128. A probe streaming
-// 2 GiB through such boxes read at 1.07 of the copy against 1.03 for the per-column-block boxes
+// 2 GiB through the kernel's boxes at 8 heads a CTA read at 1.05 of the copy with row boxes (the
+// speed of 2 KB bulk copies) against 1.01-1.03 per column block, and the kernel ran 0.976 of its
+// time (geometric mean over batch 1 and 8, 256-65536 keys; 0.90-0.97 at batch 1 up to 4096 keys)
 // (bench/RESULTS.md, session 44). FLARE_DECODE_ROW_BOXES=0 loads a box per column block, each
 // column block of the stage a region of its own (an A/B switch).
 #ifndef FLARE_DECODE_ROW_BOXES
@@ -90,7 +92,9 @@ __host__ __device__ constexpr int cache_col_block_lines(int heads_per_cta, int s
   return kCacheRowBoxes ? kCacheBoxTokens * heads_per_cta : stage_keys * heads_per_cta;
 }
 // Column blocks in one box.
-__host__ __device__ constexpr int cache_box_col_blocks(int head_dim) { return kCacheRowBoxes ? head_dim / 64 : 1; }
+__host__ __device__ constexpr int cache_box_col_blocks(int head_dim) {
+  return kCacheRowBoxes ? head_dim / kCacheBoxCols : 1;
+}
 
 // The driver's encoder (through the runtime: no -lcuda), or null.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
