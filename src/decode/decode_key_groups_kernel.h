@@ -82,14 +82,14 @@ __device__ __forceinline__ int swizzled_chunk(int c, int line, int block_elems) 
 // multiplies zeros. Whole 128-byte lines, so the swizzle does not matter. As zero_v_rows_past_end
 // (decode_subtile.h) for the TMA stage layout.
 template <int kHeadDim, int kN, bool kHeadMajor, typename T>
-__device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int block_elems, int kg, int hpc, int head,
-                                                      int key0, int kv_end, int lane) {
+__device__ __forceinline__ void zero_v_lines_past_end(const T* v_stage, int block_elems, int box_subs, int kg,
+                                                      int hpc, int head, int key0, int kv_end, int lane) {
   constexpr int kBoxColBlocks = cache_box_col_blocks(kHeadDim);
   if (key0 + kN <= kv_end) return;
   T* const v_rows = const_cast<T*>(v_stage);
   for (int idx = lane; idx < (key0 + kN - kv_end) * (kHeadDim / 8); idx += 32) {
     const int r = kv_end - key0 + idx / (kHeadDim / 8), c = idx % (kHeadDim / 8);
-    const int line = cache_box_line<kHeadMajor>(kg, r, head, hpc, kBoxColBlocks);
+    const int line = cache_box_line<kHeadMajor>(kg, r, head, hpc, kBoxColBlocks, box_subs);
     *reinterpret_cast<uint4*>(v_rows + (c / 8) * block_elems + line * kCacheBoxCols + (c % 8) * 8) =
         make_uint4(0, 0, 0, 0);
   }
@@ -141,7 +141,9 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   const int hpc = lay.heads_per_cta, kgs = lay.key_groups, SK = lay.stage_keys;
   constexpr int kBoxColBlocks = cache_box_col_blocks(kHeadDim);  // column blocks a box holds
   const int kv_elems = kColBlocks * SK * hpc * kCacheBoxCols;    // K (or V) of a stage
-  const int block_elems = cache_col_block_lines(hpc, SK) * kCacheBoxCols;  // column block to column block
+  // Sub-tiles a box holds: 1 (a constant unless stage boxes are built in), or the stage's (cache_box_tokens).
+  const int box_subs = cache_box_tokens(p.page_table == nullptr, SK) / kN;
+  const int block_elems = cache_col_block_lines(hpc, SK, box_subs) * kCacheBoxCols;  // column block to column block
   const int stages = lay.stages;
   // blockIdx.x = (b * head_blocks + hb) * num_splits + split
   const int head_blocks = p.heads_kv / hpc;
@@ -171,31 +173,34 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   if (warp == kWarps) {
     // ================= producer warp
     FLARE_DECODE_MARK(lane == 0, kDecodeMarkSetup);
-    // One TMA box: 16 keys x hpc heads x kBoxColBlocks x 64 columns (decode_tensor_maps.h).
-    const uint32_t box_bytes = kN * hpc * kBoxColBlocks * kCacheBoxCols * uint32_t(sizeof(T));
+    // One TMA box: box_subs x 16 keys (a sub-tile's or the stage's) x hpc heads x kBoxColBlocks x
+    // 64 columns (decode_tensor_maps.h).
+    const uint32_t box_bytes = box_subs * kN * hpc * kBoxColBlocks * kCacheBoxCols * uint32_t(sizeof(T));
     const uint64_t policy = l2_policy_evict_first();  // used where p.l2_evict_first
-    // Issues stage i of a walk from walk_begin for the keys below `end`: lane g loads sub-tile g
-    // (its K and V, every column block) if it holds such a key. locate(key0, key_in_stage, &slot,
-    // &tok) gives a key's cache coordinates (called by every lane: it may shuffle). The boxes are
-    // whole (keys past the cache are zero-filled, keys past `end` inside it are loaded and masked),
-    // so the stage's bytes are boxes x box_bytes.
+    // Issues stage i of a walk from walk_begin for the keys below `end`: the boxes covering the
+    // sub-tiles that hold such keys (lane g locates sub-tile g, each box takes its first sub-tile's
+    // coordinates), each with K and V, every column block. locate(key0, key_in_stage, &slot, &tok)
+    // gives a key's cache coordinates (called by every lane: it may shuffle). The boxes are whole
+    // (keys past the cache are zero-filled, keys past `end` inside it are loaded and masked), so
+    // the stage's bytes are boxes x box_bytes.
     auto issue = [&](int i, int walk_begin, int end, auto&& locate) {
       const int s = i % stages;
       if (i >= stages) mbar_wait(&empty_bar[s], ((i / stages) + 1) & 1);
       const int key0 = key_group_stage_key0(walk_begin, i, SK);
       const int subs = min(kgs, (end - key0 + kN - 1) / kN);
+      const int boxes = (subs + box_subs - 1) / box_subs;
       int64_t slot = 0, tok = 0;
       locate(key0, kN * (lane % kgs), &slot, &tok);  // lane g: sub-tile g's coordinates
       const bool leader = elect_one_lane();
-      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * (kColBlocks / kBoxColBlocks) * subs * box_bytes);
-      // One lane issues every box, sub-tile by sub-tile (a warp-uniform loop, so the operands sit
-      // in uniform registers as TMA wants them, with no per-lane loop around each load).
-      for (int g = 0; g < subs; ++g) {
-        const int g_tok = __shfl_sync(0xffffffffu, static_cast<int>(tok), g);
-        const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), g);
+      if (leader) mbar_arrive_expect_tx(&full_bar[s], 2u * (kColBlocks / kBoxColBlocks) * boxes * box_bytes);
+      // One lane issues every box (a warp-uniform loop, so the operands sit in uniform registers as
+      // TMA wants them, with no per-lane loop around each load).
+      for (int j = 0; j < boxes; ++j) {
+        const int g_tok = __shfl_sync(0xffffffffu, static_cast<int>(tok), j * box_subs);
+        const int g_slot = __shfl_sync(0xffffffffu, static_cast<int>(slot), j * box_subs);
         const int box_y = kHeadMajor ? g_tok : hk0, box_z = kHeadMajor ? hk0 : g_tok;
         if (leader) {
-          T* const k_dst = kv_smem + s * lay.stage_elems + g * kBoxColBlocks * kN * hpc * kCacheBoxCols;
+          T* const k_dst = kv_smem + s * lay.stage_elems + j * kBoxColBlocks * box_subs * kN * hpc * kCacheBoxCols;
           // The two policies as two written-out branches: the same calls through one lambda ran
           // 14-28 % slower at batch 1 with 65536 keys and batch 8 with 1k (session 22, call 12).
 #pragma unroll
@@ -279,9 +284,10 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   // This lane's ldmatrix rows in a stage (128-byte lines, cache_box_line): K (non-transposed, keys
   // lane % 8 + 8 (lane / 16), chunk parity (lane / 8) % 2) and V (transposed, keys
   // lane % 8 + 8 ((lane / 8) % 2)).
-  const int k_line = cache_box_line<kHeadMajor>(kg, lane % 8 + (lane / 16) * 8, head, hpc, kBoxColBlocks);
+  const int k_line = cache_box_line<kHeadMajor>(kg, lane % 8 + (lane / 16) * 8, head, hpc, kBoxColBlocks, box_subs);
   const int k_hi = (lane / 8) % 2;
-  const int v_line = cache_box_line<kHeadMajor>(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc, kBoxColBlocks);
+  const int v_line =
+      cache_box_line<kHeadMajor>(kg, lane % 8 + ((lane / 8) % 2) * 8, head, hpc, kBoxColBlocks, box_subs);
 
   // Every issued stage is waited for (speculative ones past a short sequence too: no copy may
   // still be writing shared memory when the buffers are reused for the merge or the CTA exits).
@@ -296,7 +302,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     const bool visible = !FLARE_DECODE_EXPERIMENT_SKIP_MATH &&
         it < num_stages && key0 < keys.kv_end && key0 <= rows.last_max && key0 + kN - 1 >= rows.lo_min;
     if (visible) {
-      zero_v_lines_past_end<kHeadDim, kN, kHeadMajor>(v_stage, block_elems, kg, hpc, head, key0, keys.kv_end, lane);
+      zero_v_lines_past_end<kHeadDim, kN, kHeadMajor>(v_stage, block_elems, box_subs, kg, hpc, head, key0,
+                                                      keys.kv_end, lane);
       const bool full = key0 >= rows.lo_max && key0 + kN - 1 <= rows.last_min;
       // S = Q K^T: keys 0-7 and 8-15 (j), head-dim halves a and b: four independent chains.
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

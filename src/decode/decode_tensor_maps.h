@@ -22,7 +22,7 @@
 namespace flare::decode {
 
 inline constexpr int kCacheBoxCols = 64;   // columns per load: 128 bytes, the swizzle's span
-inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile
+inline constexpr int kCacheBoxTokens = 16; // tokens per load: one sub-tile (cache_box_tokens)
 
 // Head-major boxes: the map's dimensions are (64 columns, token, head, column block, batch or
 // page), so a box's column block lands as heads_per_cta x 16 lines of 128 bytes, head-major, and
@@ -78,18 +78,33 @@ inline CUtensorMapL2promotion cache_map_l2_promotion(int bytes) {
 #endif
 inline constexpr bool kCacheRowBoxes = FLARE_DECODE_ROW_BOXES != 0;
 
+// Tokens per box on a contiguous cache: a sub-tile's 16, or with FLARE_DECODE_STAGE_BOXES=1 the
+// whole stage's (one box of K and one of V a stage at one head a CTA where there were 8: the
+// producer's lane issues a box in about 70-90 ns, and at batch 8, 256-512 keys the first stage's
+// 16 boxes were issued 2.2-3.4 us after the setup (bench/RESULTS.md, session 44)). A paged cache's
+// boxes stay one sub-tile (16 tokens, never across a page). An A/B switch, off until measured.
+#ifndef FLARE_DECODE_STAGE_BOXES
+#define FLARE_DECODE_STAGE_BOXES 0
+#endif
+__host__ __device__ constexpr int cache_box_tokens(bool contiguous, int stage_keys) {
+  return FLARE_DECODE_STAGE_BOXES && contiguous ? stage_keys : kCacheBoxTokens;
+}
+
 // The shared-memory line (128 bytes) of key `key` of head `head` in sub-tile `sub` of a stage's K
-// (or V), column block 0; column block c lies cache_col_block_lines(...) x c lines further. A
-// sub-tile's box is col_blocks x 16 x heads_per_cta lines (row boxes: col_blocks = d / 64; per
-// column block boxes: 1, the column blocks then a stage apart), head-major or token-major inside.
+// (or V), column block 0; column block c lies cache_col_block_lines(...) x c lines further. A box
+// holds box_subs sub-tiles (box_subs x 16 tokens) x heads_per_cta x col_blocks lines (row boxes:
+// col_blocks = d / 64; per column block boxes: 1, the column blocks then a stage apart), head-major
+// or token-major inside; the stage's boxes follow one another.
 template <bool kHeadMajor>
-__host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta, int col_blocks) {
-  return sub * col_blocks * kCacheBoxTokens * heads_per_cta +
-         (kHeadMajor ? head * kCacheBoxTokens + key : key * heads_per_cta + head);
+__host__ __device__ constexpr int cache_box_line(int sub, int key, int head, int heads_per_cta, int col_blocks,
+                                                 int box_subs = 1) {
+  const int box_tokens = box_subs * kCacheBoxTokens, t = sub % box_subs * kCacheBoxTokens + key;
+  return sub / box_subs * col_blocks * box_tokens * heads_per_cta +
+         (kHeadMajor ? head * box_tokens + t : t * heads_per_cta + head);
 }
 // Lines between column blocks: a box's column block (row boxes) or a stage's.
-__host__ __device__ constexpr int cache_col_block_lines(int heads_per_cta, int stage_keys) {
-  return kCacheRowBoxes ? kCacheBoxTokens * heads_per_cta : stage_keys * heads_per_cta;
+__host__ __device__ constexpr int cache_col_block_lines(int heads_per_cta, int stage_keys, int box_subs = 1) {
+  return kCacheRowBoxes ? box_subs * kCacheBoxTokens * heads_per_cta : stage_keys * heads_per_cta;
 }
 // Column blocks in one box.
 __host__ __device__ constexpr int cache_box_col_blocks(int head_dim) {
@@ -116,7 +131,7 @@ struct CacheMapKey {
   const void* base = nullptr;
   int64_t head_dim = 0, heads = 0, extent_1 = 0, extent_0 = 0;
   int64_t stride_h = 0, stride_tok = 0, stride_0 = 0;
-  int box_heads = 0, elem_bytes = 0;
+  int box_heads = 0, box_tokens = kCacheBoxTokens, elem_bytes = 0;
   bool head_major = false;  // the dimension order (the launcher's: cache_boxes_head_major(box_heads))
   int l2_promotion_bytes = 256;  // the launcher's: cache_map_l2_promotion_bytes(the CTA's walk)
   bool bf16 = false;
@@ -153,7 +168,7 @@ inline bool cache_tensor_map(const CacheMapKey& key, CUtensorMap* map) {
   const cuuint64_t strides[4] = {head_major ? tok_stride : head_stride, head_major ? head_stride : tok_stride,
                                  static_cast<cuuint64_t>(kCacheBoxCols * eb),
                                  static_cast<cuuint64_t>(key.stride_0 * eb)};
-  const cuuint32_t box_tokens = kCacheBoxTokens;
+  const cuuint32_t box_tokens = static_cast<cuuint32_t>(key.box_tokens);
   const cuuint32_t box[5] = {kCacheBoxCols, head_major ? box_tokens : box_heads, head_major ? box_heads : box_tokens,
                              static_cast<cuuint32_t>(cache_box_col_blocks(static_cast<int>(key.head_dim))), 1};
   const cuuint32_t unit[5] = {1, 1, 1, 1, 1};

@@ -234,53 +234,62 @@ TEST(KeyGroupCombine, WarpsPerRowCoverTheWarpsAndRows) {
   EXPECT_EQ(combine_warps_per_row(8, 32), 1);
 }
 
-// The line of each (sub-tile, key, head) of column block 0 in the layout the kernel runs at
-// heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major), and column block cb's.
-int kernel_line(int head_dim, int sub, int key, int head, int heads_per_cta, int cb = 0) {
+// The line of each (sub-tile, key, head) of column block cb in the layout the kernel runs at
+// heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major), boxes of box_tokens.
+int kernel_line(int head_dim, int sub, int key, int head, int heads_per_cta, int box_tokens, int cb) {
   const int cbs = cache_box_col_blocks(head_dim), stage_keys = key_group_layout(head_dim, 2, heads_per_cta, 65536).stage_keys;
-  const int line0 = cache_boxes_head_major(heads_per_cta) ? cache_box_line<true>(sub, key, head, heads_per_cta, cbs)
-                                                          : cache_box_line<false>(sub, key, head, heads_per_cta, cbs);
-  return line0 + cb * cache_col_block_lines(heads_per_cta, stage_keys);
+  const int box_subs = box_tokens / kCacheBoxTokens;
+  const int line0 = cache_boxes_head_major(heads_per_cta)
+                        ? cache_box_line<true>(sub, key, head, heads_per_cta, cbs, box_subs)
+                        : cache_box_line<false>(sub, key, head, heads_per_cta, cbs, box_subs);
+  return line0 + cb * cache_col_block_lines(heads_per_cta, stage_keys, box_subs);
 }
 
-// A stage's K lines (every column block) are a permutation of [0, stage lines), a sub-tile's box
-// fills its own lines (row boxes: its 16 x heads_per_cta x d / 64 lines, each column block 16 x
-// heads_per_cta of them; per column block boxes: 16 x heads_per_cta lines of each column block's
-// region), and the 8 keys an ldmatrix reads (keys 0-7 or 8-15 of one head of one sub-tile, one
-// column block) lie in 8 distinct 128-byte swizzle phases (line % 8), so they hit 8 bank groups.
+// A stage's K lines (every column block) are a permutation of [0, stage lines); a box (a sub-tile,
+// or the whole stage: cache_box_tokens) fills its own lines (row boxes: box_tokens x heads_per_cta
+// x d / 64 lines, each column block box_tokens x heads_per_cta of them; per column block boxes:
+// box_tokens x heads_per_cta lines of each column block's region); and the 8 keys an ldmatrix reads
+// (keys 0-7 or 8-15 of one head of one sub-tile, one column block) lie in 8 distinct 128-byte
+// swizzle phases (line % 8), so they hit 8 bank groups.
 TEST(CacheBoxLines, EightKeysOfAnLdmatrixTakeEightSwizzlePhases) {
   for (int head_dim : {64, 128, 256})
-    for (int heads : heads_options(head_dim)) {
-      SCOPED_TRACE("d" + std::to_string(head_dim) + " heads " + std::to_string(heads));
-      const int key_groups = key_group_consumer_warps(head_dim) / heads, cbs = head_dim / kCacheBoxCols;
-      const int box_lines = kCacheBoxTokens * heads * cache_box_col_blocks(head_dim);
-      const int lines = key_groups * kCacheBoxTokens * heads * cbs;
-      std::vector<int> seen(lines, 0);
-      for (int sub = 0; sub < key_groups; ++sub)
-        for (int head = 0; head < heads; ++head)
-          for (int cb = 0; cb < cbs; ++cb) {
-            for (int key = 0; key < kCacheBoxTokens; ++key) {
-              const int line = kernel_line(head_dim, sub, key, head, heads, cb);
-              ASSERT_GE(line, 0);
-              ASSERT_LT(line, lines);
-              // the box that loads this line: sub-tile sub's (and, per column block, cb's)
-              const int box = kCacheRowBoxes ? line / box_lines : (line % (lines / cbs)) / box_lines;
-              EXPECT_EQ(box, sub) << "key " << key << " cb " << cb;
-              ++seen[line];
+    for (int heads : heads_options(head_dim))
+      for (bool contiguous : {false, true}) {
+        const int key_groups = key_group_consumer_warps(head_dim) / heads, cbs = head_dim / kCacheBoxCols;
+        const int stage_keys = key_groups * kCacheBoxTokens, box_tokens = cache_box_tokens(contiguous, stage_keys);
+        SCOPED_TRACE("d" + std::to_string(head_dim) + " heads " + std::to_string(heads) + " box tokens " +
+                     std::to_string(box_tokens));
+        ASSERT_EQ(stage_keys % box_tokens, 0);
+        ASSERT_LE(box_tokens, 256);  // a TMA box dimension
+        const int box_lines = box_tokens * heads * cache_box_col_blocks(head_dim);
+        const int lines = stage_keys * heads * cbs;
+        std::vector<int> seen(lines, 0);
+        for (int sub = 0; sub < key_groups; ++sub)
+          for (int head = 0; head < heads; ++head)
+            for (int cb = 0; cb < cbs; ++cb) {
+              for (int key = 0; key < kCacheBoxTokens; ++key) {
+                const int line = kernel_line(head_dim, sub, key, head, heads, box_tokens, cb);
+                ASSERT_GE(line, 0);
+                ASSERT_LT(line, lines);
+                // the box that loads this line: the one holding token sub x 16 + key
+                const int box = kCacheRowBoxes ? line / box_lines : (line % (lines / cbs)) / box_lines;
+                EXPECT_EQ(box, (sub * kCacheBoxTokens + key) / box_tokens) << "key " << key << " cb " << cb;
+                ++seen[line];
+              }
+              for (int first : {0, 8}) {
+                std::set<int> phases;
+                for (int key = first; key < first + 8; ++key)
+                  phases.insert(kernel_line(head_dim, sub, key, head, heads, box_tokens, cb) % 8);
+                EXPECT_EQ(phases.size(), 8u) << "sub-tile " << sub << " head " << head << " keys " << first << "+";
+              }
             }
-            for (int first : {0, 8}) {
-              std::set<int> phases;
-              for (int key = first; key < first + 8; ++key)
-                phases.insert(kernel_line(head_dim, sub, key, head, heads, cb) % 8);
-              EXPECT_EQ(phases.size(), 8u) << "sub-tile " << sub << " head " << head << " keys " << first << "+";
-            }
-          }
-      EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), lines);
-    }
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), lines);
+      }
   // One head a CTA: both orders give the same lines (the token-major kernel serves it).
   for (int sub = 0; sub < 8; ++sub)
     for (int key = 0; key < kCacheBoxTokens; ++key)
-      EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1, 2), cache_box_line<false>(sub, key, 0, 1, 2));
+      for (int box_subs : {1, 8})
+        EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1, 2, box_subs), cache_box_line<false>(sub, key, 0, 1, 2, box_subs));
   // What the head-major order fixes: token-major lines put 8 heads' keys in one phase.
   std::set<int> token_major;
   for (int key = 0; key < 8; ++key) token_major.insert(cache_box_line<false>(0, key, 3, 8, 2) % 8);
