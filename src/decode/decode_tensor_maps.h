@@ -79,10 +79,11 @@ inline CUtensorMapL2promotion cache_map_l2_promotion(int bytes) {
 inline constexpr bool kCacheRowBoxes = FLARE_DECODE_ROW_BOXES != 0;
 
 // Tokens per box on a contiguous cache: a sub-tile's 16, or with FLARE_DECODE_STAGE_BOXES=1 the
-// whole stage's (one box of K and one of V a stage at one head a CTA where there were 8: the
-// producer's lane issues a box in about 70-90 ns, and at batch 8, 256-512 keys the first stage's
-// 16 boxes were issued 2.2-3.4 us after the setup (bench/RESULTS.md, session 44)). A paged cache's
-// boxes stay one sub-tile (16 tokens, never across a page). An A/B switch, off until measured.
+// whole stage's (at one head a CTA, one box of K and one of V a stage where there were 8 each). At
+// batch 8 with 256-512 keys a contiguous cache's speculative stages (32-48 boxes) were all issued
+// 2.2-3.4 us after the setup, about 70 ns a box, and the first stage landed 3.5-5.3 us into the CTA
+// (bench/RESULTS.md, session 44). A paged cache's boxes stay one sub-tile (16 tokens, never across
+// a page). An A/B switch, off until measured.
 #ifndef FLARE_DECODE_STAGE_BOXES
 #define FLARE_DECODE_STAGE_BOXES 0
 #endif
