@@ -376,7 +376,8 @@ int main(int argc, char** argv) {
         {"swz (64, 32 tok, 8 h) x2, L2 256B", {}, {}, {64, 32, 8, 1, 1}, swz, p256, two_cb},
         {"swz (64, 32 tok, 8 h) x2, L2 128B", {}, {}, {64, 32, 8, 1, 1}, swz, p128, two_cb},
         {"swz (64, 16 tok, 2 cb, 8 h) x2, L2 128B", {}, {}, {64, 16, 2, 8, 1}, swz, p128, two_tok},
-        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", {}, {}, {64, 32, 2, 8, 1}, swz, p128, box_shape(1, 1, {{0, 0, 0, 0, 0}})},
+        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", {}, {}, {64, 32, 2, 8, 1}, swz, p128,
+         box_shape(1, 1, {{0, 0, 0, 0, 0}})},
         {"none (128, 8 h, 16 tok) x2, L2 256B", {}, {}, {128, 8, 16, 1, 1}, none, p256, two_tok_d2},
         {"none (128, 8 h, 16 tok) x2, L2 128B", {}, {}, {128, 8, 16, 1, 1}, none, p128, two_tok_d2},
     };
@@ -391,7 +392,8 @@ int main(int argc, char** argv) {
       const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
       if (encode == nullptr ||
           encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, buf, dims, strides, c.box, unit,
-                 CU_TENSOR_MAP_INTERLEAVE_NONE, c.swizzle, c.promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, c.swizzle, c.promotion,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
         std::printf("  %s: the encoder refused it\n", c.name);
         continue;
       }

@@ -168,7 +168,8 @@ Status launch_decode_key_groups(const DecodeKernelParams& p, const DecodeLaunch&
     CacheMapKey k;
     k.base = base, k.head_dim = kHeadDim, k.heads = p.heads_kv, k.extent_1 = e1, k.extent_0 = e0;
     k.stride_h = s_h, k.stride_tok = s_tok, k.stride_0 = s0;
-    k.box_heads = heads_per_cta, k.box_tokens = cache_box_tokens(p.page_table == nullptr, lay.stage_keys), k.elem_bytes = static_cast<int>(sizeof(T));
+    k.box_heads = heads_per_cta, k.elem_bytes = static_cast<int>(sizeof(T));
+    k.box_tokens = cache_box_tokens(p.page_table == nullptr, lay.stage_keys);
     k.head_major = head_major;
     k.l2_promotion_bytes = cache_map_l2_promotion_bytes(max_keys);
     k.bf16 = std::is_same_v<T, __nv_bfloat16>;

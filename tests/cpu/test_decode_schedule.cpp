@@ -237,7 +237,8 @@ TEST(KeyGroupCombine, WarpsPerRowCoverTheWarpsAndRows) {
 // The line of each (sub-tile, key, head) of column block cb in the layout the kernel runs at
 // heads_per_cta heads a CTA (head-major from 2 heads: cache_boxes_head_major), boxes of box_tokens.
 int kernel_line(int head_dim, int sub, int key, int head, int heads_per_cta, int box_tokens, int cb) {
-  const int cbs = cache_box_col_blocks(head_dim), stage_keys = key_group_layout(head_dim, 2, heads_per_cta, 65536).stage_keys;
+  const int cbs = cache_box_col_blocks(head_dim);
+  const int stage_keys = key_group_layout(head_dim, 2, heads_per_cta, 65536).stage_keys;
   const int box_subs = box_tokens / kCacheBoxTokens;
   const int line0 = cache_boxes_head_major(heads_per_cta)
                         ? cache_box_line<true>(sub, key, head, heads_per_cta, cbs, box_subs)
@@ -289,7 +290,8 @@ TEST(CacheBoxLines, EightKeysOfAnLdmatrixTakeEightSwizzlePhases) {
   for (int sub = 0; sub < 8; ++sub)
     for (int key = 0; key < kCacheBoxTokens; ++key)
       for (int box_subs : {1, 8})
-        EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1, 2, box_subs), cache_box_line<false>(sub, key, 0, 1, 2, box_subs));
+        EXPECT_EQ(cache_box_line<true>(sub, key, 0, 1, 2, box_subs),
+                  cache_box_line<false>(sub, key, 0, 1, 2, box_subs));
   // What the head-major order fixes: token-major lines put 8 heads' keys in one phase.
   std::set<int> token_major;
   for (int key = 0; key < 8; ++key) token_major.insert(cache_box_line<false>(0, key, 3, 8, 2) % 8);
@@ -299,7 +301,8 @@ TEST(CacheBoxLines, EightKeysOfAnLdmatrixTakeEightSwizzlePhases) {
 // The boxes' L2 promotion: 256 bytes for walks of up to kCacheMapShortWalkKeys keys (the row's other
 // half comes along for the next column block's box), 128 beyond (256 cost long walks 5-7 %).
 TEST(CacheMapL2Promotion, WholeRowsForShortWalksLinesForLongOnes) {
-  if (FLARE_DECODE_MAP_L2_PROMOTION_BYTES >= 0) GTEST_SKIP() << "promotion forced by FLARE_DECODE_MAP_L2_PROMOTION_BYTES";
+  if (FLARE_DECODE_MAP_L2_PROMOTION_BYTES >= 0)
+    GTEST_SKIP() << "promotion forced by FLARE_DECODE_MAP_L2_PROMOTION_BYTES";
   for (int64_t keys : {int64_t{1}, int64_t{16}, int64_t{512}, kCacheMapShortWalkKeys})
     EXPECT_EQ(cache_map_l2_promotion_bytes(keys), 256) << keys;
   for (int64_t keys : {kCacheMapShortWalkKeys + 1, int64_t{4096}, int64_t{65536}, int64_t{1} << 31})
