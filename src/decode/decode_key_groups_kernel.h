@@ -66,9 +66,25 @@
 #include "src/decode/decode_split_merge.h"
 #include "src/decode/decode_timeline.h"
 
+// The producer initializes the stage barriers and issues its first stages without waiting for the
+// consumer warps (a named barrier the consumers wait at and it only arrives at) where 1; 0: thread 0
+// initializes them before a CTA-wide barrier. An A/B switch (session 44: at batch 8 with 256-512
+// keys the producer is past the setup 0.6-0.7 us into the CTA and the first stage lands at 3.5-5.3
+// us), off until measured.
+#ifndef FLARE_DECODE_EARLY_ISSUE
+#define FLARE_DECODE_EARLY_ISSUE 0
+#endif
+
 namespace flare::decode {
 
 namespace device {
+
+// The setup's named barrier (FLARE_DECODE_EARLY_ISSUE): the consumer warps wait at it, the producer
+// warp only arrives (id 2: bar 1 is consumer_sync's).
+__device__ __forceinline__ void setup_sync(int threads) { asm volatile("bar.sync 2, %0;\n" ::"r"(threads) : "memory"); }
+__device__ __forceinline__ void setup_arrive(int threads) {
+  asm volatile("bar.arrive 2, %0;\n" ::"r"(threads) : "memory");
+}
 
 // Offset (elements) of 8-column chunk c of a row at 128-byte line `line` of a stage's K or V, past
 // the line's start: its 64-column block, then the chunk within the line as TMA's 128-byte swizzle
@@ -154,7 +170,11 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   const int hk0 = hb * hpc;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  if (threadIdx.x == 0) {
+  // The stage barriers: initialized by thread 0 before a CTA-wide barrier, or (kEarlyIssue) by the
+  // producer's lane 0, which then lets the consumer warps go through a named barrier it only
+  // arrives at, and issues its first stages without waiting for them.
+  constexpr bool kEarlyIssue = FLARE_DECODE_EARLY_ISSUE != 0;
+  if (kEarlyIssue ? warp == kWarps && lane == 0 : threadIdx.x == 0) {
     prefetch_tensor_map(&tmap_k);  // the first loads need the descriptors: fetch them under the setup
     prefetch_tensor_map(&tmap_v);
     for (int s = 0; s < stages; ++s) {
@@ -163,7 +183,16 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
     }
     mbar_init_fence();
   }
-  __syncthreads();
+  if constexpr (kEarlyIssue) {
+    if (warp == kWarps) {
+      __syncwarp();  // the other producer lanes see the barriers initialized
+      setup_arrive(32 * (kWarps + 1));
+    } else {
+      setup_sync(32 * (kWarps + 1));
+    }
+  } else {
+    __syncthreads();
+  }
 
   const bool speculate = p.page_table == nullptr && p.window_left < 0;
   const int64_t split_begin = kSplit ? int64_t{split} * p.kv_chunk : 0;
