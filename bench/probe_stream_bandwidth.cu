@@ -347,8 +347,8 @@ int main(int argc, char** argv) {
     const cuuint64_t tokens = static_cast<cuuint64_t>(bytes / 2048), all = static_cast<cuuint64_t>(bytes);
     struct ShapeCase {
       const char* name;
-      cuuint64_t dims[5];
-      cuuint64_t strides[4];  // bytes, dimensions 1-4
+      const cuuint64_t* dims;     // 5 extents, the dimension order below
+      const cuuint64_t* strides;  // bytes, dimensions 1-4
       cuuint32_t box[5];
       CUtensorMapSwizzle swizzle;
       CUtensorMapL2promotion promotion;
@@ -369,29 +369,23 @@ int main(int argc, char** argv) {
     // (d, head, token): unswizzled whole rows, 32 KB contiguous a box
     const cuuint64_t dht[5] = {128, 8, tokens, 1, 1}, dht_s[4] = {256, 2048, all, all};
     const ShapeCase cases[] = {
-        {"swz (64, 16 tok, 8 h) x4, L2 256B", {}, {}, {64, 16, 8, 1, 1}, swz, p256, four},
-        {"swz (64, 16 tok, 8 h) x4, L2 128B", {}, {}, {64, 16, 8, 1, 1}, swz, p128, four},
-        {"swz (64, 16 tok, 8 h) x4, L2 none", {}, {}, {64, 16, 8, 1, 1}, swz, pnone, four},
-        {"none (64, 16 tok, 8 h) x4, L2 128B", {}, {}, {64, 16, 8, 1, 1}, none, p128, four},
-        {"swz (64, 32 tok, 8 h) x2, L2 256B", {}, {}, {64, 32, 8, 1, 1}, swz, p256, two_cb},
-        {"swz (64, 32 tok, 8 h) x2, L2 128B", {}, {}, {64, 32, 8, 1, 1}, swz, p128, two_cb},
-        {"swz (64, 16 tok, 2 cb, 8 h) x2, L2 128B", {}, {}, {64, 16, 2, 8, 1}, swz, p128, two_tok},
-        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", {}, {}, {64, 32, 2, 8, 1}, swz, p128,
+        {"swz (64, 16 tok, 8 h) x4, L2 256B", dth, dth_s, {64, 16, 8, 1, 1}, swz, p256, four},
+        {"swz (64, 16 tok, 8 h) x4, L2 128B", dth, dth_s, {64, 16, 8, 1, 1}, swz, p128, four},
+        {"swz (64, 16 tok, 8 h) x4, L2 none", dth, dth_s, {64, 16, 8, 1, 1}, swz, pnone, four},
+        {"none (64, 16 tok, 8 h) x4, L2 128B", dth, dth_s, {64, 16, 8, 1, 1}, none, p128, four},
+        {"swz (64, 32 tok, 8 h) x2, L2 256B", dth, dth_s, {64, 32, 8, 1, 1}, swz, p256, two_cb},
+        {"swz (64, 32 tok, 8 h) x2, L2 128B", dth, dth_s, {64, 32, 8, 1, 1}, swz, p128, two_cb},
+        {"swz (64, 16 tok, 2 cb, 8 h) x2, L2 128B", dtch, dtch_s, {64, 16, 2, 8, 1}, swz, p128, two_tok},
+        {"swz (64, 32 tok, 2 cb, 8 h) x1, L2 128B", dtch, dtch_s, {64, 32, 2, 8, 1}, swz, p128,
          box_shape(1, 1, {{0, 0, 0, 0, 0}})},
-        {"none (128, 8 h, 16 tok) x2, L2 256B", {}, {}, {128, 8, 16, 1, 1}, none, p256, two_tok_d2},
-        {"none (128, 8 h, 16 tok) x2, L2 128B", {}, {}, {128, 8, 16, 1, 1}, none, p128, two_tok_d2},
+        {"none (128, 8 h, 16 tok) x2, L2 256B", dht, dht_s, {128, 8, 16, 1, 1}, none, p256, two_tok_d2},
+        {"none (128, 8 h, 16 tok) x2, L2 128B", dht, dht_s, {128, 8, 16, 1, 1}, none, p128, two_tok_d2},
     };
     for (const ShapeCase& c : cases) {
-      // the dimension order from the name's shape: "2 cb" (d, token, column block, head), "8 h, 16
-      // tok" (d, head, token), else (d, token, head)
-      const std::string n = c.name;
-      const bool cb = n.find("2 cb") != std::string::npos, ht = n.find("8 h, 16 tok") != std::string::npos;
-      const cuuint64_t* dims = cb ? dtch : ht ? dht : dth;
-      const cuuint64_t* strides = cb ? dtch_s : ht ? dht_s : dth_s;
       CUtensorMap map;
       const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
       if (encode == nullptr ||
-          encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, buf, dims, strides, c.box, unit,
+          encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, buf, c.dims, c.strides, c.box, unit,
                  CU_TENSOR_MAP_INTERLEAVE_NONE, c.swizzle, c.promotion,
                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
         std::printf("  %s: the encoder refused it\n", c.name);

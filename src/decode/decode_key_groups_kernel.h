@@ -17,16 +17,17 @@
 // latency per sub-tile, for 8 more accumulator registers.
 //
 // Producer. The last warp issues stage i into buffer i % stages once every consumer warp released
-// it (empty barrier, count = consumer warps): per sub-tile holding keys of the stage's range, a
-// box of K and one of V (whole rows: every 64-column block; per column block with
-// FLARE_DECODE_ROW_BOXES=0), issued by one lane, completing on the stage's full barrier. A stage
-// is [K | V][sub-tile][64-column block][head][key][64 columns] (column block outermost without row
-// boxes), 128-byte swizzled (head-major boxes where a CTA has 2+ heads, decode_tensor_maps.h: cache_box_line; the
-// consumers' ldmatrix addresses follow: swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in
-// one page (pages are >= 16 keys and sub-tiles 16-aligned), so lane g < key_groups reads the page
-// of sub-tile g one stage ahead, and the issuing lane takes it by a shuffle. Contiguous caches
-// without a window issue their first stages before reading cache_seqlens (speculative; see
-// decode_bulk_kernel.h): keys past the sequence's end are zeroed in V and masked in S.
+// it (empty barrier, count = consumer warps): per sub-tile holding keys of the stage's range (per
+// stage on contiguous caches with FLARE_DECODE_STAGE_BOXES=1), a box of K and one of V (whole rows:
+// every 64-column block; per column block with FLARE_DECODE_ROW_BOXES=0), issued by one lane,
+// completing on the stage's full barrier. A stage is [K | V][sub-tile][column block][head][key][64
+// columns] (column block outermost without row boxes), 128-byte swizzled (head-major boxes where a
+// CTA has 2+ heads, decode_tensor_maps.h: cache_box_line; the consumers' ldmatrix addresses follow:
+// swizzled_chunk). Paged caches: a sub-tile's 16 keys lie in one page (pages are >= 16 keys and
+// sub-tiles 16-aligned), so lane g < key_groups reads the page of sub-tile g one stage ahead, and
+// the issuing lane takes it by a shuffle. Contiguous caches without a window issue their first
+// stages before reading cache_seqlens (speculative; see decode_bulk_kernel.h): keys past the
+// sequence's end are zeroed in V and masked in S.
 // Measured and not kept: each consumer warp copying its own lines with 16-byte cp.async instead of
 // the producer's boxes (no stage barriers) ran 1-19 % slower at every shape, short walks included
 // (bench/RESULTS.md, session 23).
@@ -78,13 +79,6 @@
 namespace flare::decode {
 
 namespace device {
-
-// The setup's named barrier (FLARE_DECODE_EARLY_ISSUE): the consumer warps wait at it, the producer
-// warp only arrives (id 2: bar 1 is consumer_sync's).
-__device__ __forceinline__ void setup_sync(int threads) { asm volatile("bar.sync 2, %0;\n" ::"r"(threads) : "memory"); }
-__device__ __forceinline__ void setup_arrive(int threads) {
-  asm volatile("bar.arrive 2, %0;\n" ::"r"(threads) : "memory");
-}
 
 // Offset (elements) of 8-column chunk c of a row at 128-byte line `line` of a stage's K or V, past
 // the line's start: its 64-column block, then the chunk within the line as TMA's 128-byte swizzle
@@ -156,7 +150,8 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
 
   const int hpc = lay.heads_per_cta, kgs = lay.key_groups, SK = lay.stage_keys;
   constexpr int kBoxColBlocks = cache_box_col_blocks(kHeadDim);  // column blocks a box holds
-  const int kv_elems = kColBlocks * SK * hpc * kCacheBoxCols;    // K (or V) of a stage
+  static_assert(kKeyGroupRowPad == 0, "a stage is K then V of unpadded box lines");
+  const int kv_elems = lay.stage_elems / 2;                       // K (or V) of a stage
   // Sub-tiles a box holds: 1 (a constant unless stage boxes are built in), or the stage's (cache_box_tokens).
   const int box_subs = cache_box_tokens(p.page_table == nullptr, SK) / kN;
   const int block_elems = cache_col_block_lines(hpc, SK, box_subs) * kCacheBoxCols;  // column block to column block
@@ -186,9 +181,9 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   if constexpr (kEarlyIssue) {
     if (warp == kWarps) {
       __syncwarp();  // the other producer lanes see the barriers initialized
-      setup_arrive(32 * (kWarps + 1));
+      named_arrive<2>(32 * (kWarps + 1));  // bar 2: consumer_sync takes bar 1
     } else {
-      setup_sync(32 * (kWarps + 1));
+      named_sync<2>(32 * (kWarps + 1));
     }
   } else {
     __syncthreads();
