@@ -69,11 +69,12 @@
 
 // The producer initializes the stage barriers and issues its first stages without waiting for the
 // consumer warps (a named barrier the consumers wait at and it only arrives at) where 1; 0: thread 0
-// initializes them before a CTA-wide barrier. An A/B switch (session 44: at batch 8 with 256-512
-// keys the producer is past the setup 0.6-0.7 us into the CTA and the first stage lands at 3.5-5.3
-// us), off until measured.
+// initializes them before a CTA-wide barrier. Measured against 0 (H200, batch 1 and 8, 256-65536
+// keys, contiguous and paged, 3 alternating rounds): geometric mean 0.996, paged caches 0.98-0.99 at
+// batch 1 up to 4096 keys and batch 8 at 256 keys, nothing slower than 1.009 (bench/RESULTS.md,
+// session 45).
 #ifndef FLARE_DECODE_EARLY_ISSUE
-#define FLARE_DECODE_EARLY_ISSUE 0
+#define FLARE_DECODE_EARLY_ISSUE 1
 #endif
 
 namespace flare::decode {

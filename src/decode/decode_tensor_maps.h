@@ -83,7 +83,10 @@ inline constexpr bool kCacheRowBoxes = FLARE_DECODE_ROW_BOXES != 0;
 // batch 8 with 256-512 keys a contiguous cache's speculative stages (32-48 boxes) were all issued
 // 2.2-3.4 us after the setup, about 70 ns a box, and the first stage landed 3.5-5.3 us into the CTA
 // (bench/RESULTS.md, session 44). A paged cache's boxes stay one sub-tile (16 tokens, never across
-// a page). An A/B switch, off until measured.
+// a page). Measured against sub-tile boxes (H200, 3 alternating rounds): contiguous batch 1 256 keys
+// 0.94, 8192 and 32768 keys 0.96, batch 8 1024 keys 0.97, but batch 1 2048-4096 keys 1.02-1.03 and
+// batch 8 512 keys 1.03; geometric mean 0.999 (bench/RESULTS.md, session 45). Off: a plan choice the
+// tuner could make, not a rule.
 #ifndef FLARE_DECODE_STAGE_BOXES
 #define FLARE_DECODE_STAGE_BOXES 0
 #endif
