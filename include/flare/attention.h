@@ -70,7 +70,8 @@ struct AttentionBackwardParams {
 };
 
 // The scratch the forward needs on the current device (the Hopper kernel splits the ragged last
-// round of some grids into key ranges merged after it); 0 when none.
+// round of some grids into key ranges merged after it; with a block mask it orders its tiles by
+// their list rows' lengths); 0 when none.
 Status attention_forward_workspace_size(const AttentionForwardParams& params, std::size_t* bytes);
 Status attention_forward(const AttentionForwardParams& params);
 Status attention_backward_workspace_size(const AttentionBackwardParams& params, std::size_t* bytes);

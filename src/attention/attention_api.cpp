@@ -69,10 +69,13 @@ Status attention_forward_workspace_size(const AttentionForwardParams& params, st
   detail::AttentionShape shape;
   FLARE_RETURN_IF_ERROR(detail::validate_attention_forward(params, DeviceKind::kCUDA, &shape));
 #ifdef FLARE_WITH_HOPPER
-  // Only the dense Hopper kernel takes scratch.
+  // Only the Hopper kernels take scratch: the dense one's split tiles, the block-sparse one's CTA order.
   const detail::FwdKernelParams kp = detail::make_fwd_kernel_params(params, shape);
   if (params.block_mask == nullptr && dense_forward_on_hopper(params, kp))
     *bytes = hopper::hopper_forward_workspace_bytes(kp, params.q.dtype);
+  if (params.block_mask != nullptr && params.backend != Backend::kPortable && params.backend != Backend::kReference &&
+      hopper::hopper_forward_check(kp, params.q.dtype).ok())
+    *bytes = hopper::hopper_forward_sparse_workspace_bytes(kp);
 #endif
   return Status::Ok();
 }

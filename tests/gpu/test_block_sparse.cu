@@ -17,6 +17,7 @@
 #include <iterator>
 #include <memory>
 #include <random>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <string>
@@ -26,6 +27,10 @@
 #include "flare_instantiated.h"
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/block_sparse/block_mask_build.h"
+#include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/sparse_fwd_order.h"
+#include "src/common/device_facts.h"
+#include "src/scheduling/sparse_order.h"
 #include "tests/gpu/block_sparse_case.h"
 #include "tests/gpu/unbuilt.h"
 
@@ -254,6 +259,116 @@ TEST(BlockSparseForward, HopperRefusesMoreKeyTilesThanItsListHolds) {
       EXPECT_NE(s.message().find("seqlen_k " + std::to_string(limit + 1)), std::string::npos) << s.message();
     }
   }
+}
+
+// The sort kernel (block_sparse/sparse_fwd_order.cu) against its CPU reference
+// (sched::sparse_forward_order_host) on masks whose rows have many lengths, with one, two and all
+// units in a group, q blocks of one and two q tiles, and lengths past the last bucket's (forced
+// through a bucket cap of 0 blocks: every tile ties, so the order is the natural one).
+TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
+  FLARE_REQUIRE_GPU();
+  if (!hopper_device()) GTEST_SKIP() << "not an sm_90 device";
+  for (MaskKind kind : {MaskKind::kDocuments, MaskKind::kRandomBlocks, MaskKind::kCausal, MaskKind::kWindow})
+    for (int q_block : {128, 256})
+      for (int units_per_group : {1, 2, 64}) {
+        SparseCase c = base_case(kind, 128, 7100 + q_block + units_per_group);
+        c.attn.seqlen_q = c.attn.seqlen_k = 1500;
+        c.attn.heads = 6, c.attn.heads_kv = 3;
+        c.q_block = q_block;
+        SCOPED_TRACE(c.name() + " units a group " + std::to_string(units_per_group));
+        SparseMask mask;
+        ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+        const block_sparse::BlockSparseParams host =
+            block_sparse::make_block_sparse_params(mask.host_view, c.attn.seqlen_q, c.attn.seqlen_k);
+        const block_sparse::BlockSparseParams dev =
+            block_sparse::make_block_sparse_params(mask.device_view, c.attn.seqlen_q, c.attn.seqlen_k);
+        sched::SparseOrder o;
+        o.batch = c.attn.batch, o.heads = c.attn.heads, o.group = c.attn.heads / c.attn.heads_kv;
+        o.m_tiles = (c.attn.seqlen_q + 127) / 128;
+        o.units_per_group = units_per_group;
+        const std::vector<int> expected = sched::sparse_forward_order_host(o, [&](const sched::TileCoord& t) {
+          const int row = t.block * 128 / host.q_block_size;
+          return host.partial_kv.count(t.batch, t.head, row, host.num_kv_blocks) +
+                 host.full_kv.count(t.batch, t.head, row, host.num_kv_blocks);
+        });
+        std::set<int> lengths;
+        for (int v = 0; v < o.num_tiles(); ++v) {
+          const sched::TileCoord t = o.decode(v);
+          const int row = t.block * 128 / host.q_block_size;
+          lengths.insert(host.partial_kv.count(t.batch, t.head, row, 1 << 20) +
+                         host.full_kv.count(t.batch, t.head, row, 1 << 20));
+        }
+        EXPECT_GE(lengths.size(), 2u) << "rows of several lengths";
+        int* order = nullptr;
+        FLARE_CUDA_OK(cudaMalloc(&order, o.num_tiles() * sizeof(int)));
+        FLARE_CUDA_OK(cudaMemset(order, 0xFF, o.num_tiles() * sizeof(int)));  // -1: unwritten
+        const Status st = block_sparse::launch_sparse_forward_order(o, dev, 128, order, nullptr);
+        ASSERT_TRUE(st.ok()) << st.message();
+        std::vector<int> got(o.num_tiles());
+        FLARE_CUDA_OK(cudaMemcpy(got.data(), order, got.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        cudaFree(order);
+        EXPECT_EQ(got, expected);
+      }
+}
+
+// The forward with its CTAs ordered (FLARE_HOPPER_SPARSE_ORDER=1: the order's path on shapes of
+// fewer tiles than SMs) against the oracle on every mask kind, and the rule without the variable:
+// ordered where the tiles outnumber the SMs.
+TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
+  FLARE_REQUIRE_GPU();
+  if (!hopper_device()) GTEST_SKIP() << "not an sm_90 device";
+  unsetenv("FLARE_HOPPER_SPARSE_ORDER");
+  const int sms = detail::current_device_facts().num_sms;
+  detail::FwdKernelParams p;
+  p.batch = 2, p.heads = sms / 2, p.seqlen_q = 128;
+  EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));  // one wave: the grid's order
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p), 0u);
+  p.seqlen_q = 129;
+  EXPECT_TRUE(hopper::hopper_sparse_ordered(p, sms));
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p), (4u * 2 * p.heads * 2 + 15) / 16 * 16);
+  setenv("FLARE_HOPPER_SPARSE_ORDER", "0", 1);
+  EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));
+  setenv("FLARE_HOPPER_SPARSE_ORDER", "1", 1);
+  const int before = g_hopper_sparse_runs;
+  uint64_t seed = 7300;
+  for (int d : {64, 128})
+    for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+      if (reduced() && (d == 64 || k % 2)) continue;
+      SparseCase c = base_case(static_cast<MaskKind>(k), d, seed++);
+      c.attn.seqlen_q = 700;  // 6 q tiles a head, rows of several lengths
+      run_sparse_forward(c);
+    }
+  // The order in the caller's workspace: attention_forward_workspace_size counts an int a tile, a
+  // poisoned workspace of that size runs, a smaller one is refused by name.
+  if (portable::instantiated_head_dim(128) != 0) {
+    SparseCase c = base_case(MaskKind::kDocuments, 128, 7400);
+    c.attn.seqlen_q = 700;
+    SparseMask mask;
+    ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
+    AttnProblem prob(c.attn);
+    ASSERT_NO_FATAL_FAILURE(run_sparse_forward_oracle(c, mask, &prob));
+    AttentionForwardParams fp = prob.forward_params(Backend::kHopper);
+    fp.block_mask = &mask.device_view;
+    std::size_t bytes = 0;
+    ASSERT_TRUE(attention_forward_workspace_size(fp, &bytes).ok());
+    const std::size_t tiles = std::size_t{(700 + 127) / 128} * c.attn.heads * c.attn.batch;
+    EXPECT_EQ(bytes, (tiles * sizeof(int) + 15) / 16 * 16);
+    void* workspace = nullptr;
+    FLARE_CUDA_OK(cudaMalloc(&workspace, bytes));
+    FLARE_CUDA_OK(cudaMemset(workspace, 0xFF, bytes));
+    fp.workspace = workspace, fp.workspace_bytes = bytes;
+    const Status ran = attention_forward(fp);
+    EXPECT_TRUE(ran.ok()) << ran.message();
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_forward();
+    fp.workspace_bytes = bytes - 16;
+    const Status small = attention_forward(fp);
+    EXPECT_EQ(small.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(small.message().find("workspace"), std::string::npos) << small.message();
+    cudaFree(workspace);
+  }
+  unsetenv("FLARE_HOPPER_SPARSE_ORDER");
+  expect_hopper_ran(before);
 }
 #endif
 

@@ -1017,6 +1017,11 @@ std::tuple<at::Tensor, at::Tensor> flex_fwd(const at::Tensor& query, const at::T
   p.softmax_scale = static_cast<float>(scale);
   p.block_mask = m.sparse() ? &mask : nullptr;
   p.stream = current_stream(query.device());
+  std::size_t bytes = 0;  // the block-sparse grid's CTA order (tiles past the SMs), the dense grid's split tiles
+  throw_if_error(flare::attention_forward_workspace_size(p, &bytes), kFlexNames);
+  const at::Tensor workspace = workspace_tensor(bytes, query.device());
+  p.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
+  p.workspace_bytes = bytes;
   throw_if_error(flare::attention_forward(p), kFlexNames);
   return {out, lse};
 }

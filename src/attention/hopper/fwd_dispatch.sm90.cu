@@ -2,6 +2,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "src/attention/hopper/fwd_config.h"
@@ -10,6 +13,7 @@
 #include "src/attention/hopper/operand_checks.h"
 #include "src/attention/hopper/sparse_tile_list.h"
 #include "src/attention/portable/head_dims.h"
+#include "src/common/device_facts.h"
 
 namespace flare::hopper {
 
@@ -45,6 +49,24 @@ std::size_t hopper_forward_workspace_bytes(const detail::FwdKernelParams& p, DTy
     return Status::Ok();
   });
   return bytes;
+}
+
+bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
+  const char* forced = std::getenv("FLARE_HOPPER_SPARSE_ORDER");
+  if (forced != nullptr && (forced[0] == '0' || forced[0] == '1')) return forced[0] == '1';
+  const int64_t tiles = int64_t{(p.seqlen_q + kHopperSparseBlockM - 1) / kHopperSparseBlockM} * p.heads * p.batch;
+  return tiles > num_sms;
+}
+
+std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p) {
+  if (!hopper_sparse_ordered(p, detail::current_device_facts().num_sms)) return 0;
+  const std::size_t tiles = std::size_t((p.seqlen_q + kHopperSparseBlockM - 1) / kHopperSparseBlockM) * p.heads * p.batch;
+  return (tiles * sizeof(int) + 15) / 16 * 16;
+}
+
+int hopper_sparse_order_units_override() {
+  const char* units = std::getenv("FLARE_HOPPER_SPARSE_ORDER_UNITS");
+  return units != nullptr ? std::max(0, std::atoi(units)) : 0;
 }
 
 Status hopper_forward_sparse_check(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,

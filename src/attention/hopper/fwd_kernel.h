@@ -41,6 +41,7 @@
 #include "src/attention/hopper/stage_ring.h"
 #include "src/attention/hopper/wg_gemm.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/common/grid_dependency.h"
 #include "src/common/quad_transpose.h"
 
 // Causal tiles shifted so that the ragged one comes first (sched::row_tile_shift); 0 for A/B builds.
@@ -58,6 +59,10 @@ struct HopperFwdParams {
   typename L::TmaKV tma_k, tma_v;
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
+  // The sparse kernel's CTA order (sched::SparseOrder, a 1-D grid: CTA i runs the encoded tile
+  // sparse_order[i]), or null: the grid's (q tile descending, head, batch).
+  const int* sparse_order = nullptr;
+  int sparse_m_tiles = 1;
   int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
   // One CTA per tile, dense: the last tiles split into key ranges (fwd_grid.h; inactive: none), a 1D
   // grid of the whole tiles in (m block, head, sequence) order, then the parts; each part's O and
@@ -660,6 +665,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   const int warp = threadIdx.x / 32, wg = warp / 4;
   unsigned long long* tl = timeline_of(hp);
   const int cta = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+  // An ordered sparse grid's tile, loaded before the barriers' setup so that its latency passes
+  // there. The grid is the programmatic dependent of the kernel that writes the order: it may start
+  // under that kernel and waits for it here.
+  int ordered = -1;
+  if constexpr (kSparse) {
+    if (hp.sparse_order != nullptr) {
+      device::wait_for_prerequisite_grids();
+      ordered = hp.sparse_order[blockIdx.x];
+    }
+  }
   if (!kPersistent && threadIdx.x == 0) {
     timeline_mark(tl, cta, kMarkStart);
     timeline_mark_global(tl, cta, kMarkGlobalStart);
@@ -693,6 +708,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         const sched::BlockRange r = tile.kv.range;  // every block unmasked: any range of them is a part
         const sched::TailWork w = sched::tail_work(hp.tail, blockIdx.x, r.last - r.first);
         tile.kv.range = sched::BlockRange{r.first + w.begin, r.first + w.end};
+        tile.id = cta;
+        return tile;
+      }
+    }
+    if constexpr (kSparse) {
+      if (ordered >= 0) {
+        const int flat = ordered / hp.sparse_m_tiles;
+        FwdTile<Walk> tile =
+            fwd_tile_of<Cfg, Walk>(hp, ordered - flat * hp.sparse_m_tiles, flat % p.heads, flat / p.heads);
         tile.id = cta;
         return tile;
       }

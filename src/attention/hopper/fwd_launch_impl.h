@@ -11,8 +11,11 @@
 #include "src/attention/hopper/fwd_grid.h"
 #include "src/attention/hopper/fwd_kernel.h"
 #include "src/attention/hopper/fwd_launch.h"
+#include "src/block_sparse/sparse_fwd_order.h"
 #include "src/common/cuda_check.h"
 #include "src/common/device_facts.h"
+#include "src/common/programmatic_launch.h"
+#include "src/scheduling/sparse_order.h"
 
 namespace flare::hopper {
 
@@ -68,7 +71,33 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   if constexpr (!kPersistent) {
     dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
     void* owned = nullptr;  // the split's slots, where the caller gave no workspace
-    if constexpr (!kSparse) {
+    if constexpr (kSparse) {  // where the tiles outnumber the SMs: longest rows first in each L2 group
+      const detail::DeviceFacts dev = detail::current_device_facts();
+      if (hopper_sparse_ordered(p, dev.num_sms)) {
+        sched::SparseOrder o = sched::make_sparse_forward_order(
+            detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
+        if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
+        const std::size_t bytes = hopper_forward_sparse_workspace_bytes(p);
+        int* order = static_cast<int*>(p.workspace);
+        if (p.workspace == nullptr) {
+          FLARE_CUDA_RETURN(cudaMallocAsync(&owned, bytes, stream));
+          order = static_cast<int*>(owned);
+        } else if (p.workspace_bytes < bytes) {
+          return Status::InvalidArgument("workspace", "needs " + std::to_string(bytes) + " bytes, got " +
+                                                          std::to_string(p.workspace_bytes));
+        } else if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
+          return Status::InvalidArgument("workspace", "must be 16-byte aligned");
+        }
+        const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, order, stream);
+        if (!s.ok()) {
+          if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
+          return s;
+        }
+        hp.sparse_order = order;
+        hp.sparse_m_tiles = o.m_tiles;
+        grid = dim3(static_cast<unsigned>(o.num_tiles()));
+      }
+    } else {
       hp.tail = tail;
       const std::size_t bytes = hopper_fwd_tail_bytes<Cfg>(tail);
       if (bytes > 0) {
@@ -86,7 +115,12 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
         grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
       }
     }
-    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+    const cudaError_t launched = detail::launch_maybe_programmatic(hp.sparse_order != nullptr, kernel, grid,
+                                                                   dim3(Cfg::kThreads), kSmem, stream, hp);
+    if (launched != cudaSuccess) {
+      if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
+      return detail::cuda_status(launched, "hopper forward launch");
+    }
     if (hp.tail.active())
       hopper_fwd_tail_merge_kernel<Cfg, T>
           <<<dim3(static_cast<unsigned>(hp.tail.tiles), Cfg::kBlockM / kFwdMergeRows), 32 * kFwdMergeRows, 0, stream>>>(
