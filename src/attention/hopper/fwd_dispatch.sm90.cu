@@ -51,17 +51,22 @@ std::size_t hopper_forward_workspace_bytes(const detail::FwdKernelParams& p, DTy
   return bytes;
 }
 
+namespace {
+// The block-sparse forward's CTAs: one a q tile of each (batch, head).
+int64_t sparse_forward_tiles(const detail::FwdKernelParams& p) {
+  return int64_t{(p.seqlen_q + kHopperSparseBlockM - 1) / kHopperSparseBlockM} * p.heads * p.batch;
+}
+}  // namespace
+
 bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
   const char* forced = std::getenv("FLARE_HOPPER_SPARSE_ORDER");
   if (forced != nullptr && (forced[0] == '0' || forced[0] == '1')) return forced[0] == '1';
-  const int64_t tiles = int64_t{(p.seqlen_q + kHopperSparseBlockM - 1) / kHopperSparseBlockM} * p.heads * p.batch;
-  return tiles > num_sms;
+  return sparse_forward_tiles(p) > num_sms;
 }
 
 std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p) {
   if (!hopper_sparse_ordered(p, detail::current_device_facts().num_sms)) return 0;
-  const std::size_t tiles = std::size_t((p.seqlen_q + kHopperSparseBlockM - 1) / kHopperSparseBlockM) * p.heads * p.batch;
-  return (tiles * sizeof(int) + 15) / 16 * 16;
+  return (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int) + 15) / 16 * 16;
 }
 
 int hopper_sparse_order_units_override() {

@@ -34,13 +34,13 @@ Status hopper_attention_forward_sparse(const detail::FwdKernelParams& p, const b
                                        DType dtype, Stream stream);
 
 // Whether the block-sparse forward orders its CTAs (sched::SparseOrder: longest list rows first in
-// each L2 group): where its q tiles outnumber the SMs (one wave needs no order).
+// groups of about two waves): where its q tiles outnumber the SMs (one wave needs no order).
 // FLARE_HOPPER_SPARSE_ORDER=0 never, =1 always (tests, A/B runs).
 bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
 // The scratch the block-sparse forward needs (the order: an int a tile), 0 where it orders nothing.
 std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p);
 // FLARE_HOPPER_SPARSE_ORDER_UNITS=N: the order's groups of N (batch, kv head) units instead of the
-// L2 budget's (an A/B switch); 0 where unset.
+// rule's (make_sparse_forward_order; an A/B switch); 0 where unset.
 int hopper_sparse_order_units_override();
 
 }  // namespace flare::hopper

@@ -27,6 +27,24 @@ inline void global_view(const detail::RowStrides& st, int64_t rows, int head_dim
   *stride = GStride(st.row, cute::_1{}, st.head, varlen ? st.row * rows : st.batch);
 }
 
+// `bytes` of scratch: the caller's workspace (checked: size, 16-byte alignment) or, where it gave
+// none, memory allocated on `stream` into *owned (the caller frees it after the kernels that use it).
+inline Status forward_scratch(const detail::FwdKernelParams& p, std::size_t bytes, Stream stream, void** owned,
+                              void** scratch) {
+  if (p.workspace == nullptr) {
+    FLARE_CUDA_RETURN(cudaMallocAsync(owned, bytes, stream));
+    *scratch = *owned;
+    return Status::Ok();
+  }
+  if (p.workspace_bytes < bytes)
+    return Status::InvalidArgument("workspace", "needs " + std::to_string(bytes) + " bytes, got " +
+                                                    std::to_string(p.workspace_bytes));
+  if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0)
+    return Status::InvalidArgument("workspace", "must be 16-byte aligned");
+  *scratch = p.workspace;
+  return Status::Ok();
+}
+
 // kPersistent: a grid of one CTA per SM taking tiles of the L2-grouped order from a counter (two Q
 // stages where they fit), else one CTA per tile (longest first when masked). Measured on the H100
 // at seqlen 4096 (bench/RESULTS.md), the persistent grid's first version (static round-robin, one
@@ -71,29 +89,20 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   if constexpr (!kPersistent) {
     dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
     void* owned = nullptr;  // the split's slots, where the caller gave no workspace
-    if constexpr (kSparse) {  // where the tiles outnumber the SMs: longest rows first in each L2 group
+    if constexpr (kSparse) {  // where the tiles outnumber the SMs: longest list rows first (sparse_order.h)
       const detail::DeviceFacts dev = detail::current_device_facts();
       if (hopper_sparse_ordered(p, dev.num_sms)) {
         sched::SparseOrder o = sched::make_sparse_forward_order(
             detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
         if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
-        const std::size_t bytes = hopper_forward_sparse_workspace_bytes(p);
-        int* order = static_cast<int*>(p.workspace);
-        if (p.workspace == nullptr) {
-          FLARE_CUDA_RETURN(cudaMallocAsync(&owned, bytes, stream));
-          order = static_cast<int*>(owned);
-        } else if (p.workspace_bytes < bytes) {
-          return Status::InvalidArgument("workspace", "needs " + std::to_string(bytes) + " bytes, got " +
-                                                          std::to_string(p.workspace_bytes));
-        } else if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
-          return Status::InvalidArgument("workspace", "must be 16-byte aligned");
-        }
-        const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, order, stream);
+        void* order = nullptr;
+        FLARE_RETURN_IF_ERROR(forward_scratch(p, hopper_forward_sparse_workspace_bytes(p), stream, &owned, &order));
+        const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, static_cast<int*>(order), stream);
         if (!s.ok()) {
           if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
           return s;
         }
-        hp.sparse_order = order;
+        hp.sparse_order = static_cast<const int*>(order);
         hp.sparse_m_tiles = o.m_tiles;
         grid = dim3(static_cast<unsigned>(o.num_tiles()));
       }
@@ -101,17 +110,9 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
       hp.tail = tail;
       const std::size_t bytes = hopper_fwd_tail_bytes<Cfg>(tail);
       if (bytes > 0) {
-        if (p.workspace == nullptr) {
-          FLARE_CUDA_RETURN(cudaMallocAsync(&owned, bytes, stream));
-          hp.partial = static_cast<float*>(owned);
-        } else if (p.workspace_bytes < bytes) {
-          return Status::InvalidArgument("workspace", "needs " + std::to_string(bytes) + " bytes, got " +
-                                                          std::to_string(p.workspace_bytes));
-        } else if (reinterpret_cast<std::uintptr_t>(p.workspace) % 16 != 0) {
-          return Status::InvalidArgument("workspace", "must be 16-byte aligned");
-        } else {
-          hp.partial = static_cast<float*>(p.workspace);
-        }
+        void* partial = nullptr;
+        FLARE_RETURN_IF_ERROR(forward_scratch(p, bytes, stream, &owned, &partial));
+        hp.partial = static_cast<float*>(partial);
         grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
       }
     }
