@@ -317,7 +317,10 @@ TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
 TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   FLARE_REQUIRE_GPU();
   if (!hopper_device()) GTEST_SKIP() << "not an sm_90 device";
-  unsetenv("FLARE_HOPPER_SPARSE_ORDER");
+  struct OrderVariable {  // unset again however the test ends (later tests run the library's rule)
+    OrderVariable() { unsetenv("FLARE_HOPPER_SPARSE_ORDER"); }
+    ~OrderVariable() { unsetenv("FLARE_HOPPER_SPARSE_ORDER"); }
+  } order_variable;
   const int sms = detail::current_device_facts().num_sms;
   detail::FwdKernelParams p;
   p.batch = 2, p.heads = sms / 2, p.seqlen_q = 128;
@@ -367,7 +370,6 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
     EXPECT_NE(small.message().find("workspace"), std::string::npos) << small.message();
     cudaFree(workspace);
   }
-  unsetenv("FLARE_HOPPER_SPARSE_ORDER");
   expect_hopper_ran(before);
 }
 #endif
