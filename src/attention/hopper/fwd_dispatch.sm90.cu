@@ -64,9 +64,12 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
   return sparse_forward_tiles(p) > num_sms;
 }
 
-std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p) {
-  if (!hopper_sparse_ordered(p, detail::current_device_facts().num_sms)) return 0;
+std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p) {
   return (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int) + 15) / 16 * 16;
+}
+
+std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p) {
+  return hopper_sparse_ordered(p, detail::current_device_facts().num_sms) ? hopper_sparse_order_bytes(p) : 0;
 }
 
 int hopper_sparse_order_units_override() {

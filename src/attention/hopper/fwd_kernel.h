@@ -60,9 +60,9 @@ struct HopperFwdParams {
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
   // The sparse kernel's CTA order (sched::SparseOrder, a 1-D grid: CTA i runs the encoded tile
-  // sparse_order[i]), or null: the grid's (q tile descending, head, batch).
+  // sparse_order[i], (batch x heads + head) x q tiles + q tile), or null: the grid's (q tile
+  // descending, head, batch).
   const int* sparse_order = nullptr;
-  int sparse_m_tiles = 1;
   int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
   // One CTA per tile, dense: the last tiles split into key ranges (fwd_grid.h; inactive: none), a 1D
   // grid of the whole tiles in (m block, head, sequence) order, then the parts; each part's O and
@@ -714,9 +714,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     }
     if constexpr (kSparse) {
       if (ordered >= 0) {
-        const int flat = ordered / hp.sparse_m_tiles;
-        FwdTile<Walk> tile =
-            fwd_tile_of<Cfg, Walk>(hp, ordered - flat * hp.sparse_m_tiles, flat % p.heads, flat / p.heads);
+        const int m_tiles = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, flat = ordered / m_tiles;
+        FwdTile<Walk> tile = fwd_tile_of<Cfg, Walk>(hp, ordered - flat * m_tiles, flat % p.heads, flat / p.heads);
         tile.id = cta;
         return tile;
       }

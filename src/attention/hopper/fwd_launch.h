@@ -37,7 +37,9 @@ Status hopper_attention_forward_sparse(const detail::FwdKernelParams& p, const b
 // groups of about two waves): where its q tiles outnumber the SMs (one wave needs no order).
 // FLARE_HOPPER_SPARSE_ORDER=0 never, =1 always (tests, A/B runs).
 bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
-// The scratch the block-sparse forward needs (the order: an int a tile), 0 where it orders nothing.
+// The order's bytes (an int a tile, 16-byte rounded), and the scratch the block-sparse forward
+// needs: those where it orders its CTAs, else 0.
+std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p);
 std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p);
 // FLARE_HOPPER_SPARSE_ORDER_UNITS=N: the order's groups of N (batch, kv head) units instead of the
 // rule's (make_sparse_forward_order; an A/B switch); 0 where unset.

@@ -96,14 +96,13 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
             detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
         if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
         void* order = nullptr;
-        FLARE_RETURN_IF_ERROR(forward_scratch(p, hopper_forward_sparse_workspace_bytes(p), stream, &owned, &order));
+        FLARE_RETURN_IF_ERROR(forward_scratch(p, hopper_sparse_order_bytes(p), stream, &owned, &order));
         const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, static_cast<int*>(order), stream);
         if (!s.ok()) {
           if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
           return s;
         }
         hp.sparse_order = static_cast<const int*>(order);
-        hp.sparse_m_tiles = o.m_tiles;
         grid = dim3(static_cast<unsigned>(o.num_tiles()));
       }
     } else {
