@@ -75,7 +75,7 @@ Status attention_forward_workspace_size(const AttentionForwardParams& params, st
     *bytes = hopper::hopper_forward_workspace_bytes(kp, params.q.dtype);
   if (params.block_mask != nullptr && params.backend != Backend::kPortable && params.backend != Backend::kReference &&
       hopper::hopper_forward_check(kp, params.q.dtype).ok())
-    *bytes = hopper::hopper_forward_sparse_workspace_bytes(kp);
+    *bytes = hopper::hopper_forward_sparse_workspace_bytes(kp, params.block_mask->element.doc_ids_q.data != nullptr);
 #endif
   return Status::Ok();
 }

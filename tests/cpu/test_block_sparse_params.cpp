@@ -2,7 +2,8 @@
 // per row, then per-element lookups) against the host builder's element_mask_visible, element by
 // element, over random compositions of every predicate; the list params' broadcast strides; and the
 // list rows walked by step index (list_steps.h, the Hopper block-sparse backward's query steps)
-// against a plain expansion of the lists.
+// against a plain expansion of the lists; the binary search of a value's run in sorted ids (the
+// documents' row spans, doc_spans.h) against a linear scan.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "src/block_sparse/block_mask_build.h"
 #include "src/block_sparse/block_sparse_params.h"
 #include "src/block_sparse/list_steps.h"
+#include "src/block_sparse/sorted_run.h"
 
 namespace flare::block_sparse {
 namespace {
@@ -110,6 +112,28 @@ TEST(BlockSparseParams, BroadcastDimsReadRowZero) {
 // Every step of random list rows (bad entries included: negative, past the mask's blocks) against
 // the rows expanded by hand: each entry's block in step_rows steps, partial entries first, steps
 // past the sequence and of bad entries invalid (and naming block 0), valid ones in list order.
+TEST(SortedRun, MatchesALinearScan) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 500; ++trial) {
+    const int n = static_cast<int>(rng() % 40), stride = 1 + static_cast<int>(rng() % 3);
+    std::vector<int32_t> ids(static_cast<size_t>(n) * stride + 1, 999);
+    int32_t v = static_cast<int32_t>(rng() % 3);
+    for (int j = 0; j < n; ++j) {
+      v += static_cast<int32_t>(rng() % 4 == 0 ? 1 + rng() % 2 : 0);
+      ids[static_cast<size_t>(j) * stride] = v;
+    }
+    for (int32_t value = -1; value <= v + 1; ++value) {
+      int lo = 0;
+      while (lo < n && ids[static_cast<size_t>(lo) * stride] < value) ++lo;
+      int hi = lo;
+      while (hi < n && ids[static_cast<size_t>(hi) * stride] == value) ++hi;
+      const IdRun run = sorted_run(ids.data(), stride, n, value);
+      ASSERT_EQ(run.lo, lo) << "trial " << trial << " value " << value;
+      ASSERT_EQ(run.hi, hi) << "trial " << trial << " value " << value;
+    }
+  }
+}
+
 TEST(ListSteps, ExpandTheListsInOrder) {
   std::mt19937_64 rng(11);
   auto pick = [&](int n) { return static_cast<int>(rng() % n); };

@@ -50,10 +50,13 @@ struct SparseCase {
   MaskKind kind = MaskKind::kCausal;
   int q_block = 128, kv_block = 128;
   bool broadcast_batch = false, broadcast_heads = false;  // the mask's dims 1
+  // kDocuments: odd batch entries' ids recur in separate runs (not sorted: the Hopper forward looks
+  // them up there, and narrows the even entries' rows to their document spans).
+  bool recurring_documents = false;
 
   std::string name() const {
     std::ostringstream s;
-    s << mask_kind_name(kind) << " blocks " << q_block << "x" << kv_block << (broadcast_batch ? " bcast-b" : "")
+    s << mask_kind_name(kind) << (recurring_documents ? " recurring" : "") << " blocks " << q_block << "x" << kv_block << (broadcast_batch ? " bcast-b" : "")
       << (broadcast_heads ? " bcast-h" : "") << " | " << attn.name();
     return s.str();
   }
@@ -150,7 +153,7 @@ inline void make_element_mask(const SparseCase& c, int mask_batch, int mask_head
         std::vector<int32_t> ids(std::max(sq, sk));
         for (int t = 0; t < static_cast<int>(ids.size()); ++t) {
           if (t > 0 && rng() % 97 == 0) ++doc;
-          ids[t] = doc;
+          ids[t] = c.recurring_documents && b % 2 == 1 ? doc % 3 : doc;
         }
         std::memcpy(out->doc_q.data() + int64_t{b} * sq, ids.data(), sizeof(int32_t) * sq);
         std::memcpy(out->doc_k.data() + int64_t{b} * sk, ids.data(), sizeof(int32_t) * sk);

@@ -28,6 +28,7 @@
 #include "src/attention/hopper/fwd_launch.h"
 #include "src/block_sparse/block_mask_build.h"
 #include "src/block_sparse/block_sparse_params.h"
+#include "src/block_sparse/doc_spans.h"
 #include "src/block_sparse/sparse_fwd_order.h"
 #include "src/common/device_facts.h"
 #include "src/scheduling/sparse_order.h"
@@ -325,10 +326,12 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   detail::FwdKernelParams p;
   p.batch = 2, p.heads = sms / 2, p.seqlen_q = 128;
   EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));  // one wave: the grid's order
-  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p), 0u);
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), 0u);
   p.seqlen_q = 129;
   EXPECT_TRUE(hopper::hopper_sparse_ordered(p, sms));
-  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p), (4u * 2 * p.heads * 2 + 15) / 16 * 16);
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), (4u * 2 * p.heads * 2 + 15) / 16 * 16);
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, true),
+            (4u * 2 * p.heads * 2 + 15) / 16 * 16 + block_sparse::doc_spans_bytes(p.batch, p.seqlen_q));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "0", 1);
   EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "1", 1);
@@ -341,8 +344,9 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
       c.attn.seqlen_q = 700;  // 6 q tiles a head, rows of several lengths
       run_sparse_forward(c);
     }
-  // The order in the caller's workspace: attention_forward_workspace_size counts an int a tile, a
-  // poisoned workspace of that size runs, a smaller one is refused by name.
+  // The order and the document spans in the caller's workspace: attention_forward_workspace_size
+  // counts an int a tile and an int2 a row, a poisoned workspace of that size runs, a smaller one is
+  // refused by name.
   if (portable::instantiated_head_dim(128) != 0) {
     SparseCase c = base_case(MaskKind::kDocuments, 128, 7400);
     c.attn.seqlen_q = 700;
@@ -355,7 +359,7 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
     std::size_t bytes = 0;
     ASSERT_TRUE(attention_forward_workspace_size(fp, &bytes).ok());
     const std::size_t tiles = std::size_t{(700 + 127) / 128} * c.attn.heads * c.attn.batch;
-    EXPECT_EQ(bytes, (tiles * sizeof(int) + 15) / 16 * 16);
+    EXPECT_EQ(bytes, (tiles * sizeof(int) + 15) / 16 * 16 + block_sparse::doc_spans_bytes(c.attn.batch, 700));
     void* workspace = nullptr;
     FLARE_CUDA_OK(cudaMalloc(&workspace, bytes));
     FLARE_CUDA_OK(cudaMemset(workspace, 0xFF, bytes));
@@ -373,6 +377,112 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   expect_hopper_ran(before);
 }
 #endif
+
+// The document spans kernel (block_sparse/doc_spans.cu) against a linear scan: sorted ids, ids
+// that recur in separate runs (the marker in every row of that batch entry only), rows whose
+// document has no key, strided ids, and keys past the shared-memory copy (binary search in global
+// memory).
+TEST(BlockSparseForward, DocumentSpansMatchALinearScan) {
+  FLARE_REQUIRE_GPU();
+  struct Shape {
+    int sq, sk, stride;
+  };
+  std::mt19937_64 rng(7500);
+  for (const Shape& sh : {Shape{300, 300, 1}, Shape{700, 500, 1}, Shape{5000, 260, 2}, Shape{600, 60000, 1}}) {
+    SCOPED_TRACE("seqlen_q " + std::to_string(sh.sq) + " seqlen_k " + std::to_string(sh.sk) + " stride " +
+                 std::to_string(sh.stride));
+    const int batch = 3;
+    // Entry 0 sorted, 1 recurring (unsorted), 2 sorted with query documents the keys lack.
+    std::vector<int32_t> q(static_cast<size_t>(batch) * sh.sq), k(static_cast<size_t>(batch) * sh.sk * sh.stride, -7);
+    for (int b = 0; b < batch; ++b) {
+      for (int side = 0; side < 2; ++side) {
+        const int n = side == 0 ? sh.sq : sh.sk;
+        int doc = 0;
+        for (int t = 0; t < n; ++t) {
+          if (t > 0 && rng() % 53 == 0) ++doc;
+          int32_t id = b == 1 ? doc % 3 : doc;
+          if (b == 2 && side == 1) id = 2 * doc;  // odd query documents have no keys
+          if (side == 0) q[static_cast<size_t>(b) * sh.sq + t] = id;
+          else k[(static_cast<size_t>(b) * sh.sk + t) * sh.stride] = id;
+        }
+      }
+    }
+    std::vector<int2> expected(static_cast<size_t>(batch) * sh.sq);
+    for (int b = 0; b < batch; ++b) {
+      const int32_t* kb = k.data() + static_cast<size_t>(b) * sh.sk * sh.stride;
+      bool sorted = true;
+      for (int j = 0; j + 1 < sh.sk; ++j) sorted = sorted && kb[j * sh.stride] <= kb[(j + 1) * sh.stride];
+      EXPECT_EQ(sorted, b != 1);
+      for (int i = 0; i < sh.sq; ++i) {
+        int2 e = make_int2(block_sparse::kNoDocSpan, block_sparse::kNoDocSpan);
+        if (sorted) {
+          const int32_t doc = q[static_cast<size_t>(b) * sh.sq + i];
+          int lo = 0;
+          while (lo < sh.sk && kb[lo * sh.stride] < doc) ++lo;
+          int hi = lo;
+          while (hi < sh.sk && kb[hi * sh.stride] == doc) ++hi;
+          e = make_int2(lo, hi);
+        }
+        expected[static_cast<size_t>(b) * sh.sq + i] = e;
+      }
+    }
+    int32_t *dq = nullptr, *dk = nullptr;
+    int2* spans = nullptr;
+    FLARE_CUDA_OK(cudaMalloc(&dq, q.size() * sizeof(int32_t)));
+    FLARE_CUDA_OK(cudaMalloc(&dk, k.size() * sizeof(int32_t)));
+    FLARE_CUDA_OK(cudaMalloc(&spans, expected.size() * sizeof(int2)));
+    FLARE_CUDA_OK(cudaMemcpy(dq, q.data(), q.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    FLARE_CUDA_OK(cudaMemcpy(dk, k.data(), k.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    FLARE_CUDA_OK(cudaMemset(spans, 0x5A, expected.size() * sizeof(int2)));  // poison
+    block_sparse::ElementMaskParams el;
+    el.doc_q = dq, el.doc_k = dk;
+    el.doc_q_batch = sh.sq, el.doc_q_row = 1;
+    el.doc_k_batch = int64_t{sh.sk} * sh.stride, el.doc_k_row = sh.stride;
+    const Status st = block_sparse::launch_doc_spans(el, batch, sh.sq, sh.sk, spans, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message();
+    std::vector<int2> got(expected.size());
+    FLARE_CUDA_OK(cudaMemcpy(got.data(), spans, got.size() * sizeof(int2), cudaMemcpyDeviceToHost));
+    int wrong = 0;
+    for (size_t r = 0; r < got.size(); ++r)
+      if (got[r].x != expected[r].x || got[r].y != expected[r].y) {
+        if (++wrong <= 5)
+          ADD_FAILURE() << "row " << r << ": span [" << got[r].x << ", " << got[r].y << "), expected ["
+                        << expected[r].x << ", " << expected[r].y << ")";
+      }
+    EXPECT_EQ(wrong, 0);
+    cudaFree(dq), cudaFree(dk), cudaFree(spans);
+  }
+  const Status refused = block_sparse::launch_doc_spans(block_sparse::ElementMaskParams{}, 1, 8, 8,
+                                                        reinterpret_cast<int2*>(16), nullptr);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+}
+
+// Documents masks through the Hopper forward's two paths against the oracle: a batch of sorted ids
+// (the rows narrowed to their spans) and recurring ids (looked up), with and without causal, GQA,
+// q blocks of 256 rows, and the spans switched off (FLARE_HOPPER_DOC_SPANS=0: lookups everywhere).
+TEST(BlockSparseForward, DocumentSpansAndLookups) {
+  FLARE_REQUIRE_GPU();
+  struct SpansVariable {  // unset again however the test ends
+    SpansVariable() { unsetenv("FLARE_HOPPER_DOC_SPANS"); }
+    ~SpansVariable() { unsetenv("FLARE_HOPPER_DOC_SPANS"); }
+  } spans_variable;
+  const int before = g_hopper_sparse_runs;
+  uint64_t seed = 7600;
+  for (const char* spans : {"1", "0"})
+    for (int d : {64, 128})
+      for (int variant = 0; variant < 3; ++variant) {
+        if (reduced() && (d == 64 || spans[0] == '0')) continue;
+        setenv("FLARE_HOPPER_DOC_SPANS", spans, 1);
+        SCOPED_TRACE(std::string("FLARE_HOPPER_DOC_SPANS=") + spans);
+        SparseCase c = base_case(MaskKind::kDocuments, d, seed++);
+        c.recurring_documents = variant != 1;
+        c.attn.seqlen_q = variant == 2 ? 517 : 300;
+        c.attn.seqlen_k = variant == 2 ? 389 : 300;
+        if (variant == 2) c.q_block = 256, c.attn.heads = 8;
+        run_sparse_forward(c);
+      }
+  expect_hopper_ran(before);
+}
 
 // ---- the backward against the oracle -------------------------------------------------------------
 

@@ -91,6 +91,7 @@ struct FuzzCase {
   ElementMask predicates;     // causal, windows, prefix-LM (no tensors)
   int doc_length = 0;         // > 0: document ids, documents of about this many tokens
   bool shared_documents = false;  // one row of ids for the whole batch (stride 0), a batch-broadcast mask
+  bool recurring_documents = false;  // ids that recur in separate runs (not sorted): the Hopper forward's lookups
   int bits_batch = 0, bits_heads = 0;  // > 0: bit words [bits_batch, bits_heads, seqlen_q, words]
   bool partial_only = false;  // no full lists: every visible block listed as partial
 
@@ -108,7 +109,8 @@ struct FuzzCase {
     if (predicates.window_left >= 0 || predicates.window_right >= 0)
       s << " window(" << predicates.window_left << "," << predicates.window_right << ")";
     if (predicates.prefix_length >= 0) s << " prefix " << predicates.prefix_length;
-    if (doc_length > 0) s << " documents~" << doc_length << (shared_documents ? " shared" : "");
+    if (doc_length > 0)
+      s << " documents~" << doc_length << (shared_documents ? " shared" : "") << (recurring_documents ? " recurring" : "");
     if (bits_batch > 0) s << " bits[" << bits_batch << "," << bits_heads << "]";
     s << " }" << (sparse.broadcast_batch ? " bcast-b" : "") << (sparse.broadcast_heads ? " bcast-h" : "")
       << (partial_only ? " partial-only" : "");
@@ -132,6 +134,7 @@ void draw_predicates(std::mt19937_64& rng, int count, FuzzCase* f) {
         break;
       case 2:
         f->doc_length = 8 + pick(200);
+        f->recurring_documents = pick(3) == 0;
         break;
       case 3:
         f->predicates.prefix_length = pick(f->sparse.attn.seqlen_k + 1);
@@ -250,7 +253,8 @@ FuzzCase draw_case(uint64_t seed, bool reduced) {
 // ---- its mask and inputs -------------------------------------------------------------------------
 
 // Document ids of `rows` rows: runs of about doc_length tokens, the same boundaries for queries and
-// keys (FlexAttention's document mask), different per row.
+// keys (FlexAttention's document mask), different per row; sorted, or with recurring_documents
+// three ids in turn (a document's keys in separate runs).
 void fill_documents(const FuzzCase& f, int rows, std::mt19937_64& rng, ElementTensors* el) {
   const int sq = f.sparse.attn.seqlen_q, sk = f.sparse.attn.seqlen_k;
   el->doc_q.make({rows, sq});
@@ -260,7 +264,7 @@ void fill_documents(const FuzzCase& f, int rows, std::mt19937_64& rng, ElementTe
     int doc = 0;
     for (size_t t = 0; t < ids.size(); ++t) {
       if (t > 0 && rng() % static_cast<uint64_t>(f.doc_length) == 0) ++doc;
-      ids[t] = doc;
+      ids[t] = f.recurring_documents ? doc % 3 : doc;
     }
     std::memcpy(el->doc_q.data() + int64_t{b} * sq, ids.data(), sizeof(int32_t) * sq);
     std::memcpy(el->doc_k.data() + int64_t{b} * sk, ids.data(), sizeof(int32_t) * sk);

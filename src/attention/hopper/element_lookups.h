@@ -116,15 +116,16 @@ __device__ __forceinline__ void mask_lookup_bits(const block_sparse::ElementMask
   }
 }
 
-// Both lookups (each where the mask has it): every column that passes them all.
+// Both lookups (each where the mask has it; the documents' only where `docs`: a caller that has
+// the rows' document spans narrows to them instead): every column that passes them all.
 template <int kGroups, bool kRowsAreQueries>
 __device__ __forceinline__ void element_lookup_bits(const block_sparse::ElementMaskParams& el, int b, int h,
                                                     const int64_t (&rows)[2], int64_t col_base, int64_t col_end,
-                                                    uint32_t (&bits)[2]) {
+                                                    uint32_t (&bits)[2], bool docs = true) {
   static_assert(2 * kGroups <= 32, "a row's columns fit one word");
   constexpr uint32_t kAll = 2 * kGroups == 32 ? ~0u : (1u << (2 * kGroups)) - 1u;
   bits[0] = bits[1] = kAll;
-  if (el.doc_q != nullptr) doc_lookup_bits<kGroups, kRowsAreQueries>(el, b, rows, col_base, col_end, bits);
+  if (docs && el.doc_q != nullptr) doc_lookup_bits<kGroups, kRowsAreQueries>(el, b, rows, col_base, col_end, bits);
   if (el.bits != nullptr) {
     uint32_t m[2];
     mask_lookup_bits<kGroups, kRowsAreQueries>(el, b, h, rows, col_base, col_end, m);

@@ -13,6 +13,7 @@
 #include "src/attention/hopper/operand_checks.h"
 #include "src/attention/hopper/sparse_tile_list.h"
 #include "src/attention/portable/head_dims.h"
+#include "src/block_sparse/doc_spans.h"
 #include "src/common/device_facts.h"
 
 namespace flare::hopper {
@@ -68,8 +69,15 @@ std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p) {
   return (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int) + 15) / 16 * 16;
 }
 
-std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p) {
-  return hopper_sparse_ordered(p, detail::current_device_facts().num_sms) ? hopper_sparse_order_bytes(p) : 0;
+bool hopper_sparse_doc_spans(bool doc_ids) {
+  const char* forced = std::getenv("FLARE_HOPPER_DOC_SPANS");
+  return doc_ids && !(forced != nullptr && forced[0] == '0');
+}
+
+std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p, bool doc_ids) {
+  const std::size_t order =
+      hopper_sparse_ordered(p, detail::current_device_facts().num_sms) ? hopper_sparse_order_bytes(p) : 0;
+  return order + (hopper_sparse_doc_spans(doc_ids) ? block_sparse::doc_spans_bytes(p.batch, p.seqlen_q) : 0);
 }
 
 int hopper_sparse_order_units_override() {

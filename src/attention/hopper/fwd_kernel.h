@@ -63,6 +63,9 @@ struct HopperFwdParams {
   // sparse_order[i], (batch x heads + head) x q tiles + q tile), or null: the grid's (q tile
   // descending, head, batch).
   const int* sparse_order = nullptr;
+  // The sparse kernel's document spans (block_sparse/doc_spans.h: int2 [batch, seqlen_q]), or null:
+  // partial tiles look the document ids up.
+  const int2* doc_spans = nullptr;
   int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
   // One CTA per tile, dense: the last tiles split into key ranges (fwd_grid.h; inactive: none), a 1D
   // grid of the whole tiles in (m block, head, sequence) order, then the parts; each part's O and
@@ -171,7 +174,7 @@ template <typename Smem>
 __device__ __forceinline__ SparseKvWalk sparse_walk(Smem& sm) {
   cutlass::arch::ClusterBarrier::wait(&sm.list.full, 0);
   SparseKvWalk w;
-  w.tiles = sm.list.tiles;
+  w.list = &sm.list;
   w.count = sm.list.count;
   return w;
 }
@@ -303,10 +306,21 @@ __device__ __forceinline__ void prepare_scores(FragS& s, const detail::FwdKernel
         rows[r] = row < t.seq.seqlen_q ? row : t.seq.seqlen_q - 1;
         narrow_to_interval(el.row_interval(rows[r]), int64_t{col0} + quad_col, Cfg::kBlockN, lo[r], hi[r]);
       }
-      if (el.has_lookups()) {
+      // Sorted document ids: each row's document is one span of keys (doc_spans.h), an interval
+      // like the structural predicates' instead of a lookup a key.
+      const bool doc_spans = el.doc_q != nullptr && t.kv.has_doc_spans();
+      if (doc_spans) {
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          const int2 span = t.kv.doc_span(wg_row0 + quad_row + 8 * r - t.row0);
+          narrow_to_interval(block_sparse::ColumnInterval{span.x, int64_t{span.y} - 1}, int64_t{col0} + quad_col,
+                             Cfg::kBlockN, lo[r], hi[r]);
+        }
+      }
+      if (el.bits != nullptr || (el.doc_q != nullptr && !doc_spans)) {
         uint32_t seen[2];
         element_lookup_bits<Cfg::kBlockN / 8, true>(el, t.b, t.h, rows, int64_t{col0} + quad_col, t.seq.seqlen_k,
-                                                    seen);
+                                                    seen, /*docs=*/!doc_spans);
         CUTE_UNROLL
         for (int i = 0; i < cute::size(s); ++i) {
           const int r = (i / 2) % 2, c = 8 * (i / 4) + (i % 2), k = 2 * (i / 4) + (i % 2);
@@ -670,10 +684,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   // under that kernel and waits for it here.
   int ordered = -1;
   if constexpr (kSparse) {
-    if (hp.sparse_order != nullptr) {
-      device::wait_for_prerequisite_grids();
-      ordered = hp.sparse_order[blockIdx.x];
-    }
+    if (hp.sparse_order != nullptr || hp.doc_spans != nullptr) device::wait_for_prerequisite_grids();
+    if (hp.sparse_order != nullptr) ordered = hp.sparse_order[blockIdx.x];
   }
   if (!kPersistent && threadIdx.x == 0) {
     timeline_mark(tl, cta, kMarkStart);
@@ -779,7 +791,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
       if constexpr (kSparse) {
         if (warp == 4)  // the first consumer warp writes the list row (its loads overlap Q's)
           fill_sparse_tile_list<Cfg::kBlockN>(sm.list, hp.bs, tile.b, tile.h, tile.row0 / hp.bs.q_block_size,
-                                              tile.seq.seqlen_k, threadIdx.x % 32);
+                                              tile.seq.seqlen_k, threadIdx.x % 32, hp.doc_spans, tile.row0,
+                                              tile.seq.seqlen_q);
         tile.kv = sparse_walk(sm);
       }
       consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);

@@ -36,7 +36,7 @@ struct DenseKvWalk {
 // kernel tiles start at multiples of kBlockN and TMA loads them by tile index.
 struct SparseKvWalk {
   static constexpr bool kSparse = true;
-  const uint16_t* tiles = nullptr;  // shared memory
+  const SparseTileList* list = nullptr;  // shared memory
   int count = 0;
 
   struct Cursor {
@@ -45,9 +45,14 @@ struct SparseKvWalk {
   __device__ __forceinline__ Cursor begin() const { return {0}; }
   __device__ __forceinline__ bool more(const Cursor& c) const { return c.i < count; }
   __device__ __forceinline__ void advance(Cursor& c) const { ++c.i; }
-  __device__ __forceinline__ int tile(const Cursor& c) const { return tiles[c.i] & kSparseTileIndex; }
-  __device__ __forceinline__ bool element_masked(const Cursor& c) const { return (tiles[c.i] & kSparseTileMasked) != 0; }
+  __device__ __forceinline__ int tile(const Cursor& c) const { return list->tiles[c.i] & kSparseTileIndex; }
+  __device__ __forceinline__ bool element_masked(const Cursor& c) const {
+    return (list->tiles[c.i] & kSparseTileMasked) != 0;
+  }
   __device__ __forceinline__ bool empty() const { return count == 0; }
+  // The document span of the CTA's row r (doc_spans.h), where has_doc_spans().
+  __device__ __forceinline__ bool has_doc_spans() const { return list->doc_spans_ok != 0; }
+  __device__ __forceinline__ int2 doc_span(int r) const { return list->doc_spans[r]; }
 };
 
 }  // namespace flare::hopper

@@ -37,10 +37,15 @@ Status hopper_attention_forward_sparse(const detail::FwdKernelParams& p, const b
 // groups of about two waves): where its q tiles outnumber the SMs (one wave needs no order).
 // FLARE_HOPPER_SPARSE_ORDER=0 never, =1 always (tests, A/B runs).
 bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
+// Whether the block-sparse forward narrows a documents mask's rows to their document spans
+// (block_sparse/doc_spans.h, computed before the forward): where the mask has document ids
+// (`doc_ids`). FLARE_HOPPER_DOC_SPANS=0 never (the lookups: A/B runs).
+bool hopper_sparse_doc_spans(bool doc_ids);
 // The order's bytes (an int a tile, 16-byte rounded), and the scratch the block-sparse forward
-// needs: those where it orders its CTAs, else 0.
+// needs: the order's where it orders its CTAs, then the spans' where it takes them
+// (doc_spans_bytes), else 0.
 std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p);
-std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p);
+std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p, bool doc_ids);
 // FLARE_HOPPER_SPARSE_ORDER_UNITS=N: the order's groups of N (batch, kv head) units instead of the
 // rule's (make_sparse_forward_order; an A/B switch); 0 where unset.
 int hopper_sparse_order_units_override();

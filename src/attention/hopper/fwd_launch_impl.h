@@ -11,6 +11,7 @@
 #include "src/attention/hopper/fwd_grid.h"
 #include "src/attention/hopper/fwd_kernel.h"
 #include "src/attention/hopper/fwd_launch.h"
+#include "src/block_sparse/doc_spans.h"
 #include "src/block_sparse/sparse_fwd_order.h"
 #include "src/common/cuda_check.h"
 #include "src/common/device_facts.h"
@@ -89,20 +90,36 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   if constexpr (!kPersistent) {
     dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
     void* owned = nullptr;  // the split's slots, where the caller gave no workspace
-    if constexpr (kSparse) {  // where the tiles outnumber the SMs: longest list rows first (sparse_order.h)
+    if constexpr (kSparse) {
+      // Scratch: the CTA order where the tiles outnumber the SMs (longest list rows first,
+      // sparse_order.h), then a documents mask's row spans (doc_spans.h). Both kernels run ahead of
+      // the forward, which waits for them.
       const detail::DeviceFacts dev = detail::current_device_facts();
-      if (hopper_sparse_ordered(p, dev.num_sms)) {
+      const bool ordered = hopper_sparse_ordered(p, dev.num_sms);
+      const bool spans = hopper_sparse_doc_spans(bs->element.doc_q != nullptr);
+      const std::size_t order_bytes = ordered ? hopper_sparse_order_bytes(p) : 0;
+      const std::size_t span_bytes = spans ? block_sparse::doc_spans_bytes(p.batch, p.seqlen_q) : 0;
+      void* scratch = nullptr;
+      if (order_bytes + span_bytes > 0)
+        FLARE_RETURN_IF_ERROR(forward_scratch(p, order_bytes + span_bytes, stream, &owned, &scratch));
+      auto fail = [&](const Status& s) {
+        if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
+        return s;
+      };
+      if (spans) {
+        int2* doc_spans = reinterpret_cast<int2*>(static_cast<char*>(scratch) + order_bytes);
+        const Status s = block_sparse::launch_doc_spans(bs->element, p.batch, p.seqlen_q, p.seqlen_k, doc_spans, stream);
+        if (!s.ok()) return fail(s);
+        hp.doc_spans = doc_spans;
+      }
+      if (ordered) {
         sched::SparseOrder o = sched::make_sparse_forward_order(
             detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
         if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
-        void* order = nullptr;
-        FLARE_RETURN_IF_ERROR(forward_scratch(p, hopper_sparse_order_bytes(p), stream, &owned, &order));
-        const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, static_cast<int*>(order), stream);
-        if (!s.ok()) {
-          if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
-          return s;
-        }
-        hp.sparse_order = static_cast<const int*>(order);
+        int* order = static_cast<int*>(scratch);
+        const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, order, stream);
+        if (!s.ok()) return fail(s);
+        hp.sparse_order = order;
         grid = dim3(static_cast<unsigned>(o.num_tiles()));
       }
     } else {
@@ -115,7 +132,9 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
         grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
       }
     }
-    const cudaError_t launched = detail::launch_maybe_programmatic(hp.sparse_order != nullptr, kernel, grid,
+    // A programmatic dependent of the kernel ahead of it where that one writes what it reads.
+    const bool after_prologue = hp.sparse_order != nullptr || hp.doc_spans != nullptr;
+    const cudaError_t launched = detail::launch_maybe_programmatic(after_prologue, kernel, grid,
                                                                    dim3(Cfg::kThreads), kSmem, stream, hp);
     if (launched != cudaSuccess) {
       if (owned != nullptr) (void)cudaFreeAsync(owned, stream);

@@ -24,9 +24,16 @@ inline constexpr int kMaxSparseTiles = 8192;
 inline constexpr uint16_t kSparseTileMasked = 0x8000;  // the tile's block is PARTIAL (element predicate)
 inline constexpr uint16_t kSparseTileIndex = 0x7fff;
 
+// The CTA's rows (the forward's q tile: kHopperSparseBlockM).
+inline constexpr int kSparseListRows = 128;
+
 struct SparseTileList {
   uint16_t tiles[kMaxSparseTiles];  // key tile index (kTile keys), | kSparseTileMasked for a PARTIAL block's
   int count;
+  // Documents masks with sorted key ids (block_sparse/doc_spans.h): row r's keys [lo, hi) of its
+  // document, valid where doc_spans_ok (else the kernel looks the ids up).
+  int doc_spans_ok;
+  int2 doc_spans[kSparseListRows];
   uint64_t full;  // mbarrier: the list is written (an arrival from each lane of the writing warp)
 };
 
@@ -37,15 +44,37 @@ FLARE_HD int tiles_of_block(int n, int block_size, int tile, int seqlen) {
   return end > start ? (end - start + tile - 1) / tile : 0;
 }
 
+// The document spans of the CTA's rows row0.. (rows past the sequence take its last row's) from
+// `spans` (doc_spans.h: [batch, seqlen_q], or null: none), written by one warp; doc_spans_ok where
+// every row has one.
+__device__ __forceinline__ void fill_sparse_doc_spans(SparseTileList& list, const int2* spans, int b, int row0,
+                                                      int seqlen_q, int lane) {
+  bool ok = spans != nullptr;
+  if (ok) {
+    const int2* first = spans + int64_t{b} * seqlen_q;
+#pragma unroll
+    for (int r = lane; r < kSparseListRows; r += 32) {
+      const int row = row0 + r < seqlen_q ? row0 + r : seqlen_q - 1;
+      const int2 span = first[row];
+      list.doc_spans[r] = span;
+      ok = ok && span.x >= 0;
+    }
+    ok = __all_sync(0xffffffffu, ok);
+  }
+  if (lane == 0) list.doc_spans_ok = ok ? 1 : 0;
+}
+
 // One warp writes row `row` of the mask's kv lists for (b, h) into `list`, each lane arriving on
 // its barrier (initialized for 32 arrivals) after its own writes. Entries are read 32 at a time;
 // each lane expands its entry into its tiles at the position a warp scan of the tile counts gives
 // it. Entries outside [0, num_kv_blocks) are
 // skipped (device lists are not validated); a list longer than kMaxSparseTiles (repeated entries)
-// is cut there.
+// is cut there. The rows' document spans (fill_sparse_doc_spans) are written first.
 template <int kTile>
 __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, const block_sparse::BlockSparseParams& bs,
-                                                      int b, int h, int row, int seqlen_k, int lane) {
+                                                      int b, int h, int row, int seqlen_k, int lane,
+                                                      const int2* doc_spans, int row0, int seqlen_q) {
+  fill_sparse_doc_spans(list, doc_spans, b, row0, seqlen_q, lane);
   const block_sparse::BlockListParams& partial = bs.partial_kv;
   const block_sparse::BlockListParams& full = bs.full_kv;
   const int num_partial = partial.count(b, h, row, bs.num_kv_blocks);
