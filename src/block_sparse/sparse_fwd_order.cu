@@ -5,6 +5,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "src/attention/hopper/sparse_tiles.h"
 #include "src/common/cuda_check.h"
 #include "src/common/grid_dependency.h"
 
@@ -23,7 +24,8 @@ __device__ __forceinline__ int tile_bucket(const sched::SparseOrder& o, const Bl
 }
 
 __global__ void __launch_bounds__(kThreads)
-    sparse_forward_order_kernel(sched::SparseOrder o, BlockSparseParams bs, int tile_rows, int* order) {
+    sparse_forward_order_kernel(sched::SparseOrder o, BlockSparseParams bs, int tile_rows, int kv_tile, int seqlen_k,
+                                int2* order) {
   device::allow_dependent_launch();  // the forward starts its setup under this kernel and waits for it
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ int place[sched::kSparseOrderBuckets];  // a bucket's count, then its next place
@@ -41,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
   Scan(scan).ExclusiveSum(counts, counts);
   place[hi] = counts[0], place[hi - 1] = counts[1];
   __syncthreads();
-  int* const out = order + o.group_first_tile(g);
+  int2* const out = order + o.group_first_tile(g);
   for (int base = 0; base < n; base += kThreads) {
     const int i = base + t;
     const bool valid = i < n;
@@ -55,17 +57,21 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
     first = __shfl_sync(0xffffffffu, first, leader);
-    if (valid) out[first + rank] = o.encode(o.group_tile(g, i));
+    if (valid) {
+      const sched::TileCoord c = o.group_tile(g, i);
+      const int row = c.block * tile_rows / bs.q_block_size;
+      out[first + rank] = make_int2(o.encode(c), hopper::first_sparse_tile(bs, c.batch, c.head, row, seqlen_k, kv_tile));
+    }
   }
 }
 
 }  // namespace
 
 Status launch_sparse_forward_order(const sched::SparseOrder& o, const BlockSparseParams& bs, int tile_rows,
-                                   int* order, cudaStream_t stream) {
+                                   int kv_tile, int seqlen_k, int2* order, cudaStream_t stream) {
   if (order == nullptr) return Status::InvalidArgument("order", "null pointer");
   if (o.num_tiles() <= 0) return Status::Ok();
-  sparse_forward_order_kernel<<<o.num_groups(), kThreads, 0, stream>>>(o, bs, tile_rows, order);
+  sparse_forward_order_kernel<<<o.num_groups(), kThreads, 0, stream>>>(o, bs, tile_rows, kv_tile, seqlen_k, order);
   return detail::cuda_status(cudaGetLastError(), "block-sparse forward order");
 }
 

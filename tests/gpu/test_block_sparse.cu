@@ -26,6 +26,7 @@
 #include "flare/block_mask.h"
 #include "flare_instantiated.h"
 #include "src/attention/hopper/fwd_launch.h"
+#include "src/attention/hopper/sparse_tiles.h"
 #include "src/block_sparse/block_mask_build.h"
 #include "src/block_sparse/block_sparse_params.h"
 #include "src/block_sparse/doc_spans.h"
@@ -265,7 +266,8 @@ TEST(BlockSparseForward, HopperRefusesMoreKeyTilesThanItsListHolds) {
 // The sort kernel (block_sparse/sparse_fwd_order.cu) against its CPU reference
 // (sched::sparse_forward_order_host) on masks whose rows have many lengths, with one, two and all
 // units in a group, q blocks of one and two q tiles, and lengths past the last bucket's (forced
-// through a bucket cap of 0 blocks: every tile ties, so the order is the natural one).
+// through a bucket cap of 0 blocks: every tile ties, so the order is the natural one), and each
+// record's first key tile against first_sparse_tile on the host lists.
 TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
   FLARE_REQUIRE_GPU();
   if (!hopper_device()) GTEST_SKIP() << "not an sm_90 device";
@@ -300,15 +302,30 @@ TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
                          host.full_kv.count(t.batch, t.head, row, 1 << 20));
         }
         EXPECT_GE(lengths.size(), 2u) << "rows of several lengths";
-        int* order = nullptr;
-        FLARE_CUDA_OK(cudaMalloc(&order, o.num_tiles() * sizeof(int)));
-        FLARE_CUDA_OK(cudaMemset(order, 0xFF, o.num_tiles() * sizeof(int)));  // -1: unwritten
-        const Status st = block_sparse::launch_sparse_forward_order(o, dev, 128, order, nullptr);
+        // Each record's first key tile, as the list writer expands the row (key tiles of 64 here:
+        // two a block, so the index is the block's first tile's).
+        constexpr int kKvTile = 64;
+        int2* order = nullptr;
+        FLARE_CUDA_OK(cudaMalloc(&order, o.num_tiles() * sizeof(int2)));
+        FLARE_CUDA_OK(cudaMemset(order, 0xFF, o.num_tiles() * sizeof(int2)));  // -1: unwritten
+        const Status st =
+            block_sparse::launch_sparse_forward_order(o, dev, 128, kKvTile, c.attn.seqlen_k, order, nullptr);
         ASSERT_TRUE(st.ok()) << st.message();
-        std::vector<int> got(o.num_tiles());
-        FLARE_CUDA_OK(cudaMemcpy(got.data(), order, got.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        std::vector<int2> got(o.num_tiles());
+        FLARE_CUDA_OK(cudaMemcpy(got.data(), order, got.size() * sizeof(int2), cudaMemcpyDeviceToHost));
         cudaFree(order);
-        EXPECT_EQ(got, expected);
+        std::vector<int> got_tiles;
+        int masked_firsts = 0;
+        for (const int2& r : got) {
+          got_tiles.push_back(r.x);
+          const sched::TileCoord t = o.decode(r.x);
+          const int row = t.block * 128 / host.q_block_size;
+          const int first = hopper::first_sparse_tile(host, t.batch, t.head, row, c.attn.seqlen_k, kKvTile);
+          EXPECT_EQ(r.y, first) << "tile " << r.x;
+          masked_firsts += first >= 0 && (first & hopper::kSparseTileMasked) != 0;
+        }
+        EXPECT_EQ(got_tiles, expected);
+        if (kind != MaskKind::kRandomBlocks) EXPECT_GT(masked_firsts, 0) << "rows that start with a partial block";
       }
 }
 
@@ -329,9 +346,9 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), 0u);
   p.seqlen_q = 129;
   EXPECT_TRUE(hopper::hopper_sparse_ordered(p, sms));
-  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), (4u * 2 * p.heads * 2 + 15) / 16 * 16);
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), (8u * 2 * p.heads * 2 + 15) / 16 * 16);
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, true),
-            (4u * 2 * p.heads * 2 + 15) / 16 * 16 + block_sparse::doc_spans_bytes(p.batch, p.seqlen_q));
+            (8u * 2 * p.heads * 2 + 15) / 16 * 16 + block_sparse::doc_spans_bytes(p.batch, p.seqlen_q));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "0", 1);
   EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "1", 1);
@@ -345,7 +362,7 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
       run_sparse_forward(c);
     }
   // The order and the document spans in the caller's workspace: attention_forward_workspace_size
-  // counts an int a tile and an int2 a row, a poisoned workspace of that size runs, a smaller one is
+  // counts an int2 a tile and an int2 a row, a poisoned workspace of that size runs, a smaller one is
   // refused by name.
   if (portable::instantiated_head_dim(128) != 0) {
     SparseCase c = base_case(MaskKind::kDocuments, 128, 7400);
@@ -359,7 +376,7 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
     std::size_t bytes = 0;
     ASSERT_TRUE(attention_forward_workspace_size(fp, &bytes).ok());
     const std::size_t tiles = std::size_t{(700 + 127) / 128} * c.attn.heads * c.attn.batch;
-    EXPECT_EQ(bytes, (tiles * sizeof(int) + 15) / 16 * 16 + block_sparse::doc_spans_bytes(c.attn.batch, 700));
+    EXPECT_EQ(bytes, (tiles * sizeof(int2) + 15) / 16 * 16 + block_sparse::doc_spans_bytes(c.attn.batch, 700));
     void* workspace = nullptr;
     FLARE_CUDA_OK(cudaMalloc(&workspace, bytes));
     FLARE_CUDA_OK(cudaMemset(workspace, 0xFF, bytes));

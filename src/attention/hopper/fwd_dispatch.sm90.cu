@@ -66,7 +66,7 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
 }
 
 std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p) {
-  return (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int) + 15) / 16 * 16;
+  return (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int2) + 15) / 16 * 16;
 }
 
 bool hopper_sparse_doc_spans(bool doc_ids) {

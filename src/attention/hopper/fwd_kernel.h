@@ -60,9 +60,10 @@ struct HopperFwdParams {
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
   // The sparse kernel's CTA order (sched::SparseOrder, a 1-D grid: CTA i runs the encoded tile
-  // sparse_order[i], (batch x heads + head) x q tiles + q tile), or null: the grid's (q tile
+  // sparse_order[i].x, (batch x heads + head) x q tiles + q tile, whose list row's first key tile is
+  // sparse_order[i].y: first_sparse_tile), or null: the grid's (q tile
   // descending, head, batch).
-  const int* sparse_order = nullptr;
+  const int2* sparse_order = nullptr;
   // The sparse kernel's document spans (block_sparse/doc_spans.h: int2 [batch, seqlen_q]), or null:
   // partial tiles look the document ids up.
   const int2* doc_spans = nullptr;
@@ -201,10 +202,11 @@ __device__ __forceinline__ void produce_q(const HopperFwdParams<Cfg, T>& hp, Sme
 }
 
 // The producer thread's loads of the tile's key tiles: K_n and V_{n+1} in the order the consumers
-// read them.
-template <typename Cfg, typename T, typename Walk, typename Smem>
-__device__ __forceinline__ void produce_kv(const HopperFwdParams<Cfg, T>& hp, Smem& sm, const FwdTile<Walk>& t,
-                                           PipePos& pos) {
+// read them. A block mask's walk comes from `walk_of` (it waits for the list row), after the K of
+// `early_first` where that is >= 0: the walk's first tile, known before the list (first_sparse_tile).
+template <typename Cfg, typename T, typename Walk, typename Smem, typename WalkOf>
+__device__ __forceinline__ void produce_kv(const HopperFwdParams<Cfg, T>& hp, Smem& sm, FwdTile<Walk>& t, PipePos& pos,
+                                           int early_first, WalkOf&& walk_of) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
@@ -236,11 +238,18 @@ __device__ __forceinline__ void produce_kv(const HopperFwdParams<Cfg, T>& hp, Sm
     copy(hp.tma_v.with(bar), v_src(_, _, _, n), v_dst(_, _, _, vpos.index));
     vpos.template advance<Cfg::kStages>();
   };
+  if (early_first >= 0) {
+    load_k(early_first);
+    timeline_mark(tl, t.id, kMarkKIssued);
+  }
+  t.kv = walk_of();
   typename Walk::Cursor c = t.kv.begin();
   if (!t.kv.more(c)) return;  // a block mask's empty row: Q alone (the consumers wait for it)
-  int prev = t.kv.tile(c);
-  load_k(prev);
-  timeline_mark(tl, t.id, kMarkKIssued);
+  int prev = t.kv.tile(c);  // == early_first where that was given
+  if (early_first < 0) {
+    load_k(prev);
+    timeline_mark(tl, t.id, kMarkKIssued);
+  }
   for (t.kv.advance(c); t.kv.more(c); t.kv.advance(c)) {
     const int n = t.kv.tile(c);
     load_k(n);
@@ -252,10 +261,11 @@ __device__ __forceinline__ void produce_kv(const HopperFwdParams<Cfg, T>& hp, Sm
 
 // The producer thread: Q once, then the walk's K and V.
 template <typename Cfg, typename T, typename Walk, typename Smem>
-__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, Smem& sm, const FwdTile<Walk>& t,
+__device__ __forceinline__ void produce(const HopperFwdParams<Cfg, T>& hp, Smem& sm, FwdTile<Walk> t,
                                         PipePos& pos, bool q_stage_free = false) {
   produce_q<Cfg, T>(hp, sm, t, pos, q_stage_free);
-  produce_kv<Cfg, T>(hp, sm, t, pos);
+  const Walk walk = t.kv;
+  produce_kv<Cfg, T>(hp, sm, t, pos, -1, [&] { return walk; });
 }
 
 // Row `row`'s visible columns of the tile from col0, [lo, hi) relative to `base` (col0 + the
@@ -682,10 +692,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   // An ordered sparse grid's tile, loaded before the barriers' setup so that its latency passes
   // there. The grid is the programmatic dependent of the kernel that writes the order: it may start
   // under that kernel and waits for it here.
-  int ordered = -1;
+  int ordered = -1, first_tile = -1;
   if constexpr (kSparse) {
     if (hp.sparse_order != nullptr || hp.doc_spans != nullptr) device::wait_for_prerequisite_grids();
-    if (hp.sparse_order != nullptr) ordered = hp.sparse_order[blockIdx.x];
+    if (hp.sparse_order != nullptr) {
+      const int2 record = hp.sparse_order[blockIdx.x];
+      ordered = record.x, first_tile = record.y;
+    }
   }
   if (!kPersistent && threadIdx.x == 0) {
     timeline_mark(tl, cta, kMarkStart);
@@ -766,8 +779,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
       FwdTile<Walk> tile = this_ctas_tile();
       if (tile.rows <= 0) return;
       produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/false);
-      tile.kv = sparse_walk(sm);
-      produce_kv<Cfg, T>(hp, sm, tile, pos);
+      // The first K from the order's record, while the list row is still being written.
+      produce_kv<Cfg, T>(hp, sm, tile, pos, first_tile >= 0 ? first_tile & kSparseTileIndex : -1,
+                         [&] { return sparse_walk(sm); });
     } else {
       const FwdTile<Walk> tile = this_ctas_tile();
       if (tile.rows > 0 && !tile.kv.empty()) produce<Cfg, T>(hp, sm, tile, pos);

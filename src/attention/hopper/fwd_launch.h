@@ -41,7 +41,7 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
 // (block_sparse/doc_spans.h, computed before the forward): where the mask has document ids
 // (`doc_ids`). FLARE_HOPPER_DOC_SPANS=0 never (the lookups: A/B runs).
 bool hopper_sparse_doc_spans(bool doc_ids);
-// The order's bytes (an int a tile, 16-byte rounded), and the scratch the block-sparse forward
+// The order's bytes (an int2 a tile, 16-byte rounded), and the scratch the block-sparse forward
 // needs: the order's where it orders its CTAs, then the spans' where it takes them
 // (doc_spans_bytes), else 0.
 std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p);

@@ -116,8 +116,9 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
         sched::SparseOrder o = sched::make_sparse_forward_order(
             detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
         if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
-        int* order = static_cast<int*>(scratch);
-        const Status s = block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, order, stream);
+        int2* order = static_cast<int2*>(scratch);
+        const Status s =
+            block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, Cfg::kBlockN, p.seqlen_k, order, stream);
         if (!s.ok()) return fail(s);
         hp.sparse_order = order;
         grid = dim3(static_cast<unsigned>(o.num_tiles()));

@@ -12,17 +12,10 @@
 
 #include <cutlass/arch/barrier.h>
 
+#include "src/attention/hopper/sparse_tiles.h"
 #include "src/block_sparse/block_sparse_params.h"
-#include "src/block_sparse/list_steps.h"  // list_entry: the read-only path
-#include "src/scheduling/mask_math.h"  // FLARE_HD
 
 namespace flare::hopper {
-
-// Kernel tiles a row may expand into: 16 KB of shared memory. The launcher admits sequences of at
-// most kMaxSparseTiles key tiles, which bounds any list without repeated entries.
-inline constexpr int kMaxSparseTiles = 8192;
-inline constexpr uint16_t kSparseTileMasked = 0x8000;  // the tile's block is PARTIAL (element predicate)
-inline constexpr uint16_t kSparseTileIndex = 0x7fff;
 
 // The CTA's rows (the forward's q tile: kHopperSparseBlockM).
 inline constexpr int kSparseListRows = 128;
@@ -37,27 +30,37 @@ struct SparseTileList {
   uint64_t full;  // mbarrier: the list is written (an arrival from each lane of the writing warp)
 };
 
-// The kernel tiles of listed block n (block_size keys) that start inside the sequence.
-FLARE_HD int tiles_of_block(int n, int block_size, int tile, int seqlen) {
-  const int start = n * block_size;
-  const int end = start + block_size < seqlen ? start + block_size : seqlen;
-  return end > start ? (end - start + tile - 1) / tile : 0;
-}
-
 // The document spans of the CTA's rows row0.. (rows past the sequence take its last row's) from
 // `spans` (doc_spans.h: [batch, seqlen_q], or null: none), written by one warp; doc_spans_ok where
 // every row has one.
-__device__ __forceinline__ void fill_sparse_doc_spans(SparseTileList& list, const int2* spans, int b, int row0,
-                                                      int seqlen_q, int lane) {
-  bool ok = spans != nullptr;
-  if (ok) {
+// They are loaded by the writing warp before the list's entries (the loads in flight together) and
+// stored after them.
+struct DocSpanLoads {
+  static constexpr int kPerLane = kSparseListRows / 32;
+  int2 span[kPerLane];
+  bool any = false;
+};
+__device__ __forceinline__ DocSpanLoads load_sparse_doc_spans(const int2* spans, int b, int row0, int seqlen_q,
+                                                              int lane) {
+  DocSpanLoads l;
+  l.any = spans != nullptr;
+  if (l.any) {
     const int2* first = spans + int64_t{b} * seqlen_q;
 #pragma unroll
-    for (int r = lane; r < kSparseListRows; r += 32) {
-      const int row = row0 + r < seqlen_q ? row0 + r : seqlen_q - 1;
-      const int2 span = first[row];
-      list.doc_spans[r] = span;
-      ok = ok && span.x >= 0;
+    for (int k = 0; k < DocSpanLoads::kPerLane; ++k) {
+      const int r = lane + 32 * k, row = row0 + r < seqlen_q ? row0 + r : seqlen_q - 1;
+      l.span[k] = first[row];
+    }
+  }
+  return l;
+}
+__device__ __forceinline__ void store_sparse_doc_spans(SparseTileList& list, const DocSpanLoads& l, int lane) {
+  bool ok = l.any;
+  if (ok) {
+#pragma unroll
+    for (int k = 0; k < DocSpanLoads::kPerLane; ++k) {
+      list.doc_spans[lane + 32 * k] = l.span[k];
+      ok = ok && l.span[k].x >= 0;
     }
     ok = __all_sync(0xffffffffu, ok);
   }
@@ -69,12 +72,12 @@ __device__ __forceinline__ void fill_sparse_doc_spans(SparseTileList& list, cons
 // each lane expands its entry into its tiles at the position a warp scan of the tile counts gives
 // it. Entries outside [0, num_kv_blocks) are
 // skipped (device lists are not validated); a list longer than kMaxSparseTiles (repeated entries)
-// is cut there. The rows' document spans (fill_sparse_doc_spans) are written first.
+// is cut there. The rows' document spans (doc_spans.h, or none where `doc_spans` is null) come with it.
 template <int kTile>
 __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, const block_sparse::BlockSparseParams& bs,
                                                       int b, int h, int row, int seqlen_k, int lane,
                                                       const int2* doc_spans, int row0, int seqlen_q) {
-  fill_sparse_doc_spans(list, doc_spans, b, row0, seqlen_q, lane);
+  const DocSpanLoads spans = load_sparse_doc_spans(doc_spans, b, row0, seqlen_q, lane);
   const block_sparse::BlockListParams& partial = bs.partial_kv;
   const block_sparse::BlockListParams& full = bs.full_kv;
   const int num_partial = partial.count(b, h, row, bs.num_kv_blocks);
@@ -100,6 +103,7 @@ __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, cons
     written += __shfl_sync(0xffffffffu, end, 31);
   }
   if (lane == 0) list.count = written < kMaxSparseTiles ? written : kMaxSparseTiles;
+  store_sparse_doc_spans(list, spans, lane);
   cutlass::arch::ClusterBarrier::arrive(&list.full);  // releases this lane's writes to the walks
 }
 
