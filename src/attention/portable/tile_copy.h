@@ -7,14 +7,6 @@
 
 namespace flare::portable {
 
-// Whole tiles (every row and column inside the valid range) copied without a bounds test a copy:
-// the d256 forward's next-tile copies were 16 cp.async with 16 ISETP and 32 SEL beside them (its
-// loop has about 1,257 instructions a 64-key tile; FA2 has an unpredicated path for even tiles).
-// An A/B switch, off until measured (bench/RESULTS.md, session 45).
-#ifndef FLARE_PORTABLE_WHOLE_TILE_COPY
-#define FLARE_PORTABLE_WHOLE_TILE_COPY 0
-#endif
-
 // Copies rows [0, rows) x columns [0, cols) of a row-major global tile (kRows x kCols at most)
 // into a shared tile whose rows are kSmemStride elements apart. Rows and columns past the valid
 // range are zero-filled (V's zero rows keep 0 * garbage out of the output).
@@ -29,15 +21,6 @@ __device__ __forceinline__ void load_tile(T* smem, const T* gmem, int64_t row_st
     int r = threadIdx.x / kChunksPerRow;
     const T* src = gmem + r * row_stride + col;
     T* dst = smem + r * kSmemStride + col;
-    if (FLARE_PORTABLE_WHOLE_TILE_COPY && rows >= kRows && cols >= kCols) {  // uniform over the CTA
-#pragma unroll
-      for (int it = 0; it < kChunks / kThreads; ++it) {
-        cp_async_16(dst, src, true);
-        src += kRowStep * row_stride;
-        dst += kRowStep * kSmemStride;
-      }
-      return;
-    }
 #pragma unroll
     for (int it = 0; it < kChunks / kThreads; ++it, r += kRowStep) {
       const bool valid = r < rows && col < cols;
