@@ -689,9 +689,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   const int warp = threadIdx.x / 32, wg = warp / 4;
   unsigned long long* tl = timeline_of(hp);
   const int cta = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-  // An ordered sparse grid's tile, loaded before the barriers' setup so that its latency passes
-  // there. The grid is the programmatic dependent of the kernel that writes the order: it may start
-  // under that kernel and waits for it here.
+  // An ordered sparse grid's tile (and its first key tile), loaded before the barriers' setup so
+  // that its latency passes there. The grid is the programmatic dependent of the kernel that writes
+  // the order or the document spans: it may start under that kernel and waits for it here.
   int ordered = -1, first_tile = -1;
   if constexpr (kSparse) {
     if (hp.sparse_order != nullptr || hp.doc_spans != nullptr) device::wait_for_prerequisite_grids();

@@ -89,7 +89,7 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
   if constexpr (!kPersistent) {
     dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
-    void* owned = nullptr;  // the split's slots, where the caller gave no workspace
+    void* owned = nullptr;  // scratch (split slots; sparse order and spans) where the caller gave no workspace
     if constexpr (kSparse) {
       // Scratch: the CTA order where the tiles outnumber the SMs (longest list rows first,
       // sparse_order.h), then a documents mask's row spans (doc_spans.h). Both kernels run ahead of
