@@ -15,12 +15,11 @@ namespace {
 constexpr int kThreads = 1024;
 static_assert(sched::kSparseOrderBuckets == 2 * kThreads, "two buckets a thread in the scan");
 
-__device__ __forceinline__ int tile_bucket(const sched::SparseOrder& o, const BlockSparseParams& bs, int tile_rows,
-                                           int g, int i) {
+// Tile i of group g's list row (its q block's).
+__device__ __forceinline__ hopper::SparseListRow tile_list_row(const sched::SparseOrder& o, const BlockSparseParams& bs,
+                                                               int tile_rows, int g, int i) {
   const sched::TileCoord c = o.group_tile(g, i);
-  const int row = c.block * tile_rows / bs.q_block_size;
-  return sched::sparse_order_bucket(bs.partial_kv.count(c.batch, c.head, row, bs.num_kv_blocks) +
-                                    bs.full_kv.count(c.batch, c.head, row, bs.num_kv_blocks));
+  return hopper::sparse_list_row(bs, c.batch, c.head, c.block * tile_rows / bs.q_block_size);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -34,7 +33,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = t % 32, warp = t / 32;
   for (int k = t; k < sched::kSparseOrderBuckets; k += kThreads) place[k] = 0;
   __syncthreads();
-  for (int i = t; i < n; i += kThreads) atomicAdd(&place[tile_bucket(o, bs, tile_rows, g, i)], 1);
+  for (int i = t; i < n; i += kThreads)
+    atomicAdd(&place[sched::sparse_order_bucket(tile_list_row(o, bs, tile_rows, g, i).num_listed)], 1);
   __syncthreads();
   // Places in descending bucket order: thread t holds buckets B-1-2t and B-2-2t.
   const int hi = sched::kSparseOrderBuckets - 1 - 2 * t;
@@ -47,7 +47,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int base = 0; base < n; base += kThreads) {
     const int i = base + t;
     const bool valid = i < n;
-    const int bucket = valid ? tile_bucket(o, bs, tile_rows, g, i) : -1;
+    const hopper::SparseListRow row = valid ? tile_list_row(o, bs, tile_rows, g, i) : hopper::SparseListRow{};
+    const int bucket = valid ? sched::sparse_order_bucket(row.num_listed) : -1;
     const unsigned peers = __match_any_sync(0xffffffffu, bucket);
     const int leader = __ffs(peers) - 1;
     const int rank = __popc(peers & ((1u << lane) - 1u));
@@ -57,11 +58,7 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
     first = __shfl_sync(0xffffffffu, first, leader);
-    if (valid) {
-      const sched::TileCoord c = o.group_tile(g, i);
-      const int row = c.block * tile_rows / bs.q_block_size;
-      out[first + rank] = make_int2(o.encode(c), hopper::first_sparse_tile(bs, c.batch, c.head, row, seqlen_k, kv_tile));
-    }
+    if (valid) out[first + rank] = make_int2(o.encode(o.group_tile(g, i)), hopper::first_sparse_tile(bs, row, seqlen_k, kv_tile));
   }
 }
 

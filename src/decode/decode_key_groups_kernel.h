@@ -60,6 +60,7 @@
 
 #include "flare/decode_plan.h"
 #include "src/common/bulk_copy.h"
+#include "src/common/named_barrier.h"
 #include "src/decode/decode_kernel.h"
 #include "src/decode/decode_subtile.h"
 #include "src/decode/decode_tensor_maps.h"
@@ -182,9 +183,9 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   if constexpr (kEarlyIssue) {
     if (warp == kWarps) {
       __syncwarp();  // the other producer lanes see the barriers initialized
-      named_arrive<2>(32 * (kWarps + 1));  // bar 2: consumer_sync takes bar 1
+      ::flare::device::named_arrive<2>(32 * (kWarps + 1));  // bar 2: consumer_sync takes bar 1
     } else {
-      named_sync<2>(32 * (kWarps + 1));
+      ::flare::device::named_sync<2>(32 * (kWarps + 1));
     }
   } else {
     __syncthreads();

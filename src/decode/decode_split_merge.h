@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "src/common/named_barrier.h"
 #include "src/decode/decode_kernel.h"
 #include "src/decode/decode_schedule.h"
 #include "src/decode/decode_timeline.h"
@@ -31,18 +32,8 @@ namespace flare::decode {
 
 namespace device {
 
-// Named barrier kId (1-15; 0 is __syncthreads') of `threads` threads: wait at it, or only arrive.
-template <int kId>
-__device__ __forceinline__ void named_sync(int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "r"(threads) : "memory");
-}
-template <int kId>
-__device__ __forceinline__ void named_arrive(int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "r"(threads) : "memory");
-}
-
 // A barrier of the consumer warps only (the producer warp has returned by then).
-__device__ __forceinline__ void consumer_sync(int threads) { named_sync<1>(threads); }
+__device__ __forceinline__ void consumer_sync(int threads) { ::flare::device::named_sync<1>(threads); }
 
 // kVec consecutive floats (2, 4 or 8, 8-byte aligned or better) read through L2 only: partial
 // states written by other SMs during this kernel must not come from a stale L1 line.

@@ -320,7 +320,8 @@ TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
           got_tiles.push_back(r.x);
           const sched::TileCoord t = o.decode(r.x);
           const int row = t.block * 128 / host.q_block_size;
-          const int first = hopper::first_sparse_tile(host, t.batch, t.head, row, c.attn.seqlen_k, kKvTile);
+          const int first =
+              hopper::first_sparse_tile(host, hopper::sparse_list_row(host, t.batch, t.head, row), c.attn.seqlen_k, kKvTile);
           EXPECT_EQ(r.y, first) << "tile " << r.x;
           masked_firsts += first >= 0 && (first & hopper::kSparseTileMasked) != 0;
         }

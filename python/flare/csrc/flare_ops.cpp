@@ -156,6 +156,18 @@ at::Tensor workspace_tensor(std::size_t bytes, const at::Device& device) {
   return empty_cuda({static_cast<int64_t>(bytes)}, at::kByte, device);
 }
 
+// attention_forward with the scratch it asks for (attention_forward_workspace_size: the dense Hopper
+// grid's split tiles, a block mask's CTA order and document spans; most problems none) taken from
+// torch's allocator.
+void run_attention_forward(flare::AttentionForwardParams& p, const at::Device& device, const Renames& renames) {
+  std::size_t bytes = 0;
+  throw_if_error(flare::attention_forward_workspace_size(p, &bytes), renames);
+  const at::Tensor workspace = workspace_tensor(bytes, device);
+  p.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
+  p.workspace_bytes = bytes;
+  throw_if_error(flare::attention_forward(p), renames);
+}
+
 // ---- attention --------------------------------------------------------------------------------
 
 const Renames kAttentionNames = {{"mask.window_left", "window_size"}, {"mask.window_right", "window_size"},
@@ -242,12 +254,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
                       causal, window_left, window_right);
   p.lse = view(lse, "lse");
   p.sinks = view(sinks, "sinks");
-  std::size_t bytes = 0;  // the Hopper grid's split tiles (most problems: none)
-  throw_if_error(flare::attention_forward_workspace_size(p, &bytes), kAttentionNames);
-  const at::Tensor workspace = workspace_tensor(bytes, q.device());
-  p.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
-  p.workspace_bytes = bytes;
-  throw_if_error(flare::attention_forward(p), kAttentionNames);
+  run_attention_forward(p, q.device(), kAttentionNames);
   return {out, lse};
 }
 
@@ -1017,12 +1024,7 @@ std::tuple<at::Tensor, at::Tensor> flex_fwd(const at::Tensor& query, const at::T
   p.softmax_scale = static_cast<float>(scale);
   p.block_mask = m.sparse() ? &mask : nullptr;
   p.stream = current_stream(query.device());
-  std::size_t bytes = 0;  // the block-sparse grid's CTA order (tiles past the SMs), the dense grid's split tiles
-  throw_if_error(flare::attention_forward_workspace_size(p, &bytes), kFlexNames);
-  const at::Tensor workspace = workspace_tensor(bytes, query.device());
-  p.workspace = bytes > 0 ? workspace.data_ptr() : nullptr;
-  p.workspace_bytes = bytes;
-  throw_if_error(flare::attention_forward(p), kFlexNames);
+  run_attention_forward(p, query.device(), kFlexNames);
   return {out, lse};
 }
 

@@ -27,6 +27,7 @@
 #pragma once
 
 #include "src/attention/hopper/bwd_kernel.h"
+#include "src/common/named_barrier.h"
 
 namespace flare::hopper {
 
@@ -62,8 +63,6 @@ constexpr int hopper_bwd_split_smem_bytes() {
 // Named barriers between the two consumer warpgroups (1 is consumers_sync): P^T and dS^T in shared
 // memory.
 inline constexpr int kBarPReady = 2, kBarDsReady = 3;
-__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
 // Producer warp 0 (one thread): K and V once, then per query block Q's first half with the
 // statistics, dO (ring of one) and Q's second half, into the ring of kQHalves half-tiles. With three
@@ -235,11 +234,11 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         // P^T, rounded once: dV's operand here and dS^T's factor in warpgroup 1.
         bwd_probs<Cfg, T>(sdp_acc, s_coord, lse_log2, p.scale_log2, t, q0, ew_reg);
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sPt));
-        named_arrive(kBarPReady);
+        ::flare::device::named_arrive<kBarPReady>(256);
         CUTE_UNROLL
         for (int i = 0; i < kN; i += 2) frag_pair(p_frag, i) = frag_pair(ew_reg, i);
       } else {
-        named_sync(kBarPReady);
+        ::flare::device::named_sync<kBarPReady>(256);
         copy(s2r, thr_s2r.partition_S(sPt), thr_s2r.retile_D(ew_reg));
         CUTE_UNROLL
         for (int i = 0; i < kN; i += 2) {
@@ -251,11 +250,11 @@ __device__ __forceinline__ void bwd_split_consume(const HopperBwdParams<Cfg, T>&
         }
         copy(r2s, thr_r2s.retile_S(ew_reg), thr_r2s.partition_D(sDSt));
         cutlass::arch::fence_view_async_shared();
-        named_arrive(kBarDsReady);
+        ::flare::device::named_arrive<kBarDsReady>(256);
         sm.q_ring.wait_full(qb);  // dK's half of Q
       }
       wg_gemm<false>(mma_dv, p_frag, dot_frag, dv_acc);
-      if (w == 0) named_sync(kBarDsReady);  // dS^T is in shared memory
+      if (w == 0) ::flare::device::named_sync<kBarDsReady>(256);  // dS^T is in shared memory
       wg_gemm<false>(mma_dk, dst_desc, qt_frag(_, _, _, w == 0 ? qa.index : qb.index), dk_acc);
       wg_gemm<true>(mma_dq, ds_desc, kt_frag, dq_acc);
       wg_wait<2>(dv_acc);  // dV done: dO is free

@@ -65,19 +65,22 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
   return sparse_forward_tiles(p) > num_sms;
 }
 
-std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p) {
-  return (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int2) + 15) / 16 * 16;
-}
 
 bool hopper_sparse_doc_spans(bool doc_ids) {
   const char* forced = std::getenv("FLARE_HOPPER_DOC_SPANS");
   return doc_ids && !(forced != nullptr && forced[0] == '0');
 }
 
+SparseScratch hopper_sparse_scratch(const detail::FwdKernelParams& p, bool doc_ids, int num_sms) {
+  SparseScratch s;
+  if (hopper_sparse_ordered(p, num_sms))
+    s.order_bytes = (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int2) + 15) / 16 * 16;
+  if (hopper_sparse_doc_spans(doc_ids)) s.span_bytes = block_sparse::doc_spans_bytes(p.batch, p.seqlen_q);
+  return s;
+}
+
 std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p, bool doc_ids) {
-  const std::size_t order =
-      hopper_sparse_ordered(p, detail::current_device_facts().num_sms) ? hopper_sparse_order_bytes(p) : 0;
-  return order + (hopper_sparse_doc_spans(doc_ids) ? block_sparse::doc_spans_bytes(p.batch, p.seqlen_q) : 0);
+  return hopper_sparse_scratch(p, doc_ids, detail::current_device_facts().num_sms).total();
 }
 
 int hopper_sparse_order_units_override() {

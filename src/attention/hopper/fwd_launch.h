@@ -41,10 +41,14 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
 // (block_sparse/doc_spans.h, computed before the forward): where the mask has document ids
 // (`doc_ids`). FLARE_HOPPER_DOC_SPANS=0 never (the lookups: A/B runs).
 bool hopper_sparse_doc_spans(bool doc_ids);
-// The order's bytes (an int2 a tile, 16-byte rounded), and the scratch the block-sparse forward
-// needs: the order's where it orders its CTAs, then the spans' where it takes them
-// (doc_spans_bytes), else 0.
-std::size_t hopper_sparse_order_bytes(const detail::FwdKernelParams& p);
+// The block-sparse forward's scratch: the CTA order (an int2 a tile, 16-byte rounded) where it
+// orders its CTAs, then the document spans (doc_spans_bytes) where it takes them. The launcher lays
+// its workspace out by it and hopper_forward_sparse_workspace_bytes is its total.
+struct SparseScratch {
+  std::size_t order_bytes = 0, span_bytes = 0;
+  std::size_t total() const { return order_bytes + span_bytes; }
+};
+SparseScratch hopper_sparse_scratch(const detail::FwdKernelParams& p, bool doc_ids, int num_sms);
 std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p, bool doc_ids);
 // FLARE_HOPPER_SPARSE_ORDER_UNITS=N: the order's groups of N (batch, kv head) units instead of the
 // rule's (make_sparse_forward_order; an A/B switch); 0 where unset.

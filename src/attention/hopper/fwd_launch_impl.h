@@ -95,24 +95,20 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
       // sparse_order.h), then a documents mask's row spans (doc_spans.h). Both kernels run ahead of
       // the forward, which waits for them.
       const detail::DeviceFacts dev = detail::current_device_facts();
-      const bool ordered = hopper_sparse_ordered(p, dev.num_sms);
-      const bool spans = hopper_sparse_doc_spans(bs->element.doc_q != nullptr);
-      const std::size_t order_bytes = ordered ? hopper_sparse_order_bytes(p) : 0;
-      const std::size_t span_bytes = spans ? block_sparse::doc_spans_bytes(p.batch, p.seqlen_q) : 0;
+      const SparseScratch layout = hopper_sparse_scratch(p, bs->element.doc_q != nullptr, dev.num_sms);
       void* scratch = nullptr;
-      if (order_bytes + span_bytes > 0)
-        FLARE_RETURN_IF_ERROR(forward_scratch(p, order_bytes + span_bytes, stream, &owned, &scratch));
+      if (layout.total() > 0) FLARE_RETURN_IF_ERROR(forward_scratch(p, layout.total(), stream, &owned, &scratch));
       auto fail = [&](const Status& s) {
         if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
         return s;
       };
-      if (spans) {
-        int2* doc_spans = reinterpret_cast<int2*>(static_cast<char*>(scratch) + order_bytes);
+      if (layout.span_bytes > 0) {
+        int2* doc_spans = reinterpret_cast<int2*>(static_cast<char*>(scratch) + layout.order_bytes);
         const Status s = block_sparse::launch_doc_spans(bs->element, p.batch, p.seqlen_q, p.seqlen_k, doc_spans, stream);
         if (!s.ok()) return fail(s);
         hp.doc_spans = doc_spans;
       }
-      if (ordered) {
+      if (layout.order_bytes > 0) {
         sched::SparseOrder o = sched::make_sparse_forward_order(
             detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
         if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;

@@ -78,26 +78,20 @@ __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, cons
                                                       int b, int h, int row, int seqlen_k, int lane,
                                                       const int2* doc_spans, int row0, int seqlen_q) {
   const DocSpanLoads spans = load_sparse_doc_spans(doc_spans, b, row0, seqlen_q, lane);
-  const block_sparse::BlockListParams& partial = bs.partial_kv;
-  const block_sparse::BlockListParams& full = bs.full_kv;
-  const int num_partial = partial.count(b, h, row, bs.num_kv_blocks);
-  const int num_listed = num_partial + full.count(b, h, row, bs.num_kv_blocks);
-  const int32_t* partial_row = partial.counts ? partial.row(b, h, row) : nullptr;
-  const int32_t* full_row = full.counts ? full.row(b, h, row) : nullptr;
+  const SparseListRow r = sparse_list_row(bs, b, h, row);
   const int subs = bs.kv_block_size / kTile;
   int written = 0;
-  for (int e0 = 0; e0 < num_listed; e0 += 32) {
+  for (int e0 = 0; e0 < r.num_listed; e0 += 32) {
     const int e = e0 + lane;
-    int n = -1;
-    if (e < num_listed) n = block_sparse::list_entry(e < num_partial ? partial_row + e : full_row + e - num_partial);
-    const int count = n >= 0 && n < bs.num_kv_blocks ? tiles_of_block(n, bs.kv_block_size, kTile, seqlen_k) : 0;
+    const int n = e < r.num_listed ? r.entry(e) : -1;
+    const int count = listed_block_tiles(bs, n, kTile, seqlen_k);
     int end = count;  // inclusive scan: this lane's tiles end at written + end
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
       const int v = __shfl_up_sync(0xffffffffu, end, d);
       if (lane >= d) end += v;
     }
-    const uint16_t flag = e < num_partial ? kSparseTileMasked : 0;
+    const uint16_t flag = r.flag(e);
     for (int s = 0, at = written + end - count; s < count && at < kMaxSparseTiles; ++s, ++at)
       list.tiles[at] = static_cast<uint16_t>(n * subs + s) | flag;
     written += __shfl_sync(0xffffffffu, end, 31);
