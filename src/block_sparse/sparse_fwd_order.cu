@@ -24,8 +24,9 @@ __device__ __forceinline__ hopper::SparseListRow tile_list_row(const sched::Spar
 
 __global__ void __launch_bounds__(kThreads)
     sparse_forward_order_kernel(sched::SparseOrder o, BlockSparseParams bs, int tile_rows, int kv_tile, int seqlen_k,
-                                int2* order) {
+                                int2* order, int* counter) {
   device::allow_dependent_launch();  // the forward starts its setup under this kernel and waits for it
+  if (counter != nullptr && blockIdx.x == 0 && threadIdx.x < 2) counter[threadIdx.x] = 0;
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ int place[sched::kSparseOrderBuckets];  // a bucket's count, then its next place
   __shared__ typename Scan::TempStorage scan;
@@ -65,10 +66,11 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 Status launch_sparse_forward_order(const sched::SparseOrder& o, const BlockSparseParams& bs, int tile_rows,
-                                   int kv_tile, int seqlen_k, int2* order, cudaStream_t stream) {
+                                   int kv_tile, int seqlen_k, int2* order, int* counter, cudaStream_t stream) {
   if (order == nullptr) return Status::InvalidArgument("order", "null pointer");
   if (o.num_tiles() <= 0) return Status::Ok();
-  sparse_forward_order_kernel<<<o.num_groups(), kThreads, 0, stream>>>(o, bs, tile_rows, kv_tile, seqlen_k, order);
+  sparse_forward_order_kernel<<<o.num_groups(), kThreads, 0, stream>>>(o, bs, tile_rows, kv_tile, seqlen_k, order,
+                                                                        counter);
   return detail::cuda_status(cudaGetLastError(), "block-sparse forward order");
 }
 

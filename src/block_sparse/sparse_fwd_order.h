@@ -15,7 +15,9 @@ namespace flare::block_sparse {
 // Writes o.num_tiles() records to `order` on `stream`: {the encoded tile (SparseOrder::encode), its
 // list row's first key tile of kv_tile keys (hopper::first_sparse_tile: index | PARTIAL flag, or -1)}.
 // A tile's rows are `tile_rows` (the kernel's q tile); its list row is the mask's q block holding them.
+// `counter` (or null): the persistent forward's two counters (tiles claimed, tiles done), zeroed by
+// the kernel.
 Status launch_sparse_forward_order(const sched::SparseOrder& o, const BlockSparseParams& bs, int tile_rows,
-                                   int kv_tile, int seqlen_k, int2* order, cudaStream_t stream);
+                                   int kv_tile, int seqlen_k, int2* order, int* counter, cudaStream_t stream);
 
 }  // namespace flare::block_sparse

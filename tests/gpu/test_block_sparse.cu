@@ -309,7 +309,7 @@ TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
         FLARE_CUDA_OK(cudaMalloc(&order, o.num_tiles() * sizeof(int2)));
         FLARE_CUDA_OK(cudaMemset(order, 0xFF, o.num_tiles() * sizeof(int2)));  // -1: unwritten
         const Status st =
-            block_sparse::launch_sparse_forward_order(o, dev, 128, kKvTile, c.attn.seqlen_k, order, nullptr);
+            block_sparse::launch_sparse_forward_order(o, dev, 128, kKvTile, c.attn.seqlen_k, order, nullptr, nullptr);
         ASSERT_TRUE(st.ok()) << st.message();
         std::vector<int2> got(o.num_tiles());
         FLARE_CUDA_OK(cudaMemcpy(got.data(), order, got.size() * sizeof(int2), cudaMemcpyDeviceToHost));
@@ -331,14 +331,15 @@ TEST(BlockSparseForward, CtaOrderKernelMatchesItsReference) {
 }
 
 // The forward with its CTAs ordered (FLARE_HOPPER_SPARSE_ORDER=1: the order's path on shapes of
-// fewer tiles than SMs) against the oracle on every mask kind, and the rule without the variable:
-// ordered where the tiles outnumber the SMs.
+// fewer tiles than SMs) against the oracle on every mask kind, on the persistent grid and on one
+// CTA per tile (FLARE_HOPPER_SPARSE_PERSISTENT), and the rule without the variable: ordered where
+// the tiles outnumber the SMs.
 TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   FLARE_REQUIRE_GPU();
   if (!hopper_device()) GTEST_SKIP() << "not an sm_90 device";
   struct OrderVariable {  // unset again however the test ends (later tests run the library's rule)
-    OrderVariable() { unsetenv("FLARE_HOPPER_SPARSE_ORDER"); }
-    ~OrderVariable() { unsetenv("FLARE_HOPPER_SPARSE_ORDER"); }
+    OrderVariable() { unsetenv("FLARE_HOPPER_SPARSE_ORDER"), unsetenv("FLARE_HOPPER_SPARSE_PERSISTENT"); }
+    ~OrderVariable() { unsetenv("FLARE_HOPPER_SPARSE_ORDER"), unsetenv("FLARE_HOPPER_SPARSE_PERSISTENT"); }
   } order_variable;
   const int sms = detail::current_device_facts().num_sms;
   detail::FwdKernelParams p;
@@ -347,27 +348,59 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), 0u);
   p.seqlen_q = 129;
   EXPECT_TRUE(hopper::hopper_sparse_ordered(p, sms));
-  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), (8u * 2 * p.heads * 2 + 15) / 16 * 16);
+  // The order (an int2 a tile, 16-byte rounded) and the persistent grid's counter (16 bytes).
+  const std::size_t order_bytes = (8u * 2 * p.heads * 2 + 15) / 16 * 16 + 16;
+  EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), order_bytes);
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, true),
-            (8u * 2 * p.heads * 2 + 15) / 16 * 16 + block_sparse::doc_spans_bytes(p.batch, p.seqlen_q));
+            order_bytes + block_sparse::doc_spans_bytes(p.batch, p.seqlen_q));
+  // Persistent for rows of about equal length (a window, blocks alone), not for growing rows
+  // (causal, prefix) or documents, nor past its lists' capacity; the variable forces either.
+  block_sparse::ElementMaskParams blocks, causal, window, prefix, docs;
+  causal.causal = window.causal = true, window.window_left = 1024;
+  prefix.prefix_length = 64;
+  const int32_t ids = 0;
+  docs.doc_q = docs.doc_k = &ids;
+  p.seqlen_k = hopper::kMaxPersistentSparseTiles * 128;
+  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, blocks, 128));
+  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, window, 128));
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, causal, 128));
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, prefix, 128));
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, docs, 128));
+  p.seqlen_k += 1;  // more key tiles than its lists hold
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, blocks, 128));
+  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, blocks, 256));
+  setenv("FLARE_HOPPER_SPARSE_PERSISTENT", "1", 1);
+  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, docs, 256));
+  setenv("FLARE_HOPPER_SPARSE_PERSISTENT", "0", 1);
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, blocks, 256));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "0", 1);
   EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "1", 1);
   const int before = g_hopper_sparse_runs;
   uint64_t seed = 7300;
-  for (int d : {64, 128})
-    for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
-      if (reduced() && (d == 64 || k % 2)) continue;
-      SparseCase c = base_case(static_cast<MaskKind>(k), d, seed++);
-      c.attn.seqlen_q = 700;  // 6 q tiles a head, rows of several lengths
-      run_sparse_forward(c);
-    }
+  for (const char* persistent : {"0", "1"}) {
+    SCOPED_TRACE(std::string("FLARE_HOPPER_SPARSE_PERSISTENT=") + persistent);
+    setenv("FLARE_HOPPER_SPARSE_PERSISTENT", persistent, 1);
+    for (int d : {64, 128, 256})
+      for (int k = 0; k < static_cast<int>(MaskKind::kCount); ++k) {
+        if (reduced() && (d != 128 || k % 2)) continue;
+        SparseCase c = base_case(static_cast<MaskKind>(k), d, seed++);
+        c.attn.seqlen_q = 700;  // 6 q tiles a head, rows of several lengths
+        // More tiles than persistent CTAs (a CTA takes several: its lists' two buffers in turn).
+        if (d == 128 && (k == 0 || k == 3)) c.attn.heads = 2 * sms / 6 + 4, c.attn.heads_kv = c.attn.heads / 2;
+        run_sparse_forward(c);
+      }
+  }
   // The order and the document spans in the caller's workspace: attention_forward_workspace_size
   // counts an int2 a tile and an int2 a row, a poisoned workspace of that size runs, a smaller one is
   // refused by name.
+  // On the persistent grid (FLARE_HOPPER_SPARSE_PERSISTENT=1 from the loop above), with several
+  // tiles a CTA, its counters after the forward (the workspace's 16 bytes after the order): tiles
+  // claimed and tiles done, each the tile count (a tile computed twice or never is counted).
   if (portable::instantiated_head_dim(128) != 0) {
     SparseCase c = base_case(MaskKind::kDocuments, 128, 7400);
     c.attn.seqlen_q = 700;
+    c.attn.heads = 2 * sms / 6 + 4, c.attn.heads_kv = c.attn.heads / 2;
     SparseMask mask;
     ASSERT_NO_FATAL_FAILURE(build_mask(c, &mask));
     AttnProblem prob(c.attn);
@@ -377,7 +410,7 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
     std::size_t bytes = 0;
     ASSERT_TRUE(attention_forward_workspace_size(fp, &bytes).ok());
     const std::size_t tiles = std::size_t{(700 + 127) / 128} * c.attn.heads * c.attn.batch;
-    EXPECT_EQ(bytes, (tiles * sizeof(int2) + 15) / 16 * 16 + block_sparse::doc_spans_bytes(c.attn.batch, 700));
+    EXPECT_EQ(bytes, (tiles * sizeof(int2) + 15) / 16 * 16 + 16 + block_sparse::doc_spans_bytes(c.attn.batch, 700));
     void* workspace = nullptr;
     FLARE_CUDA_OK(cudaMalloc(&workspace, bytes));
     FLARE_CUDA_OK(cudaMemset(workspace, 0xFF, bytes));
@@ -386,6 +419,11 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
     EXPECT_TRUE(ran.ok()) << ran.message();
     FLARE_CUDA_OK(cudaDeviceSynchronize());
     prob.check_forward();
+    int counters[2] = {-1, -1};
+    FLARE_CUDA_OK(cudaMemcpy(counters, static_cast<char*>(workspace) + (tiles * sizeof(int2) + 15) / 16 * 16,
+                             sizeof(counters), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(counters[0], static_cast<int>(tiles)) << "tiles claimed";
+    EXPECT_EQ(counters[1], static_cast<int>(tiles)) << "tiles done";
     fp.workspace_bytes = bytes - 16;
     const Status small = attention_forward(fp);
     EXPECT_EQ(small.code(), StatusCode::kInvalidArgument);

@@ -65,6 +65,14 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
   return sparse_forward_tiles(p) > num_sms;
 }
 
+bool hopper_sparse_persistent(const detail::FwdKernelParams& p, const block_sparse::ElementMaskParams& el,
+                              int kv_tile) {
+  if (int64_t{p.seqlen_k} > int64_t{kMaxPersistentSparseTiles} * kv_tile) return false;
+  const char* forced = std::getenv("FLARE_HOPPER_SPARSE_PERSISTENT");
+  if (forced != nullptr && (forced[0] == '0' || forced[0] == '1')) return forced[0] == '1';
+  const bool growing_rows = (el.causal && el.window_left < 0) || el.prefix_length >= 0;
+  return !growing_rows && el.doc_q == nullptr;
+}
 
 bool hopper_sparse_doc_spans(bool doc_ids) {
   const char* forced = std::getenv("FLARE_HOPPER_DOC_SPANS");
@@ -73,8 +81,10 @@ bool hopper_sparse_doc_spans(bool doc_ids) {
 
 SparseScratch hopper_sparse_scratch(const detail::FwdKernelParams& p, bool doc_ids, int num_sms) {
   SparseScratch s;
-  if (hopper_sparse_ordered(p, num_sms))
+  if (hopper_sparse_ordered(p, num_sms)) {
     s.order_bytes = (static_cast<std::size_t>(sparse_forward_tiles(p)) * sizeof(int2) + 15) / 16 * 16;
+    s.counter_bytes = 16;
+  }
   if (hopper_sparse_doc_spans(doc_ids)) s.span_bytes = block_sparse::doc_spans_bytes(p.batch, p.seqlen_q);
   return s;
 }

@@ -67,7 +67,9 @@ struct HopperFwdParams {
   // The sparse kernel's document spans (block_sparse/doc_spans.h: int2 [batch, seqlen_q]), or null:
   // partial tiles look the document ids up.
   const int2* doc_spans = nullptr;
-  int* next_tile = nullptr;            // the persistent grid's tile counter (its launch's slot)
+  // The persistent grid's tile counter (dense: its launch's slot); the sparse grid's is two words,
+  // tiles claimed and tiles done (the order kernel zeroes them).
+  int* next_tile = nullptr;
   // One CTA per tile, dense: the last tiles split into key ranges (fwd_grid.h; inactive: none), a 1D
   // grid of the whole tiles in (m block, head, sequence) order, then the parts; each part's O and
   // LSE go to its slot of `partial` (FwdPartSlot, [split tile, part]).
@@ -90,17 +92,30 @@ __device__ __forceinline__ unsigned long long* timeline_of(const HopperFwdParams
 }
 
 // The block-sparse kernel's expanded list row (sparse_tile_list.h); nothing in the dense kernel.
-template <bool kSparse>
-struct FwdListSmem {};
+// The persistent sparse grid holds a list a Q stage and the tile its writer announced for the stage
+// (sparse_list_writer): {order index, encoded tile, first key tile}.
+template <bool kSparse, bool kPersistent>
+struct FwdListSmem {
+  using List = void;
+};
 template <>
-struct FwdListSmem<true> {
+struct FwdListSmem<true, false> {
+  using List = SparseTileList;
   SparseTileList list;
+};
+template <>
+struct FwdListSmem<true, true> {
+  using List = SparseTileListOf<kMaxPersistentSparseTiles>;
+  List lists[2];
+  int4 announced[2];
+  int ordered_tile_of_q[2];  // the encoded tile of a Q stage's order index (tile_of_q)
+  uint64_t announce[2];      // mbarriers: the writer has announced the stage's next tile (one arrival)
 };
 
 // kQStages: Q's stages. One CTA per tile loads Q once; a persistent CTA takes two where they fit,
 // so that the next tile's Q lands while the current tile still uses its own.
-template <typename Cfg, typename T, int kQStages_ = 1, bool kSparse = false>
-struct FwdSmem : FwdListSmem<kSparse> {
+template <typename Cfg, typename T, int kQStages_ = 1, bool kSparse = false, bool kPersistent = false>
+struct FwdSmem : FwdListSmem<kSparse, kPersistent> {
   using L = FwdLayouts<Cfg, T>;
   using Config = Cfg;
   static constexpr int kQStages = kQStages_;
@@ -113,15 +128,22 @@ struct FwdSmem : FwdListSmem<kSparse> {
   int tile_of_q[kQStages];  // persistent: the tile whose Q a stage holds (-1: no tiles left)
 };
 
-template <typename Cfg, typename T, int kQStages = 1, bool kSparse = false>
+template <typename Cfg, typename T, int kQStages = 1, bool kSparse = false, bool kPersistent = false>
 constexpr int hopper_fwd_smem_bytes() {
-  return static_cast<int>(sizeof(FwdSmem<Cfg, T, kQStages, kSparse>)) + 1024;  // + the alignment slack of the base
+  return static_cast<int>(sizeof(FwdSmem<Cfg, T, kQStages, kSparse, kPersistent>)) + 1024;  // + the alignment slack of the base
 }
 
 // Q stages of the one-CTA-per-tile (1) and persistent (2 where they fit) grids.
 template <typename Cfg, typename T, bool kPersistent>
 constexpr int hopper_fwd_q_stages() {
   return kPersistent && hopper_fwd_smem_bytes<Cfg, T, 2>() <= 227 * 1024 ? 2 : 1;
+}
+
+// Whether the block-sparse forward of Cfg has its persistent form: two Q stages and two lists of
+// kMaxPersistentSparseTiles beside the K/V stages in 227 KB (d64-d192; not d256).
+template <typename Cfg, typename T>
+constexpr bool hopper_sparse_persistent_fits() {
+  return hopper_fwd_smem_bytes<Cfg, T, 2, true, true>() <= 227 * 1024;
 }
 
 // Where a role stands in the pipelines; carried from tile to tile by persistent CTAs.
@@ -170,14 +192,22 @@ __device__ __forceinline__ FwdTile<Walk> fwd_tile_of(const HopperFwdParams<Cfg, 
   return t;
 }
 
-// The CTA's expanded list row, once its writer has arrived (sparse_tile_list.h).
-template <typename Smem>
-__device__ __forceinline__ SparseKvWalk sparse_walk(Smem& sm) {
-  cutlass::arch::ClusterBarrier::wait(&sm.list.full, 0);
-  SparseKvWalk w;
-  w.list = &sm.list;
-  w.count = sm.list.count;
+// An expanded list row, once its writer has arrived (sparse_tile_list.h) for the `phase`-th time.
+template <typename List>
+__device__ __forceinline__ SparseKvWalkOf<List> sparse_walk(List& list, uint32_t phase = 0) {
+  cutlass::arch::ClusterBarrier::wait(&list.full, phase);
+  SparseKvWalkOf<List> w;
+  w.list = &list;
+  w.count = list.count;
   return w;
+}
+
+// The tile of a block-sparse order record (sched::SparseOrder::encode: (batch x heads + head) x q
+// tiles + q tile).
+template <typename Cfg, typename Walk, typename T>
+__device__ __forceinline__ FwdTile<Walk> ordered_sparse_tile(const HopperFwdParams<Cfg, T>& hp, int encoded) {
+  const int m_tiles = (hp.p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, flat = encoded / m_tiles;
+  return fwd_tile_of<Cfg, Walk>(hp, encoded - flat * m_tiles, flat % hp.p.heads, flat / hp.p.heads);
 }
 
 // The producer thread's Q load of the tile. q_stage_free: the caller has already waited for Q's
@@ -669,22 +699,95 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   }
 }
 
+// The persistent block-sparse grid's list writer: warp 1 of the producer warpgroup. For each of the
+// CTA's tiles it waits for a Q stage to be free (the consumers done with the tile two before, whose
+// list the stage's buffer held), claims the tile in the sorted order (hp.sparse_order: blockIdx.x
+// first, then from the counter), announces it to the producer ({order index, encoded tile, first
+// key tile}; -1 once none is left) and writes its list row into the stage's buffer. The producer issues the tile's Q and first K on the
+// announcement and its other K/V once the list is written: both load under the current tile's
+// GEMMs.
+template <typename Cfg, typename T, typename Smem>
+__device__ __forceinline__ void sparse_list_writer(const HopperFwdParams<Cfg, T>& hp, Smem& sm, int lane) {
+  using Walk = SparseKvWalkOf<typename Smem::List>;
+  const detail::FwdKernelParams& p = hp.p;
+  const int num_tiles = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM * p.heads * p.batch;
+  RingPos q;  // the Q ring's stage and lap, as the producer walks it
+  int i = blockIdx.x;
+  bool first = true;
+  for (;;) {
+    cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[q.index], q.phase ^ 1u);
+    // The next tile claimed only once a stage is free: claimed a tile earlier (its latency under the
+    // list before), long tiles went to CTAs that were free later than others (causal 1.07-1.09,
+    // documents 1.06-1.07 of one CTA per tile's time, bench/RESULTS.md session 47).
+    if (!first) {
+      int ticket = 0;
+      if (lane == 0) ticket = atomicAdd(hp.next_tile, 1);
+      i = static_cast<int>(gridDim.x) + __shfl_sync(0xffffffffu, ticket, 0);
+    }
+    first = false;
+    const int2 record = i < num_tiles ? hp.sparse_order[i] : make_int2(-1, -1);
+    if (lane == 0) sm.announced[q.index] = i < num_tiles ? make_int4(i, record.x, record.y, 0) : make_int4(-1, -1, -1, 0);
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.announce[q.index]);
+    if (i >= num_tiles) return;
+    const FwdTile<Walk> t = ordered_sparse_tile<Cfg, Walk>(hp, record.x);
+    fill_sparse_tile_list<Cfg::kBlockN>(sm.lists[q.index], hp.bs, t.b, t.h, t.row0 / hp.bs.q_block_size,
+                                        t.seq.seqlen_k, lane, hp.doc_spans, t.row0, t.seq.seqlen_q);
+    q.template advance<Smem::kQStages>();
+  }
+}
+
+// The persistent block-sparse grid's producer thread: per announced tile, Q, the first K (from the
+// order's record) and, once the list is written, the walk's K and V; an empty Q stage (tile -1) for
+// the consumers once the writer has announced none.
+template <typename Cfg, typename T, typename Smem>
+__device__ __forceinline__ void produce_sparse_persistent(const HopperFwdParams<Cfg, T>& hp, Smem& sm) {
+  using Walk = SparseKvWalkOf<typename Smem::List>;
+  unsigned long long* tl = timeline_of(hp);
+  PipePos pos;
+  for (;;) {
+    const int s = pos.q.index;
+    const uint32_t phase = pos.q.phase;
+    cutlass::arch::ClusterBarrier::wait(&sm.announce[s], phase);
+    const int4 a = sm.announced[s];
+    if (a.x < 0) {  // the writer waited for the stage to be free
+      sm.tile_of_q[s] = -1;
+      cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.full[s]);
+      return;
+    }
+    sm.tile_of_q[s] = a.x;
+    sm.ordered_tile_of_q[s] = a.y;
+    FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, a.y);
+    tile.id = a.x;
+    timeline_mark(tl, tile.id, kMarkStart);
+    timeline_mark_global(tl, tile.id, kMarkGlobalStart);
+    timeline_set(tl, tile.id, kMarkSm, sm_id());
+    produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/false);
+    produce_kv<Cfg, T>(hp, sm, tile, pos, a.z >= 0 ? a.z & kSparseTileIndex : -1,
+                       [&] { return sparse_walk(sm.lists[s], phase); });
+    cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.empty[s]);  // done with the stage's list
+  }
+}
+
 // kPersistent: one CTA per SM; its producer thread takes the next tile of the L2-grouped order
 // from a counter (hp.next_tile: dynamic, so uneven tiles balance), writes it beside the
 // tile's Q stage and loads Q and K/V while the consumers finish the current tile (two Q stages
 // where they fit); the consumers learn the tile from the stage once its Q has landed (the
 // barrier's arrival publishes the producer's write), and stop at the -1 of an empty one.
 // Otherwise one CTA per tile, launched longest first when rows see different numbers of keys.
-// kSparse (one CTA per tile): the key tiles of hp.bs's lists, the last q blocks first (the longest
-// lists of causal-like masks). The first consumer warp expands the CTA's list row into shared
-// memory while the producer issues Q; the producer's K/V loads and the consumers' walks wait for it.
+// kSparse: the key tiles of hp.bs's lists. One CTA per tile: in hp.sparse_order's order where
+// given, else the last q blocks first (the longest lists of causal-like masks); the first consumer
+// warp expands the CTA's list row into shared memory while the producer issues Q; the producer's K/V
+// loads and the consumers' walks wait for it. Persistent (hp.sparse_order given): the tiles of the
+// order from a counter, each list written by a warp of the producer's warpgroup into its Q stage's
+// buffer (sparse_list_writer).
 template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
-  static_assert(!(kPersistent && kSparse), "the block-sparse forward runs one CTA per tile");
-  using Walk = std::conditional_t<kSparse, SparseKvWalk, DenseKvWalk>;
-  constexpr int kQStages = hopper_fwd_q_stages<Cfg, T, kPersistent>();
+  constexpr int kQStages = kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>();
+  using Smem = FwdSmem<Cfg, T, kQStages, kSparse, kPersistent>;
+  using Walk = std::conditional_t<kSparse, SparseKvWalkOf<typename FwdListSmem<kSparse, kPersistent>::List>, DenseKvWalk>;
+  static_assert(!(kSparse && kPersistent) || hopper_sparse_persistent_fits<Cfg, T>(), "no persistent sparse form");
   extern __shared__ unsigned char smem_raw[];
-  auto& sm = smem_struct<FwdSmem<Cfg, T, kQStages, kSparse>>(smem_raw);
+  auto& sm = smem_struct<Smem>(smem_raw);
   const detail::FwdKernelParams& p = hp.p;
   const int warp = threadIdx.x / 32, wg = warp / 4;
   unsigned long long* tl = timeline_of(hp);
@@ -694,8 +797,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
   // the order or the document spans: it may start under that kernel and waits for it here.
   int ordered = -1, first_tile = -1;
   if constexpr (kSparse) {
-    if (hp.sparse_order != nullptr || hp.doc_spans != nullptr) device::wait_for_prerequisite_grids();
-    if (hp.sparse_order != nullptr) {
+    if (kPersistent || hp.sparse_order != nullptr || hp.doc_spans != nullptr) device::wait_for_prerequisite_grids();
+    if (!kPersistent && hp.sparse_order != nullptr) {
       const int2 record = hp.sparse_order[blockIdx.x];
       ordered = record.x, first_tile = record.y;
     }
@@ -711,10 +814,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     cute::prefetch_tma_descriptor(hp.tma_v.get_tma_descriptor());
   }
   if (threadIdx.x == 0) {
-    sm.q_ring.init(128 * Cfg::kConsumerWGs);  // every consumer thread releases a Q stage
+    // Every consumer thread releases a Q stage; in the persistent sparse grid the producer thread too,
+    // once it has read the stage's list (whose buffer the writer refills after the release).
+    sm.q_ring.init(128 * Cfg::kConsumerWGs + (kSparse && kPersistent ? 1 : 0));
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
-    if constexpr (kSparse) cutlass::arch::ClusterBarrier::init(&sm.list.full, 32);  // the writing warp's lanes
+    if constexpr (kSparse && kPersistent) {
+      for (int st = 0; st < 2; ++st) {
+        cutlass::arch::ClusterBarrier::init(&sm.lists[st].full, 32);  // the writing warp's lanes
+        cutlass::arch::ClusterBarrier::init(&sm.announce[st], 1);
+      }
+    } else if constexpr (kSparse) {
+      cutlass::arch::ClusterBarrier::init(&sm.list.full, 32);  // the writing warp's lanes
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -752,64 +864,86 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     return tile;
   };
   PipePos pos;
-  if (wg == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    if (warp != 0 || !cute::elect_one_sync()) return;
-    if constexpr (kPersistent) {
-      for (;;) {
-        cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
-        int i = atomicAdd(hp.next_tile, 1);
-        FwdTile<Walk> tile;
-        for (; i < p.order.num_tiles; i = atomicAdd(hp.next_tile, 1)) {  // tiles of no rows skipped
-          tile = tile_at_order(i);
-          if (tile.rows > 0) break;
-        }
-        if (i >= p.order.num_tiles) {  // the consumers' signal to stop: an empty stage
-          sm.tile_of_q[pos.q.index] = -1;
-          cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.full[pos.q.index]);
-          return;
-        }
-        sm.tile_of_q[pos.q.index] = i;
-        timeline_mark(tl, tile.id, kMarkStart);
-        timeline_mark_global(tl, tile.id, kMarkGlobalStart);
-        timeline_set(tl, tile.id, kMarkSm, sm_id());
-        produce<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);  // Q even where no key is visible
-      }
-    } else if constexpr (kSparse) {  // Q first: it needs no list
-      FwdTile<Walk> tile = this_ctas_tile();
-      if (tile.rows <= 0) return;
-      produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/false);
-      // The first K from the order's record, while the list row is still being written.
-      produce_kv<Cfg, T>(hp, sm, tile, pos, first_tile >= 0 ? first_tile & kSparseTileIndex : -1,
-                         [&] { return sparse_walk(sm); });
+  if constexpr (kSparse && kPersistent) {
+    if (wg == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+      if (warp == 1) sparse_list_writer<Cfg, T>(hp, sm, threadIdx.x % 32);
+      if (warp == 0 && cute::elect_one_sync()) produce_sparse_persistent<Cfg, T>(hp, sm);
     } else {
-      const FwdTile<Walk> tile = this_ctas_tile();
-      if (tile.rows > 0 && !tile.kv.empty()) produce<Cfg, T>(hp, sm, tile, pos);
-    }
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
-    if constexpr (kPersistent) {
+      cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+      GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
       for (;;) {
         sm.q_ring.wait_full(pos.q);
-        // Every consumer thread releases the Q stage (consume) after this read: the producer, which
-        // rewrites the slot after the release, is ordered after each reader by that reader's own
-        // arrive (a lane-0 arrive after __syncwarp left racecheck hazards at d64).
+        // Read before the consumers release the stage (consume), as the dense grid's tile_of_q.
         const int i = sm.tile_of_q[pos.q.index];
         if (i < 0) return;
-        consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
+        FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, sm.ordered_tile_of_q[pos.q.index]);
+        tile.id = i;
+        tile.kv = sparse_walk(sm.lists[pos.q.index], pos.q.phase);
+        consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos, /*q_waited=*/true);
+        if (threadIdx.x == 128) atomicAdd(hp.next_tile + 1, 1);  // tiles done (a test checks: each once)
+      }
+    }
+  } else {
+    if (wg == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+      if (warp != 0 || !cute::elect_one_sync()) return;
+      if constexpr (kPersistent) {
+        for (;;) {
+          cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[pos.q.index], pos.q.phase ^ 1u);
+          int i = atomicAdd(hp.next_tile, 1);
+          FwdTile<Walk> tile;
+          for (; i < p.order.num_tiles; i = atomicAdd(hp.next_tile, 1)) {  // tiles of no rows skipped
+            tile = tile_at_order(i);
+            if (tile.rows > 0) break;
+          }
+          if (i >= p.order.num_tiles) {  // the consumers' signal to stop: an empty stage
+            sm.tile_of_q[pos.q.index] = -1;
+            cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.full[pos.q.index]);
+            return;
+          }
+          sm.tile_of_q[pos.q.index] = i;
+          timeline_mark(tl, tile.id, kMarkStart);
+          timeline_mark_global(tl, tile.id, kMarkGlobalStart);
+          timeline_set(tl, tile.id, kMarkSm, sm_id());
+          produce<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);  // Q even where no key is visible
+        }
+      } else if constexpr (kSparse) {  // Q first: it needs no list
+        FwdTile<Walk> tile = this_ctas_tile();
+        if (tile.rows <= 0) return;
+        produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/false);
+        // The first K from the order's record, while the list row is still being written.
+        produce_kv<Cfg, T>(hp, sm, tile, pos, first_tile >= 0 ? first_tile & kSparseTileIndex : -1,
+                           [&] { return sparse_walk(sm.list); });
+      } else {
+        const FwdTile<Walk> tile = this_ctas_tile();
+        if (tile.rows > 0 && !tile.kv.empty()) produce<Cfg, T>(hp, sm, tile, pos);
       }
     } else {
-      FwdTile<Walk> tile = this_ctas_tile();
-      if (tile.rows <= 0) return;
-      if constexpr (kSparse) {
-        if (warp == 4)  // the first consumer warp writes the list row (its loads overlap Q's)
-          fill_sparse_tile_list<Cfg::kBlockN>(sm.list, hp.bs, tile.b, tile.h, tile.row0 / hp.bs.q_block_size,
-                                              tile.seq.seqlen_k, threadIdx.x % 32, hp.doc_spans, tile.row0,
-                                              tile.seq.seqlen_q);
-        tile.kv = sparse_walk(sm);
+      cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+      GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
+      if constexpr (kPersistent) {
+        for (;;) {
+          sm.q_ring.wait_full(pos.q);
+          // Every consumer thread releases the Q stage (consume) after this read: the producer, which
+          // rewrites the slot after the release, is ordered after each reader by that reader's own
+          // arrive (a lane-0 arrive after __syncwarp left racecheck hazards at d64).
+          const int i = sm.tile_of_q[pos.q.index];
+          if (i < 0) return;
+          consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
+        }
+      } else {
+        FwdTile<Walk> tile = this_ctas_tile();
+        if (tile.rows <= 0) return;
+        if constexpr (kSparse) {
+          if (warp == 4)  // the first consumer warp writes the list row (its loads overlap Q's)
+            fill_sparse_tile_list<Cfg::kBlockN>(sm.list, hp.bs, tile.b, tile.h, tile.row0 / hp.bs.q_block_size,
+                                                tile.seq.seqlen_k, threadIdx.x % 32, hp.doc_spans, tile.row0,
+                                                tile.seq.seqlen_q);
+          tile.kv = sparse_walk(sm.list);
+        }
+        consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
       }
-      consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos);
     }
   }
 }

@@ -34,9 +34,10 @@ struct DenseKvWalk {
 // A block mask's list row expanded into shared memory (sparse_tile_list.h): the cursor is the
 // position in it. The mask's kv block size must be a multiple of kBlockN (the launcher checks), so
 // kernel tiles start at multiples of kBlockN and TMA loads them by tile index.
-struct SparseKvWalk {
+template <typename List>
+struct SparseKvWalkOf {
   static constexpr bool kSparse = true;
-  const SparseTileList* list = nullptr;  // shared memory
+  const List* list = nullptr;  // shared memory
   int count = 0;
 
   struct Cursor {
@@ -54,5 +55,6 @@ struct SparseKvWalk {
   __device__ __forceinline__ bool has_doc_spans() const { return list->doc_spans_ok != 0; }
   __device__ __forceinline__ int2 doc_span(int r) const { return list->doc_spans[r]; }
 };
+using SparseKvWalk = SparseKvWalkOf<SparseTileList>;
 
 }  // namespace flare::hopper

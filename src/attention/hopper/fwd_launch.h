@@ -41,12 +41,26 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
 // (block_sparse/doc_spans.h, computed before the forward): where the mask has document ids
 // (`doc_ids`). FLARE_HOPPER_DOC_SPANS=0 never (the lookups: A/B runs).
 bool hopper_sparse_doc_spans(bool doc_ids);
-// The block-sparse forward's scratch: the CTA order (an int2 a tile, 16-byte rounded) where it
-// orders its CTAs, then the document spans (doc_spans_bytes) where it takes them. The launcher lays
-// its workspace out by it and hopper_forward_sparse_workspace_bytes is its total.
+// Whether the ordered block-sparse forward (hopper_sparse_ordered) runs its persistent grid where
+// its configuration has one (hopper_sparse_persistent_fits): sequences of at most
+// kMaxPersistentSparseTiles key tiles of kv_tile keys (its lists' capacity), and masks whose list
+// rows are about equally long: no causal predicate without a window, no prefix, no document ids.
+// Measured on the H200 (bench/RESULTS.md, session 47; issue 6's masks, persistent / one CTA per
+// tile): window 0.937-0.945, random blocks 0.989-0.990, causal 1.012-1.015, documents 1.010-1.018:
+// the persistent grid hides a tile's start and its first loads under the tile before, but claims
+// its next tile a tile early, which unbalances rows of very different lengths.
+// FLARE_HOPPER_SPARSE_PERSISTENT=0|1 turns it off or on wherever it fits (A/B runs, tests).
+bool hopper_sparse_persistent(const detail::FwdKernelParams& p, const block_sparse::ElementMaskParams& el,
+                              int kv_tile);
+// The block-sparse forward's scratch: the CTA order (an int2 a tile, 16-byte rounded) and the
+// persistent grid's counters (16 bytes: tiles claimed, tiles done) where it orders its CTAs, then the document spans
+// (doc_spans_bytes) where it takes them. The launcher lays its workspace out by it and
+// hopper_forward_sparse_workspace_bytes is its total.
 struct SparseScratch {
-  std::size_t order_bytes = 0, span_bytes = 0;
-  std::size_t total() const { return order_bytes + span_bytes; }
+  std::size_t order_bytes = 0, counter_bytes = 0, span_bytes = 0;
+  std::size_t counter_offset() const { return order_bytes; }
+  std::size_t span_offset() const { return order_bytes + counter_bytes; }
+  std::size_t total() const { return order_bytes + counter_bytes + span_bytes; }
 };
 SparseScratch hopper_sparse_scratch(const detail::FwdKernelParams& p, bool doc_ids, int num_sms);
 std::size_t hopper_forward_sparse_workspace_bytes(const detail::FwdKernelParams& p, bool doc_ids);

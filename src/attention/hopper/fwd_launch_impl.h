@@ -46,33 +46,33 @@ inline Status forward_scratch(const detail::FwdKernelParams& p, std::size_t byte
   return Status::Ok();
 }
 
-// kPersistent: a grid of one CTA per SM taking tiles of the L2-grouped order from a counter (two Q
-// stages where they fit), else one CTA per tile (longest first when masked). Measured on the H100
-// at seqlen 4096 (bench/RESULTS.md), the persistent grid's first version (static round-robin, one
-// Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on causal work; the dynamic
-// version with two Q stages wins at d128 causal (hopper_fwd_persistent below), where the library
-// takes it. kSparse: the key tiles of the block mask `bs`.
-// `tail` (one CTA per tile, dense): the last tiles split into key ranges (hopper_fwd_grid).
-template <typename Cfg, typename T, bool kPersistent = false, bool kSparse = false>
-Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
-                             const block_sparse::BlockSparseParams* bs = nullptr,
-                             const sched::TailSplit& tail = sched::TailSplit{}) {
-  using namespace cute;
-  using L = FwdLayouts<Cfg, T>;
-  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, hopper_fwd_q_stages<Cfg, T, kPersistent>(), kSparse>();
-  auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent, kSparse>;
-  static const cudaError_t attr = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+// The kernel's dynamic shared memory, raised once per instantiation (its status each call).
+template <typename Cfg, typename T, bool kPersistent, bool kSparse>
+Status hopper_fwd_smem_attribute() {
+  constexpr int kQStages = kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>();
+  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, kQStages, kSparse, kPersistent>();
+  static const cudaError_t attr = [] {
+    cudaError_t e = cudaFuncSetAttribute(hopper_fwd_kernel<Cfg, T, kPersistent, kSparse>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e;
   }();
-  if (attr != cudaSuccess) return detail::cuda_status(attr, "hopper forward: shared memory attribute");
-  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
+  return attr == cudaSuccess ? Status::Ok() : detail::cuda_status(attr, "hopper forward: shared memory attribute");
+}
+template <typename Cfg, typename T, bool kPersistent, bool kSparse>
+constexpr int hopper_fwd_kernel_smem() {
+  return hopper_fwd_smem_bytes<Cfg, T, kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>(), kSparse,
+                               kPersistent>();
+}
 
+// The kernel's parameters but for its grid's: p and the tensor maps of Q, K and V.
+template <typename Cfg, typename T>
+HopperFwdParams<Cfg, T> hopper_fwd_params(const detail::FwdKernelParams& p) {
+  using namespace cute;
+  using L = FwdLayouts<Cfg, T>;
   const bool varlen = p.cu_seqlens_q != nullptr;
   HopperFwdParams<Cfg, T> hp;
   hp.p = p;
-  if constexpr (kSparse) hp.bs = *bs;
 #if FLARE_HOPPER_FWD_TIMELINE
   hp.timeline = fwd_timeline_buffer();
 #endif
@@ -87,52 +87,37 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
   hp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_gtensor<typename L::Elem>(p.v, hp.shape_k, v_stride),
                            typename L::SmemKVStage{}, Shape<typename L::BN, typename L::HD>{}, _1{});
+  return hp;
+}
+
+// The dense forward. kPersistent: a grid of one CTA per SM taking tiles of the L2-grouped order
+// from a counter (two Q stages where they fit), else one CTA per tile (longest first when masked).
+// Measured on the H100 at seqlen 4096 (bench/RESULTS.md), the persistent grid's first version
+// (static round-robin, one Q stage) lost 2-4 % on uniform work at d128 and d256 and 8-14 % on
+// causal work; the dynamic version with two Q stages wins at d128 causal (hopper_fwd_persistent
+// below), where the library takes it.
+// `tail` (one CTA per tile): the last tiles split into key ranges (hopper_fwd_grid).
+template <typename Cfg, typename T, bool kPersistent = false>
+Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
+                             const sched::TailSplit& tail = sched::TailSplit{}) {
+  constexpr int kSmem = hopper_fwd_kernel_smem<Cfg, T, kPersistent, false>();
+  auto kernel = hopper_fwd_kernel<Cfg, T, kPersistent, false>;
+  FLARE_RETURN_IF_ERROR((hopper_fwd_smem_attribute<Cfg, T, kPersistent, false>()));
+  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
+  HopperFwdParams<Cfg, T> hp = hopper_fwd_params<Cfg, T>(p);
   if constexpr (!kPersistent) {
     dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
-    void* owned = nullptr;  // scratch (split slots; sparse order and spans) where the caller gave no workspace
-    if constexpr (kSparse) {
-      // Scratch: the CTA order where the tiles outnumber the SMs (longest list rows first,
-      // sparse_order.h), then a documents mask's row spans (doc_spans.h). Both kernels run ahead of
-      // the forward, which waits for them.
-      const detail::DeviceFacts dev = detail::current_device_facts();
-      const SparseScratch layout = hopper_sparse_scratch(p, bs->element.doc_q != nullptr, dev.num_sms);
-      void* scratch = nullptr;
-      if (layout.total() > 0) FLARE_RETURN_IF_ERROR(forward_scratch(p, layout.total(), stream, &owned, &scratch));
-      auto fail = [&](const Status& s) {
-        if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
-        return s;
-      };
-      if (layout.span_bytes > 0) {
-        int2* doc_spans = reinterpret_cast<int2*>(static_cast<char*>(scratch) + layout.order_bytes);
-        const Status s = block_sparse::launch_doc_spans(bs->element, p.batch, p.seqlen_q, p.seqlen_k, doc_spans, stream);
-        if (!s.ok()) return fail(s);
-        hp.doc_spans = doc_spans;
-      }
-      if (layout.order_bytes > 0) {
-        sched::SparseOrder o = sched::make_sparse_forward_order(
-            detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
-        if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
-        int2* order = static_cast<int2*>(scratch);
-        const Status s =
-            block_sparse::launch_sparse_forward_order(o, *bs, Cfg::kBlockM, Cfg::kBlockN, p.seqlen_k, order, stream);
-        if (!s.ok()) return fail(s);
-        hp.sparse_order = order;
-        grid = dim3(static_cast<unsigned>(o.num_tiles()));
-      }
-    } else {
-      hp.tail = tail;
-      const std::size_t bytes = hopper_fwd_tail_bytes<Cfg>(tail);
-      if (bytes > 0) {
-        void* partial = nullptr;
-        FLARE_RETURN_IF_ERROR(forward_scratch(p, bytes, stream, &owned, &partial));
-        hp.partial = static_cast<float*>(partial);
-        grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
-      }
+    void* owned = nullptr;  // the split slots' scratch where the caller gave no workspace
+    hp.tail = tail;
+    const std::size_t bytes = hopper_fwd_tail_bytes<Cfg>(tail);
+    if (bytes > 0) {
+      void* partial = nullptr;
+      FLARE_RETURN_IF_ERROR(forward_scratch(p, bytes, stream, &owned, &partial));
+      hp.partial = static_cast<float*>(partial);
+      grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
     }
-    // A programmatic dependent of the kernel ahead of it where that one writes what it reads.
-    const bool after_prologue = hp.sparse_order != nullptr || hp.doc_spans != nullptr;
-    const cudaError_t launched = detail::launch_maybe_programmatic(after_prologue, kernel, grid,
-                                                                   dim3(Cfg::kThreads), kSmem, stream, hp);
+    kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
+    const cudaError_t launched = cudaGetLastError();
     if (launched != cudaSuccess) {
       if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
       return detail::cuda_status(launched, "hopper forward launch");
@@ -158,23 +143,85 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   return detail::cuda_status(cudaGetLastError(), "hopper forward launch");
 }
 
+// The block-sparse forward of the block mask `bs`. Scratch (hopper_sparse_scratch): the CTA order
+// where the tiles outnumber the SMs (longest list rows first, sparse_order.h) with the persistent
+// grid's tile counter, which the order's kernel zeroes; then a documents mask's row spans
+// (doc_spans.h). Both kernels run ahead of the forward, which waits for them (it is the
+// programmatic dependent of the last). With the order, the grid is persistent where
+// hopper_sparse_persistent says so (one CTA per SM, Cfg's persistent form), else one CTA per tile.
+template <typename Cfg, typename T>
+Status launch_hopper_fwd_sparse_cfg(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
+                                    Stream stream) {
+  constexpr bool kHasPersistent = hopper_sparse_persistent_fits<Cfg, T>();
+  FLARE_RETURN_IF_ERROR((hopper_fwd_smem_attribute<Cfg, T, false, true>()));
+  if constexpr (kHasPersistent) FLARE_RETURN_IF_ERROR((hopper_fwd_smem_attribute<Cfg, T, true, true>()));
+  if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
+  HopperFwdParams<Cfg, T> hp = hopper_fwd_params<Cfg, T>(p);
+  hp.bs = bs;
+  dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+  const detail::DeviceFacts dev = detail::current_device_facts();
+  const SparseScratch layout = hopper_sparse_scratch(p, bs.element.doc_q != nullptr, dev.num_sms);
+  void* owned = nullptr;  // scratch where the caller gave no workspace
+  void* scratch = nullptr;
+  if (layout.total() > 0) FLARE_RETURN_IF_ERROR(forward_scratch(p, layout.total(), stream, &owned, &scratch));
+  auto fail = [&](const Status& s) {
+    if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
+    return s;
+  };
+  if (layout.span_bytes > 0) {
+    int2* doc_spans = reinterpret_cast<int2*>(static_cast<char*>(scratch) + layout.span_offset());
+    const Status s = block_sparse::launch_doc_spans(bs.element, p.batch, p.seqlen_q, p.seqlen_k, doc_spans, stream);
+    if (!s.ok()) return fail(s);
+    hp.doc_spans = doc_spans;
+  }
+  bool persistent = false;
+  if (layout.order_bytes > 0) {
+    sched::SparseOrder o = sched::make_sparse_forward_order(
+        detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)), dev.l2_bytes / 2, dev.num_sms);
+    if (const int units = hopper_sparse_order_units_override(); units > 0) o.units_per_group = units;
+    int2* order = static_cast<int2*>(scratch);
+    int* counter = reinterpret_cast<int*>(static_cast<char*>(scratch) + layout.counter_offset());
+    const Status s =
+        block_sparse::launch_sparse_forward_order(o, bs, Cfg::kBlockM, Cfg::kBlockN, p.seqlen_k, order, counter, stream);
+    if (!s.ok()) return fail(s);
+    hp.sparse_order = order;
+    hp.next_tile = counter;
+    persistent = kHasPersistent && hopper_sparse_persistent(p, bs.element, Cfg::kBlockN);
+    grid = dim3(static_cast<unsigned>(persistent ? std::min(o.num_tiles(), dev.num_sms) : o.num_tiles()));
+  }
+  // A programmatic dependent of the kernel ahead of it where that one writes what it reads.
+  const bool after_prologue = hp.sparse_order != nullptr || hp.doc_spans != nullptr;
+  cudaError_t launched;
+  if constexpr (kHasPersistent) {
+    if (persistent) {
+      launched = detail::launch_maybe_programmatic(after_prologue, hopper_fwd_kernel<Cfg, T, true, true>, grid,
+                                                   dim3(Cfg::kThreads), hopper_fwd_kernel_smem<Cfg, T, true, true>(),
+                                                   stream, hp);
+    }
+  }
+  if (!persistent)
+    launched = detail::launch_maybe_programmatic(after_prologue, hopper_fwd_kernel<Cfg, T, false, true>, grid,
+                                                 dim3(Cfg::kThreads), hopper_fwd_kernel_smem<Cfg, T, false, true>(),
+                                                 stream, hp);
+  if (launched != cudaSuccess) return fail(detail::cuda_status(launched, "hopper forward launch"));
+  if (owned != nullptr) FLARE_CUDA_RETURN(cudaFreeAsync(owned, stream));
+  return Status::Ok();
+}
+
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd(const detail::FwdKernelParams& p, Stream stream) {
   const HopperFwdGrid grid = hopper_fwd_grid<kHeadDim>(p);
   if constexpr (hopper_fwd_has_persistent(kHeadDim))
     if (grid.persistent)
       return launch_hopper_fwd_cfg<typename HopperFwdPersistentConfigFor<kHeadDim>::type, T, true>(p, stream);
-  return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream, nullptr, grid.tail);
+  return launch_hopper_fwd_cfg<typename HopperFwdConfigFor<kHeadDim>::type, T>(p, stream, grid.tail);
 }
 
-// The block-sparse forward: one CTA per tile. A persistent form (the producer loading the next
-// tile under the current one's GEMMs) was measured on the H100 three times and not kept: session
-// 12 (static round-robin, one Q stage) lost 0-14 %, session 13's dynamic version with two Q stages
-// was within 1-3 % (session 25), and with two P sets within 1-2 % either way (session 26).
+// The block-sparse forward (launch_hopper_fwd_sparse_cfg).
 template <int kHeadDim, typename T>
 Status launch_hopper_fwd_sparse(const detail::FwdKernelParams& p, const block_sparse::BlockSparseParams& bs,
                                 Stream stream) {
-  return launch_hopper_fwd_cfg<typename HopperFwdSparseConfigFor<kHeadDim>::type, T, false, true>(p, stream, &bs);
+  return launch_hopper_fwd_sparse_cfg<typename HopperFwdSparseConfigFor<kHeadDim>::type, T>(p, bs, stream);
 }
 
 }  // namespace flare::hopper

@@ -20,8 +20,13 @@ namespace flare::hopper {
 // The CTA's rows (the forward's q tile: kHopperSparseBlockM).
 inline constexpr int kSparseListRows = 128;
 
-struct SparseTileList {
-  uint16_t tiles[kMaxSparseTiles];  // key tile index (kTile keys), | kSparseTileMasked for a PARTIAL block's
+// kCapacity tiles: kMaxSparseTiles where a CTA holds one list (one CTA per tile); the persistent
+// grid holds two (one a Q stage) of kMaxPersistentSparseTiles, which fit its shared memory beside
+// two Q stages.
+template <int kCapacity_>
+struct SparseTileListOf {
+  static constexpr int kCapacity = kCapacity_;
+  uint16_t tiles[kCapacity];  // key tile index (kTile keys), | kSparseTileMasked for a PARTIAL block's
   int count;
   // Documents masks with sorted key ids (block_sparse/doc_spans.h): row r's keys [lo, hi) of its
   // document, valid where doc_spans_ok (else the kernel looks the ids up).
@@ -29,6 +34,7 @@ struct SparseTileList {
   int2 doc_spans[kSparseListRows];
   uint64_t full;  // mbarrier: the list is written (an arrival from each lane of the writing warp)
 };
+using SparseTileList = SparseTileListOf<kMaxSparseTiles>;
 
 // The document spans of the CTA's rows row0.. (rows past the sequence take its last row's) from
 // `spans` (doc_spans.h: [batch, seqlen_q], or null: none), written by one warp; doc_spans_ok where
@@ -54,7 +60,8 @@ __device__ __forceinline__ DocSpanLoads load_sparse_doc_spans(const int2* spans,
   }
   return l;
 }
-__device__ __forceinline__ void store_sparse_doc_spans(SparseTileList& list, const DocSpanLoads& l, int lane) {
+template <typename List>
+__device__ __forceinline__ void store_sparse_doc_spans(List& list, const DocSpanLoads& l, int lane) {
   bool ok = l.any;
   if (ok) {
 #pragma unroll
@@ -71,10 +78,10 @@ __device__ __forceinline__ void store_sparse_doc_spans(SparseTileList& list, con
 // its barrier (initialized for 32 arrivals) after its own writes. Entries are read 32 at a time;
 // each lane expands its entry into its tiles at the position a warp scan of the tile counts gives
 // it. Entries outside [0, num_kv_blocks) are
-// skipped (device lists are not validated); a list longer than kMaxSparseTiles (repeated entries)
-// is cut there. The rows' document spans (doc_spans.h, or none where `doc_spans` is null) come with it.
-template <int kTile>
-__device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, const block_sparse::BlockSparseParams& bs,
+// skipped (device lists are not validated); a list longer than the list's capacity (repeated
+// entries; the launcher admits no sequence of more key tiles) is cut there. The rows' document spans (doc_spans.h, or none where `doc_spans` is null) come with it.
+template <int kTile, typename List>
+__device__ __forceinline__ void fill_sparse_tile_list(List& list, const block_sparse::BlockSparseParams& bs,
                                                       int b, int h, int row, int seqlen_k, int lane,
                                                       const int2* doc_spans, int row0, int seqlen_q) {
   const DocSpanLoads spans = load_sparse_doc_spans(doc_spans, b, row0, seqlen_q, lane);
@@ -92,11 +99,11 @@ __device__ __forceinline__ void fill_sparse_tile_list(SparseTileList& list, cons
       if (lane >= d) end += v;
     }
     const uint16_t flag = r.flag(e);
-    for (int s = 0, at = written + end - count; s < count && at < kMaxSparseTiles; ++s, ++at)
+    for (int s = 0, at = written + end - count; s < count && at < List::kCapacity; ++s, ++at)
       list.tiles[at] = static_cast<uint16_t>(n * subs + s) | flag;
     written += __shfl_sync(0xffffffffu, end, 31);
   }
-  if (lane == 0) list.count = written < kMaxSparseTiles ? written : kMaxSparseTiles;
+  if (lane == 0) list.count = written < List::kCapacity ? written : List::kCapacity;
   store_sparse_doc_spans(list, spans, lane);
   cutlass::arch::ClusterBarrier::arrive(&list.full);  // releases this lane's writes to the walks
 }

@@ -15,6 +15,8 @@ namespace flare::hopper {
 // Kernel tiles a row may expand into: 16 KB of shared memory. The launcher admits sequences of at
 // most kMaxSparseTiles key tiles, which bounds any list without repeated entries.
 inline constexpr int kMaxSparseTiles = 8192;
+// The persistent forward's lists (two a CTA, beside two Q stages): sequences of at most this many.
+inline constexpr int kMaxPersistentSparseTiles = 4096;
 inline constexpr uint16_t kSparseTileMasked = 0x8000;  // the tile's block is PARTIAL (element predicate)
 inline constexpr uint16_t kSparseTileIndex = 0x7fff;
 
