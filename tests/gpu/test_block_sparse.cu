@@ -353,26 +353,14 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), order_bytes);
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, true),
             order_bytes + block_sparse::doc_spans_bytes(p.batch, p.seqlen_q));
-  // Persistent for rows of about equal length (a window, blocks alone), not for growing rows
-  // (causal, prefix) or documents, nor past its lists' capacity; the variable forces either.
-  block_sparse::ElementMaskParams blocks, causal, window, prefix, docs;
-  causal.causal = window.causal = true, window.window_left = 1024;
-  prefix.prefix_length = 64;
-  const int32_t ids = 0;
-  docs.doc_q = docs.doc_k = &ids;
+  // Persistent up to its lists' capacity; the variable turns it off.
   p.seqlen_k = hopper::kMaxPersistentSparseTiles * 128;
-  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, blocks, 128));
-  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, window, 128));
-  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, causal, 128));
-  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, prefix, 128));
-  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, docs, 128));
+  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, 128));
   p.seqlen_k += 1;  // more key tiles than its lists hold
-  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, blocks, 128));
-  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, blocks, 256));
-  setenv("FLARE_HOPPER_SPARSE_PERSISTENT", "1", 1);
-  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, docs, 256));
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, 128));
+  EXPECT_TRUE(hopper::hopper_sparse_persistent(p, 256));
   setenv("FLARE_HOPPER_SPARSE_PERSISTENT", "0", 1);
-  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, blocks, 256));
+  EXPECT_FALSE(hopper::hopper_sparse_persistent(p, 256));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "0", 1);
   EXPECT_FALSE(hopper::hopper_sparse_ordered(p, sms));
   setenv("FLARE_HOPPER_SPARSE_ORDER", "1", 1);

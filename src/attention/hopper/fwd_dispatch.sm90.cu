@@ -65,13 +65,10 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms) {
   return sparse_forward_tiles(p) > num_sms;
 }
 
-bool hopper_sparse_persistent(const detail::FwdKernelParams& p, const block_sparse::ElementMaskParams& el,
-                              int kv_tile) {
+bool hopper_sparse_persistent(const detail::FwdKernelParams& p, int kv_tile) {
   if (int64_t{p.seqlen_k} > int64_t{kMaxPersistentSparseTiles} * kv_tile) return false;
   const char* forced = std::getenv("FLARE_HOPPER_SPARSE_PERSISTENT");
-  if (forced != nullptr && (forced[0] == '0' || forced[0] == '1')) return forced[0] == '1';
-  const bool growing_rows = (el.causal && el.window_left < 0) || el.prefix_length >= 0;
-  return !growing_rows && el.doc_q == nullptr;
+  return !(forced != nullptr && forced[0] == '0');
 }
 
 bool hopper_sparse_doc_spans(bool doc_ids) {

@@ -92,8 +92,8 @@ __device__ __forceinline__ unsigned long long* timeline_of(const HopperFwdParams
 }
 
 // The block-sparse kernel's expanded list row (sparse_tile_list.h); nothing in the dense kernel.
-// The persistent sparse grid holds a list a Q stage and the tile its writer announced for the stage
-// (sparse_list_writer): {order index, encoded tile, first key tile}.
+// The persistent sparse grid holds a list a Q stage and the tile the producer announced for the
+// stage to the list writer (sparse_list_writer): {order index, encoded tile, first key tile}.
 template <bool kSparse, bool kPersistent>
 struct FwdListSmem {
   using List = void;
@@ -109,7 +109,7 @@ struct FwdListSmem<true, true> {
   List lists[2];
   int4 announced[2];
   int ordered_tile_of_q[2];  // the encoded tile of a Q stage's order index (tile_of_q)
-  uint64_t announce[2];      // mbarriers: the writer has announced the stage's next tile (one arrival)
+  uint64_t announce[2];      // mbarriers: the producer has announced the stage's next tile (one arrival)
 };
 
 // kQStages: Q's stages. One CTA per tile loads Q once; a persistent CTA takes two where they fit,
@@ -699,72 +699,64 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   }
 }
 
-// The persistent block-sparse grid's list writer: warp 1 of the producer warpgroup. For each of the
-// CTA's tiles it waits for a Q stage to be free (the consumers done with the tile two before, whose
-// list the stage's buffer held), claims the tile in the sorted order (hp.sparse_order: blockIdx.x
-// first, then from the counter), announces it to the producer ({order index, encoded tile, first
-// key tile}; -1 once none is left) and writes its list row into the stage's buffer. The producer issues the tile's Q and first K on the
-// announcement and its other K/V once the list is written: both load under the current tile's
-// GEMMs.
+// The persistent block-sparse grid's list writer: warp 1 of the producer warpgroup. It writes the
+// list row of each tile the producer announces into the tile's Q stage's buffer (the producer
+// announces a tile once the stage is free: the consumers are done with the tile two before, whose
+// list the buffer held, and so is the producer).
 template <typename Cfg, typename T, typename Smem>
 __device__ __forceinline__ void sparse_list_writer(const HopperFwdParams<Cfg, T>& hp, Smem& sm, int lane) {
   using Walk = SparseKvWalkOf<typename Smem::List>;
-  const detail::FwdKernelParams& p = hp.p;
-  const int num_tiles = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM * p.heads * p.batch;
-  RingPos q;  // the Q ring's stage and lap, as the producer walks it
-  int i = blockIdx.x;
-  bool first = true;
+  RingPos q;
   for (;;) {
-    cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[q.index], q.phase ^ 1u);
-    // The next tile claimed only once a stage is free: claimed a tile earlier (its latency under the
-    // list before), long tiles went to CTAs that were free later than others (causal 1.07-1.09,
-    // documents 1.06-1.07 of one CTA per tile's time, bench/RESULTS.md session 47).
-    if (!first) {
-      int ticket = 0;
-      if (lane == 0) ticket = atomicAdd(hp.next_tile, 1);
-      i = static_cast<int>(gridDim.x) + __shfl_sync(0xffffffffu, ticket, 0);
-    }
-    first = false;
-    const int2 record = i < num_tiles ? hp.sparse_order[i] : make_int2(-1, -1);
-    if (lane == 0) sm.announced[q.index] = i < num_tiles ? make_int4(i, record.x, record.y, 0) : make_int4(-1, -1, -1, 0);
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&sm.announce[q.index]);
-    if (i >= num_tiles) return;
-    const FwdTile<Walk> t = ordered_sparse_tile<Cfg, Walk>(hp, record.x);
+    cutlass::arch::ClusterBarrier::wait(&sm.announce[q.index], q.phase);
+    const int4 a = sm.announced[q.index];
+    if (a.x < 0) return;
+    const FwdTile<Walk> t = ordered_sparse_tile<Cfg, Walk>(hp, a.y);
     fill_sparse_tile_list<Cfg::kBlockN>(sm.lists[q.index], hp.bs, t.b, t.h, t.row0 / hp.bs.q_block_size,
                                         t.seq.seqlen_k, lane, hp.doc_spans, t.row0, t.seq.seqlen_q);
     q.template advance<Smem::kQStages>();
   }
 }
 
-// The persistent block-sparse grid's producer thread: per announced tile, Q, the first K (from the
-// order's record) and, once the list is written, the walk's K and V; an empty Q stage (tile -1) for
-// the consumers once the writer has announced none.
+// The persistent block-sparse grid's producer thread. Once it has issued a tile's loads it claims
+// the CTA's next tile in the sorted order (hp.sparse_order: blockIdx.x first, then from the
+// counter), waits for a Q stage to be free, announces the tile to the list writer ({order index,
+// encoded tile, first key tile}) and to the consumers (tile_of_q), and issues its Q, its first K
+// and, once the list is written, the walk's K and V; an empty stage (tile -1) ends the consumers and
+// the writer. Claimed a tile earlier (by the writer, as soon as a Q stage was free), long tiles went
+// to CTAs that stayed busy longer than others: causal 1.012-1.017 and documents 1.007-1.018 of one
+// CTA per tile's time, against 0.992 and 0.995 with the claim here (bench/RESULTS.md, session 47).
 template <typename Cfg, typename T, typename Smem>
 __device__ __forceinline__ void produce_sparse_persistent(const HopperFwdParams<Cfg, T>& hp, Smem& sm) {
   using Walk = SparseKvWalkOf<typename Smem::List>;
+  const detail::FwdKernelParams& p = hp.p;
+  const int num_tiles = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM * p.heads * p.batch;
   unsigned long long* tl = timeline_of(hp);
   PipePos pos;
-  for (;;) {
+  int i = blockIdx.x;
+  for (bool first = true;; first = false) {
     const int s = pos.q.index;
     const uint32_t phase = pos.q.phase;
-    cutlass::arch::ClusterBarrier::wait(&sm.announce[s], phase);
-    const int4 a = sm.announced[s];
-    if (a.x < 0) {  // the writer waited for the stage to be free
+    if (!first) i = static_cast<int>(gridDim.x) + atomicAdd(hp.next_tile, 1);
+    const int2 record = i < num_tiles ? hp.sparse_order[i] : make_int2(-1, -1);
+    cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[s], phase ^ 1u);
+    sm.announced[s] = i < num_tiles ? make_int4(i, record.x, record.y, 0) : make_int4(-1, -1, -1, 0);
+    cutlass::arch::ClusterBarrier::arrive(&sm.announce[s]);
+    if (i >= num_tiles) {
       sm.tile_of_q[s] = -1;
       cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.full[s]);
       return;
     }
-    sm.tile_of_q[s] = a.x;
-    sm.ordered_tile_of_q[s] = a.y;
-    FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, a.y);
-    tile.id = a.x;
+    sm.tile_of_q[s] = i;
+    sm.ordered_tile_of_q[s] = record.x;
+    FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, record.x);
+    tile.id = i;
     timeline_mark(tl, tile.id, kMarkStart);
     timeline_mark_global(tl, tile.id, kMarkGlobalStart);
     timeline_set(tl, tile.id, kMarkSm, sm_id());
-    produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/false);
-    produce_kv<Cfg, T>(hp, sm, tile, pos, a.z >= 0 ? a.z & kSparseTileIndex : -1,
+    produce_q<Cfg, T>(hp, sm, tile, pos, /*q_stage_free=*/true);
+    produce_kv<Cfg, T>(hp, sm, tile, pos, record.y >= 0 ? record.y & kSparseTileIndex : -1,
                        [&] { return sparse_walk(sm.lists[s], phase); });
-    cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.empty[s]);  // done with the stage's list
   }
 }
 
@@ -778,8 +770,8 @@ __device__ __forceinline__ void produce_sparse_persistent(const HopperFwdParams<
 // given, else the last q blocks first (the longest lists of causal-like masks); the first consumer
 // warp expands the CTA's list row into shared memory while the producer issues Q; the producer's K/V
 // loads and the consumers' walks wait for it. Persistent (hp.sparse_order given): the tiles of the
-// order from a counter, each list written by a warp of the producer's warpgroup into its Q stage's
-// buffer (sparse_list_writer).
+// order from a counter (produce_sparse_persistent), each list written by a warp of the producer's
+// warpgroup into its Q stage's buffer (sparse_list_writer).
 template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
   constexpr int kQStages = kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>();
@@ -814,9 +806,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     cute::prefetch_tma_descriptor(hp.tma_v.get_tma_descriptor());
   }
   if (threadIdx.x == 0) {
-    // Every consumer thread releases a Q stage; in the persistent sparse grid the producer thread too,
-    // once it has read the stage's list (whose buffer the writer refills after the release).
-    sm.q_ring.init(128 * Cfg::kConsumerWGs + (kSparse && kPersistent ? 1 : 0));
+    // Every consumer thread releases a Q stage.
+    sm.q_ring.init(128 * Cfg::kConsumerWGs);
     sm.k_ring.init(4 * Cfg::kConsumerWGs);
     sm.v_ring.init(4 * Cfg::kConsumerWGs);
     if constexpr (kSparse && kPersistent) {

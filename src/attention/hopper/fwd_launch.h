@@ -43,15 +43,11 @@ bool hopper_sparse_ordered(const detail::FwdKernelParams& p, int num_sms);
 bool hopper_sparse_doc_spans(bool doc_ids);
 // Whether the ordered block-sparse forward (hopper_sparse_ordered) runs its persistent grid where
 // its configuration has one (hopper_sparse_persistent_fits): sequences of at most
-// kMaxPersistentSparseTiles key tiles of kv_tile keys (its lists' capacity), and masks whose list
-// rows are about equally long: no causal predicate without a window, no prefix, no document ids.
-// Measured on the H200 (bench/RESULTS.md, session 47; issue 6's masks, persistent / one CTA per
-// tile): window 0.937-0.945, random blocks 0.989-0.990, causal 1.012-1.015, documents 1.010-1.018:
-// the persistent grid hides a tile's start and its first loads under the tile before, but claims
-// its next tile a tile early, which unbalances rows of very different lengths.
-// FLARE_HOPPER_SPARSE_PERSISTENT=0|1 turns it off or on wherever it fits (A/B runs, tests).
-bool hopper_sparse_persistent(const detail::FwdKernelParams& p, const block_sparse::ElementMaskParams& el,
-                              int kv_tile);
+// kMaxPersistentSparseTiles key tiles of kv_tile keys (its lists' capacity). Measured on the H200
+// (bench/RESULTS.md, session 47; issue 6's masks, 20 back-to-back calls, persistent / one CTA per
+// tile): causal 0.992, window 0.978, documents 0.995, random blocks 0.988.
+// FLARE_HOPPER_SPARSE_PERSISTENT=0 turns it off (A/B runs, tests).
+bool hopper_sparse_persistent(const detail::FwdKernelParams& p, int kv_tile);
 // The block-sparse forward's scratch: the CTA order (an int2 a tile, 16-byte rounded) and the
 // persistent grid's counters (16 bytes: tiles claimed, tiles done) where it orders its CTAs, then the document spans
 // (doc_spans_bytes) where it takes them. The launcher lays its workspace out by it and

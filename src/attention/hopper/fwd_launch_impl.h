@@ -186,7 +186,7 @@ Status launch_hopper_fwd_sparse_cfg(const detail::FwdKernelParams& p, const bloc
     if (!s.ok()) return fail(s);
     hp.sparse_order = order;
     hp.next_tile = counter;
-    persistent = kHasPersistent && hopper_sparse_persistent(p, bs.element, Cfg::kBlockN);
+    persistent = kHasPersistent && hopper_sparse_persistent(p, Cfg::kBlockN);
     grid = dim3(static_cast<unsigned>(persistent ? std::min(o.num_tiles(), dev.num_sms) : o.num_tiles()));
   }
   // A programmatic dependent of the kernel ahead of it where that one writes what it reads.
