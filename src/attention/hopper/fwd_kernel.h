@@ -59,10 +59,11 @@ struct HopperFwdParams {
   typename L::TmaKV tma_k, tma_v;
   GShape shape_q, shape_k;  // (rows, head dim, heads, batch) as the tensor maps were made
   block_sparse::BlockSparseParams bs;  // the block mask (the sparse kernel only)
-  // The sparse kernel's CTA order (sched::SparseOrder, a 1-D grid: CTA i runs the encoded tile
+  // The sparse kernel's CTA order (sched::SparseOrder: record i is the encoded tile
   // sparse_order[i].x, (batch x heads + head) x q tiles + q tile, whose list row's first key tile is
-  // sparse_order[i].y: first_sparse_tile), or null: the grid's (q tile
-  // descending, head, batch).
+  // sparse_order[i].y: first_sparse_tile), which a 1-D grid of one CTA per tile runs CTA i for
+  // record i and the persistent grid claims from next_tile; or null: the grid's (q tile descending,
+  // head, batch).
   const int2* sparse_order = nullptr;
   // The sparse kernel's document spans (block_sparse/doc_spans.h: int2 [batch, seqlen_q]), or null:
   // partial tiles look the document ids up.
@@ -144,6 +145,17 @@ constexpr int hopper_fwd_q_stages() {
 template <typename Cfg, typename T>
 constexpr bool hopper_sparse_persistent_fits() {
   return hopper_fwd_smem_bytes<Cfg, T, 2, true, true>() <= 227 * 1024;
+}
+
+// The Q stages and the shared memory of hopper_fwd_kernel<Cfg, T, kPersistent, kSparse> (the
+// persistent sparse grid always takes two: its lists follow them).
+template <typename Cfg, typename T, bool kPersistent, bool kSparse>
+constexpr int hopper_fwd_kernel_q_stages() {
+  return kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>();
+}
+template <typename Cfg, typename T, bool kPersistent, bool kSparse>
+constexpr int hopper_fwd_kernel_smem() {
+  return hopper_fwd_smem_bytes<Cfg, T, hopper_fwd_kernel_q_stages<Cfg, T, kPersistent, kSparse>(), kSparse, kPersistent>();
 }
 
 // Where a role stands in the pipelines; carried from tile to tile by persistent CTAs.
@@ -774,8 +786,7 @@ __device__ __forceinline__ void produce_sparse_persistent(const HopperFwdParams<
 // warpgroup into its Q stage's buffer (sparse_list_writer).
 template <typename Cfg, typename T, bool kPersistent, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __grid_constant__ HopperFwdParams<Cfg, T> hp) {
-  constexpr int kQStages = kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>();
-  using Smem = FwdSmem<Cfg, T, kQStages, kSparse, kPersistent>;
+  using Smem = FwdSmem<Cfg, T, hopper_fwd_kernel_q_stages<Cfg, T, kPersistent, kSparse>(), kSparse, kPersistent>;
   using Walk = std::conditional_t<kSparse, SparseKvWalkOf<typename FwdListSmem<kSparse, kPersistent>::List>, DenseKvWalk>;
   static_assert(!(kSparse && kPersistent) || hopper_sparse_persistent_fits<Cfg, T>(), "no persistent sparse form");
   extern __shared__ unsigned char smem_raw[];

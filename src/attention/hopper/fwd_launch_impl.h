@@ -49,20 +49,14 @@ inline Status forward_scratch(const detail::FwdKernelParams& p, std::size_t byte
 // The kernel's dynamic shared memory, raised once per instantiation (its status each call).
 template <typename Cfg, typename T, bool kPersistent, bool kSparse>
 Status hopper_fwd_smem_attribute() {
-  constexpr int kQStages = kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>();
-  constexpr int kSmem = hopper_fwd_smem_bytes<Cfg, T, kQStages, kSparse, kPersistent>();
   static const cudaError_t attr = [] {
     cudaError_t e = cudaFuncSetAttribute(hopper_fwd_kernel<Cfg, T, kPersistent, kSparse>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         hopper_fwd_kernel_smem<Cfg, T, kPersistent, kSparse>());
     if (e != cudaSuccess) (void)cudaGetLastError();
     return e;
   }();
   return attr == cudaSuccess ? Status::Ok() : detail::cuda_status(attr, "hopper forward: shared memory attribute");
-}
-template <typename Cfg, typename T, bool kPersistent, bool kSparse>
-constexpr int hopper_fwd_kernel_smem() {
-  return hopper_fwd_smem_bytes<Cfg, T, kSparse && kPersistent ? 2 : hopper_fwd_q_stages<Cfg, T, kPersistent>(), kSparse,
-                               kPersistent>();
 }
 
 // The kernel's parameters but for its grid's: p and the tensor maps of Q, K and V.
@@ -191,7 +185,7 @@ Status launch_hopper_fwd_sparse_cfg(const detail::FwdKernelParams& p, const bloc
   }
   // A programmatic dependent of the kernel ahead of it where that one writes what it reads.
   const bool after_prologue = hp.sparse_order != nullptr || hp.doc_spans != nullptr;
-  cudaError_t launched;
+  cudaError_t launched = cudaSuccess;
   if constexpr (kHasPersistent) {
     if (persistent) {
       launched = detail::launch_maybe_programmatic(after_prologue, hopper_fwd_kernel<Cfg, T, true, true>, grid,
