@@ -15,7 +15,7 @@
 
 namespace flare::hopper {
 
-// Whether a consumer warpgroup passes the leading key tiles masked for all its rows (fwd_kernel.h,
+// Whether a consumer warpgroup passes the leading key tiles masked for all its rows (fwd_consumer.h,
 // leading_masked_tiles) at this head dim. Measured on the H100 (bench/RESULTS.md, session 24): d64
 // causal 1k-2k 2-4 % faster (non-causal 1k 1-2 % slower); d128 causal within 1 % and non-causal 1k
 // 4 % slower; d256 within noise: on at d64 only. -DFLARE_HOPPER_FWD_SKIP_MASKED=0 or 1 sets it for
@@ -43,16 +43,16 @@ struct HopperFwdConfig {
   // Keep a stale running max until a row outgrows it by 2^8 (the rescale of O is skipped meanwhile).
   static constexpr bool kLazyRescale = kLazyRescale_;
   // A consumer warpgroup whose rows all lie past the sequence only keeps the pipelines' protocol
-  // (fwd_kernel.h, pass_tile_without_rows): 1024 rows in tiles of 192 leave two of the last tile's
+  // (fwd_consumer.h, pass_tile_without_rows): 1024 rows in tiles of 192 leave two of the last tile's
   // three warpgroups idle. Costs the d64 kernel one more in-loop spill reload (tune_hopper_fwd
   // measures both).
   static constexpr bool kSkipIdleWGs = kSkipIdleWGs_;
   // A consumer warpgroup passes the leading key tiles of a dense walk that are masked for all its
-  // rows (the diagonal's, above its last row's keys) instead of computing them (fwd_kernel.h,
+  // rows (the diagonal's, above its last row's keys) instead of computing them (fwd_consumer.h,
   // leading_masked_tiles): with causal masks the tile's first warpgroups see fewer keys than its last.
   static constexpr bool kSkipMaskedTiles = hopper_fwd_skip_masked(kHeadDim_);
   // P in two register sets alternating by key tile, the wait for a PV GEMM moved from after the
-  // next softmax to after the next S GEMM's issue (fwd_kernel.h, consume): the softmax then runs
+  // next softmax to after the next S GEMM's issue (fwd_consumer.h, consume): the softmax then runs
   // under the previous PV GEMM instead of after it. Costs kBlockN / 4 registers a thread.
   static constexpr bool kTwoP = kTwoP_;
   static constexpr int kThreads = 128 * (kConsumerWGs + 1);
