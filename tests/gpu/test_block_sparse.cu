@@ -348,7 +348,7 @@ TEST(BlockSparseForward, OrderedCtasOnEveryMaskKind) {
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), 0u);
   p.seqlen_q = 129;
   EXPECT_TRUE(hopper::hopper_sparse_ordered(p, sms));
-  // The order (an int2 a tile, 16-byte rounded) and the persistent grid's counter (16 bytes).
+  // The order (an int2 a tile, 16-byte rounded) and the persistent grid's two counters (16 bytes).
   const std::size_t order_bytes = (8u * 2 * p.heads * 2 + 15) / 16 * 16 + 16;
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, false), order_bytes);
   EXPECT_EQ(hopper::hopper_forward_sparse_workspace_bytes(p, true),
