@@ -141,11 +141,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
       GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
       for (;;) {
         sm.q_ring.wait_full(pos.q);
-        // Read before the consumers release the stage (consume), as the dense grid's tile_of_q.
-        const int i = sm.tile_of_q[pos.q.index];
-        if (i < 0) return;
-        FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, sm.ordered_tile_of_q[pos.q.index]);
-        tile.id = i;
+        // The stage's tile as the producer announced it ({order index, encoded tile, ..}; -1: none
+        // left), read before the consumers release the stage (consume), as the dense grid's tile_of_q.
+        const int4 a = sm.announced[pos.q.index];
+        if (a.x < 0) return;
+        FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, a.y);
+        tile.id = a.x;
         tile.kv = sparse_walk(sm.lists[pos.q.index], pos.q.phase);
         consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos, /*q_waited=*/true);
         if (threadIdx.x == 128) atomicAdd(hp.next_tile + 1, 1);  // tiles done (a test checks: each once)

@@ -123,7 +123,8 @@ __device__ __forceinline__ void sparse_list_writer(const HopperFwdParams<Cfg, T>
 // The persistent block-sparse grid's producer thread. Once it has issued a tile's loads it claims
 // the CTA's next tile in the sorted order (hp.sparse_order: blockIdx.x first, then from the
 // counter), waits for a Q stage to be free, announces the tile to the list writer ({order index,
-// encoded tile, first key tile}) and to the consumers (tile_of_q), and issues its Q, its first K
+// encoded tile, first key tile}) and to the consumers (who read it once its Q has landed), and
+// issues its Q, its first K
 // and, once the list is written, the walk's K and V; an empty stage (tile -1) ends the consumers and
 // the writer. Claimed a tile earlier (by the writer, as soon as a Q stage was free), long tiles went
 // to CTAs that stayed busy longer than others: causal 1.012-1.017 and documents 1.007-1.018 of one
@@ -144,13 +145,10 @@ __device__ __forceinline__ void produce_sparse_persistent(const HopperFwdParams<
     cutlass::arch::ClusterBarrier::wait(&sm.q_ring.empty[s], phase ^ 1u);
     sm.announced[s] = i < num_tiles ? make_int4(i, record.x, record.y, 0) : make_int4(-1, -1, -1, 0);
     cutlass::arch::ClusterBarrier::arrive(&sm.announce[s]);
-    if (i >= num_tiles) {
-      sm.tile_of_q[s] = -1;
+    if (i >= num_tiles) {  // the consumers' signal to stop: the stage full without a Q
       cutlass::arch::ClusterBarrier::arrive(&sm.q_ring.full[s]);
       return;
     }
-    sm.tile_of_q[s] = i;
-    sm.ordered_tile_of_q[s] = record.x;
     FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, record.x);
     tile.id = i;
     timeline_mark(tl, tile.id, kMarkStart);

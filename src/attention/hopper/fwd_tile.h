@@ -84,9 +84,8 @@ template <>
 struct FwdListSmem<true, true> {
   using List = SparseTileListOf<kMaxPersistentSparseTiles>;
   List lists[2];
-  int4 announced[2];
-  int ordered_tile_of_q[2];  // the encoded tile of a Q stage's order index (tile_of_q)
-  uint64_t announce[2];      // mbarriers: the producer has announced the stage's next tile (one arrival)
+  int4 announced[2];     // read by the writer on `announce`, by the consumers once the stage's Q landed
+  uint64_t announce[2];  // mbarriers: the producer has announced the stage's next tile (one arrival)
 };
 
 // kQStages: Q's stages. One CTA per tile loads Q once; a persistent CTA takes two where they fit,
@@ -102,7 +101,7 @@ struct FwdSmem : FwdListSmem<kSparse, kPersistent> {
   cute::array_aligned<typename L::Elem, cute::cosize_v<typename L::SmemKV>, 1024> v;
   StageBarriers<kQStages> q_ring;  // a Q stage is free again once every consumer thread is done with it
   StageBarriers<Cfg::kStages> k_ring, v_ring;
-  int tile_of_q[kQStages];  // persistent: the tile whose Q a stage holds (-1: no tiles left)
+  int tile_of_q[kQStages];  // dense persistent: the tile whose Q a stage holds (-1: no tiles left)
 };
 
 template <typename Cfg, typename T, int kQStages = 1, bool kSparse = false, bool kPersistent = false>
