@@ -260,6 +260,21 @@ __device__ __forceinline__ RowBounds setup_rows(const DecodeKernelParams& p, int
   return rows;
 }
 
+// Q as MMA A fragments of the thread's rows (setup_rows' q_row), straight from global memory (a
+// few hundred bytes per warp): columns 16 ks + 2t (a0, a1) and + 8 (a2, a3). Padding rows are zero.
+template <int kKSteps, typename T>
+__device__ __forceinline__ void load_q_fragments(const T* const (&q_row)[2], int t, uint32_t (&qa)[kKSteps][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int col = 16 * ks + 8 * half + 2 * t;
+      qa[ks][2 * half] = q_row[0] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[0] + col) : 0u;
+      qa[ks][2 * half + 1] = q_row[1] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[1] + col) : 0u;
+    }
+  }
+}
+
 }  // namespace device
 
 template <typename Cfg, typename T, bool kSplit>
@@ -352,18 +367,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_attention_kernel(const D
     cp_async_commit();
   }
 
-  // Q as MMA A fragments, straight from global memory (a few hundred bytes per warp), while the
-  // first tiles load. Padding rows are zero.
+  // Q, while the first tiles load.
   uint32_t qa[kKSteps][4];
-#pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // columns 16 ks + 2t (a0, a1) and + 8 (a2, a3)
-      const int col = 16 * ks + 8 * half + 2 * t;
-      qa[ks][2 * half] = q_row[0] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[0] + col) : 0u;
-      qa[ks][2 * half + 1] = q_row[1] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[1] + col) : 0u;
-    }
-  }
+  load_q_fragments(q_row, t, qa);
 
   float o[kDTiles][4];
 #pragma unroll

@@ -291,15 +291,7 @@ __global__ void __launch_bounds__(32 * (key_group_consumer_warps(kHeadDim) + 1))
   const T* q_row[2];
   const RowBounds rows = setup_rows<T>(p, b, hk, keys.seqlen, 0, p.rows, g, q_row);
   uint32_t qa[kKSteps][4];
-#pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int col = 16 * ks + 8 * half + 2 * t;
-      qa[ks][2 * half] = q_row[0] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[0] + col) : 0u;
-      qa[ks][2 * half + 1] = q_row[1] != nullptr ? *reinterpret_cast<const uint32_t*>(q_row[1] + col) : 0u;
-    }
-  }
+  load_q_fragments(q_row, t, qa);
 
   float o[kDTiles][4];
 #pragma unroll
