@@ -517,7 +517,12 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
       bwd_consumer_arrive(&sm.dq_full[it % Smem::kWriters], lane);
     };
     (void)publish_dq;
-    for (int it = 0; it < t.steps(); ++it) {
+    // A dense walk's step count (the same in every thread) through a warp reduction, whose result
+    // ptxas keeps in a uniform register: in a vector register it was spilled and reloaded every step
+    // at d128 (the main loop's one LDL). The block-sparse kernel's count is kept without it (with it
+    // two other registers spilled in its loop).
+    const int steps = Tile::kSparse ? t.steps() : __reduce_max_sync(0xffffffffu, t.steps());
+    for (int it = 0; it < steps; ++it) {
       const QStep step = t.step_at(it);
       const int q0 = step.m * Cfg::kBlockM;
       const float* lse_log2 = &sm.stats[pos.index * 2 * Cfg::kBlockM];
@@ -622,7 +627,7 @@ __device__ __forceinline__ void bwd_consume(const HopperBwdParams<Cfg, T>& hp, S
       }
     }
 #if FLARE_HOPPER_BWD_DQ_PUBLISH_LATE
-    publish_dq(t.steps() - 1);
+    publish_dq(steps - 1);
 #endif
     if constexpr (kDkOverlap) {
       wg_wait<0>(dk_acc);
