@@ -23,10 +23,22 @@
 // warpgroup's dQ half goes out through its own 32 KB buffer; kDqWriters writer threads take the
 // steps in turn, each adding both halves of its steps. In deterministic mode each half is ordered
 // by its own semaphore per query block. The producer, the tile walk and the dK/dV epilogue are the
-// d <= 128 kernel's (bwd_kernel.h).
+// d <= 128 kernel's (bwd_producer.h, bwd_step.h).
 #pragma once
 
-#include "src/attention/hopper/bwd_kernel.h"
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "src/attention/hopper/bwd_dq_writer.h"
+#include "src/attention/hopper/bwd_producer.h"
+#include "src/attention/hopper/bwd_split_layouts.h"
+#include "src/attention/hopper/bwd_step.h"
+#include "src/attention/hopper/bwd_tile.h"
+#include "src/attention/hopper/smem_struct.h"
+#include "src/attention/hopper/stage_ring.h"
+#include "src/attention/hopper/wg_gemm.h"
 #include "src/common/named_barrier.h"
 
 namespace flare::hopper {
