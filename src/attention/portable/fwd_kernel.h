@@ -399,45 +399,52 @@ cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
 // Uniform work (no causal or window mask) runs on a persistent grid over the L2-grouped tile
 // order; masked work keeps one CTA per tile, launched longest first, so the hardware's block
 // scheduler balances the uneven tiles (measured: persistent static round-robin lost 2-10 % on
-// causal runs and won 1-4 % on uniform ones; bench/RESULTS.md).
-template <typename Cfg, typename T>
+// causal runs and won 1-4 % on uniform ones; bench/RESULTS.md). persistent: -1 the rule, 0 one CTA
+// per tile, 1 the persistent grid. kWithPersistent = false: one CTA per tile only, and the
+// persistent kernel not instantiated (the library's split shapes, which never take it).
+template <typename Cfg, typename T, bool kWithPersistent = true>
 Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int persistent = -1) {
   constexpr int kSmem = fwd_smem_bytes<Cfg, T>();
   auto tiled = portable_fwd_kernel<Cfg, T, false>;
-  auto persistent_kernel = portable_fwd_kernel<Cfg, T, true>;
   static const cudaError_t attr = [&] {
     cudaError_t e = prepare_smem(tiled, kSmem);
-    return e == cudaSuccess ? prepare_smem(persistent_kernel, kSmem) : e;
+    if constexpr (kWithPersistent) {
+      if (e == cudaSuccess) e = prepare_smem(portable_fwd_kernel<Cfg, T, true>, kSmem);
+    }
+    return e;
   }();
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable forward: shared memory attribute");
   if (params.seqlen_q == 0 || params.batch == 0) return Status::Ok();
-  // A persistent variant that spills (its loop costs registers; d64 does at 255) is never chosen.
-  static const bool persistent_spills = [&] {
-    cudaFuncAttributes a{};
-    return cudaFuncGetAttributes(&a, persistent_kernel) != cudaSuccess || a.localSizeBytes > 0;
-  }();
-  const bool uniform = !params.causal && params.window_left < 0 && params.window_right < 0;
-  if (persistent == 0 || (persistent < 0 && (!uniform || persistent_spills))) {
-    dim3 grid((params.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, params.heads, params.batch);
-    tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
-    return detail::cuda_status(cudaGetLastError(), "portable forward launch");
+  if constexpr (kWithPersistent) {
+    const bool uniform = !params.causal && params.window_left < 0 && params.window_right < 0;
+    auto persistent_kernel = portable_fwd_kernel<Cfg, T, true>;
+    // A persistent variant that spills (its loop costs registers; d64 does at 255) is never chosen.
+    static const bool persistent_spills = [&] {
+      cudaFuncAttributes a{};
+      return cudaFuncGetAttributes(&a, persistent_kernel) != cudaSuccess || a.localSizeBytes > 0;
+    }();
+    if (persistent > 0 || (persistent < 0 && uniform && !persistent_spills)) {
+      static int ctas_per_sm = 0;
+      if (ctas_per_sm == 0)
+        FLARE_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, persistent_kernel, Cfg::kThreads, kSmem));
+      const detail::DeviceFacts dev = detail::current_device_facts();
+      FwdKernelParams p = params;
+      p.order = sched::make_forward_order(detail::forward_tile_shape(params, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                          dev.l2_bytes / 2);
+      const dim3 grid(std::min(p.order.num_tiles, std::max(1, ctas_per_sm) * dev.num_sms));
+      persistent_kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+      return detail::cuda_status(cudaGetLastError(), "portable forward launch");
+    }
   }
-  static int ctas_per_sm = 0;
-  if (ctas_per_sm == 0)
-    FLARE_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, persistent_kernel, Cfg::kThreads, kSmem));
-  const detail::DeviceFacts dev = detail::current_device_facts();
-  FwdKernelParams p = params;
-  p.order = sched::make_forward_order(detail::forward_tile_shape(params, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
-                                      dev.l2_bytes / 2);
-  const dim3 grid(std::min(p.order.num_tiles, std::max(1, ctas_per_sm) * dev.num_sms));
-  persistent_kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  dim3 grid((params.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, params.heads, params.batch);
+  tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
   return detail::cuda_status(cudaGetLastError(), "portable forward launch");
 }
 
 template <int kHeadDim, typename T>
 Status launch_portable_fwd(const FwdKernelParams& p, Stream stream) {
   using Cfg = typename FwdConfigFor<kHeadDim>::type;
-  return launch_portable_fwd_cfg<Cfg, T>(p, stream, fwd_persistent_when_uniform<Cfg>() ? -1 : 0);
+  return launch_portable_fwd_cfg<Cfg, T, fwd_persistent_when_uniform<Cfg>()>(p, stream);
 }
 
 }  // namespace flare::portable
