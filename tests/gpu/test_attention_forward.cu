@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 
 #include "flare_instantiated.h"
 #include "tests/gpu/attention_case.h"
@@ -206,6 +207,46 @@ TEST(HopperForward, TailTilesSplitIntoKeyRanges) {
   };
   for (int d : {128, 256})
     for (int shape = 0; shape < 3; ++shape) run_case(d, shape);
+}
+
+// The persistent grid with several tiles a CTA, so that tiles carry into the next (fwd_consumer.h,
+// consume: the last P V of a tile in one turn with the next's first S GEMM): ragged last tiles
+// whose second warpgroup has no rows (946 = 7 x 128 + 50: no carry into those), causal tiles
+// (shifted, sched::row_tile_shift), GQA, sinks, soft-capping. Against the oracle with the carry,
+// and bitwise against the same grid without it (FLARE_HOPPER_FWD_CARRY=0: the same arithmetic in
+// another order of issue).
+TEST(HopperForward, PersistentTilesCarryIntoTheNext) {
+  FLARE_REQUIRE_HOPPER();
+  int dev = 0, sms = 0;
+  FLARE_CUDA_OK(cudaGetDevice(&dev));
+  FLARE_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  uint64_t seed = 9300;
+  auto run_case = [&](int d, bool causal) {  // a lambda: FLARE_ASSERT_OK_OR_UNBUILT returns from it
+    AttnCase c;
+    c.head_dim = d;
+    c.batch = 2;
+    c.seqlen_q = c.seqlen_k = causal ? 1000 : 946;  // persistent at d64 and d128 (fwd_grid.h), d256 causal
+    c.heads = 4 * ((3 * sms + 63) / 64);  // 8 q tiles a head: about 3 tiles a CTA
+    c.heads_kv = causal ? c.heads : c.heads / 4;
+    c.mask.causal = causal;
+    c.sinks = !causal;
+    c.softcap = causal ? 15.f : 0.f;
+    c.dtype = causal ? DType::kFloat16 : DType::kBFloat16;
+    c.seed = seed++;
+    SCOPED_TRACE(c.name());
+    AttnProblem prob(c);
+    ASSERT_EQ(setenv("FLARE_HOPPER_FWD_CARRY", "0", 1), 0);
+    FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(prob.forward_params(Backend::kHopper)));
+    const ref::HostTensor apart = prob.stored_out();
+    ASSERT_EQ(unsetenv("FLARE_HOPPER_FWD_CARRY"), 0);
+    prob.run_oracle();
+    ASSERT_TRUE(attention_forward(prob.forward_params(Backend::kHopper)).ok());
+    FLARE_CUDA_OK(cudaDeviceSynchronize());
+    prob.check_forward();
+    EXPECT_EQ(std::memcmp(apart.data(), prob.out_host.data(), apart.nbytes()), 0) << "O differs without the carry";
+  };
+  for (int d : {64, 128, 256})
+    for (bool causal : {false, true}) run_case(d, causal);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Forward, ::testing::Values(Backend::kPortable, Backend::kHopper),

@@ -67,6 +67,10 @@ HopperFwdParams<Cfg, T> hopper_fwd_params(const detail::FwdKernelParams& p) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   HopperFwdParams<Cfg, T> hp;
   hp.p = p;
+  // FLARE_HOPPER_FWD_CARRY=0 turns the persistent grids' tile overlap off (A/B), read at each launch
+  // (a test compares the two in one process).
+  const char* carry = std::getenv("FLARE_HOPPER_FWD_CARRY");
+  hp.carry = carry != nullptr && carry[0] == '0' ? 0 : 1;
 #if FLARE_HOPPER_FWD_TIMELINE
   hp.timeline = fwd_timeline_buffer();
 #endif
