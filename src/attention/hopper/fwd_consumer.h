@@ -367,7 +367,7 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   // starts at its walk's first key tile. The same answer in every warpgroup, which keeps their
   // turns in step.
   auto carries_into = [&](const FwdTile<Walk>& u) FLARE_INLINE {
-    if (!hp.carry || u.kv.empty()) return false;
+    if (u.kv.empty()) return false;
     CUTE_UNROLL
     for (int w = 0; w < Cfg::kConsumerWGs; ++w) {
       const int r0 = u.row0 + 64 * w;
@@ -476,8 +476,8 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
     }
     release_q();  // every S GEMM of the tile has completed
     if constexpr (Next::kMore) {
-      FwdTile<Walk> u;
-      if (next.wait(u) && carries_into(u)) {
+      FwdTile<Walk> u;  // with the carry off, the last P V does not wait for the next Q
+      if (hp.carry && next.wait(u) && carries_into(u)) {
         carry_into(p_last, u);
         return true;
       }
