@@ -366,12 +366,16 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
   // Whether the next tile u can take the carry (carry_into): every warpgroup has rows of it and
   // starts at its walk's first key tile. The same answer in every warpgroup, which keeps their
   // turns in step.
+  // The current tile t must have rows in every warpgroup too: a warpgroup without (pass_tile_without_rows)
+  // takes the last P V's turn on its own and would fall a turn behind the others.
   auto carries_into = [&](const FwdTile<Walk>& u) FLARE_INLINE {
     if (u.kv.empty()) return false;
     CUTE_UNROLL
     for (int w = 0; w < Cfg::kConsumerWGs; ++w) {
-      const int r0 = u.row0 + 64 * w;
-      if (Cfg::kSkipIdleWGs && !Walk::kSparse && (r0 >= u.seq.seqlen_q || r0 + 64 <= 0)) return false;
+      const int r0 = u.row0 + 64 * w, t0 = t.row0 + 64 * w;
+      if (Cfg::kSkipIdleWGs && !Walk::kSparse &&
+          (r0 >= u.seq.seqlen_q || r0 + 64 <= 0 || t0 >= t.seq.seqlen_q || t0 + 64 <= 0))
+        return false;
       if (leading_masked_tiles<Cfg>(u, r0) > 0) return false;
     }
     return true;
