@@ -69,7 +69,7 @@ namespace portable = flare::portable;
 // A case and how it runs.
 struct EmuCase {
   AttnCase c;
-  // Forward grid: 0, one CTA per tile (the launcher's grid for masks, longest first); N > 0, the
+  // Forward grid: 0, one CTA per tile (fwd_tiled_grid: masks over the tile order); N > 0, the
   // persistent kernel on min(tiles, N) CTAs (the launcher's for uniform work, on a GPU of N
   // CTA slots), over the tile order for an L2 budget of l2_budget bytes.
   int persistent_ctas = 0;
@@ -143,7 +143,7 @@ void run_forward_kernels_cfg(FwdKernelParams p, const EmuCase& e) {
   static_assert(portable::fwd_smem_bytes<Cfg, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
   if (p.seqlen_q == 0 || p.batch == 0) return;
   if (e.persistent_ctas == 0) {
-    const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+    const dim3 grid = portable::fwd_tiled_grid<Cfg, T>(p, e.l2_budget);
     cuda_emu::launch(grid, Cfg::kThreads, portable::smem_raw,
                      [&] { portable::portable_fwd_kernel<Cfg, T, false>(p); });
     return;
@@ -164,7 +164,7 @@ void run_forward_kernels(const FwdKernelParams& p, const EmuCase& e) {
 
 // launch_portable_bwd_cfg: the dpsum pre-pass, the main kernel, the conversions.
 template <int kHeadDim, typename T>
-void run_backward_kernels(const BwdKernelParams& P, bool bwd_2d) {
+void run_backward_kernels(const BwdKernelParams& P, bool bwd_2d, int64_t l2_budget) {
   using Cfg = typename portable::BwdConfigFor<kHeadDim>::type;
   using Cfg2 = typename portable::Bwd2ConfigFor<kHeadDim>::type;
   static_assert(portable::bwd_smem_bytes<Cfg, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
@@ -177,14 +177,17 @@ void run_backward_kernels(const BwdKernelParams& P, bool bwd_2d) {
     cuda_emu::launch(dim3((p.seqlen_q + 7) / 8, p.heads, p.batch), 256, smem,
                      [&] { portable::bwd_dpsum_kernel<T>(P); });
   if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
+    // The launcher's grid (launch_bwd_passes): masked ordinary work over the tile order.
+    BwdKernelParams ordered = P;
+    const flare::detail::GridDims g = flare::detail::dense_bwd_grid(ordered, Cfg::kBlockN, sizeof(T), l2_budget);
     if (bwd_2d)  // the library's step order per mode (launch_portable_bwd2_cfg)
-      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg2::kThreads, smem, [&] {
-        if (P.deterministic) portable::portable_bwd2_kernel<Cfg2, T, FLARE_PORTABLE_BWD2_DET_DQ_FIRST != 0>(P);
-        else portable::portable_bwd2_kernel<Cfg2, T>(P);
+      cuda_emu::launch(dim3(g.x, g.y, g.z), Cfg2::kThreads, smem, [&] {
+        if (P.deterministic) portable::portable_bwd2_kernel<Cfg2, T, FLARE_PORTABLE_BWD2_DET_DQ_FIRST != 0>(ordered);
+        else portable::portable_bwd2_kernel<Cfg2, T>(ordered);
       });
     else
-      cuda_emu::launch(dim3(P.num_n_blocks, p.heads, p.batch), Cfg::kThreads, smem,
-                       [&] { portable::portable_bwd_kernel<Cfg, T>(P); });
+      cuda_emu::launch(dim3(g.x, g.y, g.z), Cfg::kThreads, smem,
+                       [&] { portable::portable_bwd_kernel<Cfg, T>(ordered); });
   }
   flare::test::emu::run_bwd_finish<T>(P, smem);
 }
@@ -269,7 +272,7 @@ void run_case(const EmuCase& e) {
     const BwdKernelParams P = flare::detail::make_bwd_kernel_params(
         b, flare::detail::make_fwd_kernel_params(flare::detail::forward_view(b), shape), shape, l, ws, Cfg::kBlockM,
         Cfg::kBlockN);
-    run_backward_kernels<decltype(hd)::value, decltype(elem)>(P, e.bwd_2d);
+    run_backward_kernels<decltype(hd)::value, decltype(elem)>(P, e.bwd_2d, e.l2_budget);
   });
   // tests/gpu/attention_case.h's check_backward: k = 2, atol 1e-3 (without its one-ulp allowance).
   expect_close(dq, dq_ref, dq_lowp, "dq", 2.0, 1e-3);
@@ -304,6 +307,15 @@ TEST(AttentionEmulated, ForwardMasks) {
   run_case({.c = attn(1, 70, 33, 2, 1, 64, kBf16, kCausal, 9)});
   run_case({.c = attn(1, 70, 90, 2, 2, 64, kFp16, {false, 16, 8}, 5), .padded_rows = true});
   run_case({.c = attn(1, 33, 47, 2, 2, 96, kBf16, {true, 20, -1}, 6)});
+}
+
+// Masked work over L2 groups of the tile order, the partial group first (6 (batch, kv head) units:
+// forward K/V 12,032 bytes a unit, 4 a group in 50,000 bytes: groups of 2 and 4; backward 20,800
+// bytes a unit, 4 a group in 83,200: the same), one CTA per index: every tile once.
+TEST(AttentionEmulated, MaskedTilesInGroupsOfTheOrder) {
+  run_case({.c = attn(3, 40, 47, 2, 2, 64, kBf16, kCausal, 31), .l2_budget = 50000});
+  run_case({.c = attn(3, 40, 47, 2, 2, 64, kFp16, {true, 20, -1}, 32), .l2_budget = 83200, .backward = true});
+  run_case({.c = attn(3, 40, 47, 2, 2, 64, kBf16, kCausal, 33), .l2_budget = 83200, .backward = true, .bwd_2d = true});
 }
 
 // The split K/V pipeline (one K and one V buffer, FlashAttention-2's load order): causal over

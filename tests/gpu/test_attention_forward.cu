@@ -6,7 +6,6 @@
 
 #include <cstdlib>
 #include <cstdio>
-#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -213,13 +212,11 @@ TEST(HopperForward, TailTilesSplitIntoKeyRanges) {
     for (int shape = 0; shape < 3; ++shape) run_case(d, shape);
 }
 
-// The persistent grid with several tiles a CTA, so that tiles carry into the next (fwd_consumer.h,
-// consume: the last P V of a tile in one turn with the next's first S GEMM): ragged last tiles
-// whose second warpgroup has no rows (946 = 7 x 128 + 50: no carry into those), causal tiles
-// (shifted, sched::row_tile_shift), GQA, sinks, soft-capping. Against the oracle with the carry,
-// and bitwise against the same grid without it (FLARE_HOPPER_FWD_CARRY=0: the same arithmetic in
-// another order of issue).
-TEST(HopperForward, PersistentTilesCarryIntoTheNext) {
+// The persistent grid with several tiles a CTA (about 1.7): ragged last tiles whose second
+// warpgroup has no rows (946 = 7 x 128 + 50), causal tiles (shifted, sched::row_tile_shift), GQA,
+// sinks, soft-capping; against the oracle. (Session 50 overlapped each tile's last P V with the
+// next tile's first S GEMM here; it lost and was removed, bench/RESULTS.md.)
+TEST(HopperForward, PersistentTilesInTurn) {
   FLARE_REQUIRE_HOPPER();
   int dev = 0, sms = 0;
   FLARE_CUDA_OK(cudaGetDevice(&dev));
@@ -227,7 +224,6 @@ TEST(HopperForward, PersistentTilesCarryIntoTheNext) {
   // The GPU runs first, case by case (a hang names its case), then the oracles on threads: one
   // case's oracle at d256 takes about a minute on one core.
   std::vector<std::unique_ptr<AttnProblem>> probs;
-  std::vector<ref::HostTensor> apart;
   uint64_t seed = 9300;
   auto run_case = [&](int d, bool causal) {  // a lambda: FLARE_ASSERT_OK_OR_UNBUILT returns from it
     AttnCase c;
@@ -243,15 +239,9 @@ TEST(HopperForward, PersistentTilesCarryIntoTheNext) {
     c.seed = seed++;
     SCOPED_TRACE(c.name());
     auto prob = std::make_unique<AttnProblem>(c);
-    ASSERT_EQ(setenv("FLARE_HOPPER_FWD_CARRY", "0", 1), 0);
     FLARE_ASSERT_OK_OR_UNBUILT(attention_forward(prob->forward_params(Backend::kHopper)));
-    apart.push_back(prob->stored_out());
-    ASSERT_EQ(unsetenv("FLARE_HOPPER_FWD_CARRY"), 0);
-    ASSERT_TRUE(attention_forward(prob->forward_params(Backend::kHopper)).ok());
     FLARE_CUDA_OK(cudaDeviceSynchronize());
-    const ref::HostTensor& carried = prob->stored_out();
-    EXPECT_EQ(std::memcmp(apart.back().data(), carried.data(), carried.nbytes()), 0) << "O differs without the carry";
-    std::fprintf(stderr, "[ carry ] %s ran\n", c.name().c_str());
+    std::fprintf(stderr, "[ persistent ] %s ran\n", c.name().c_str());
     probs.push_back(std::move(prob));
   };
   for (int d : {64, 128, 256})

@@ -105,6 +105,10 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
     dim3 grid = P.deterministic ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
+    if (!kSparse && !P.deterministic) {  // masked work: a 1D grid over the backward tile order
+      const detail::GridDims g = detail::dense_bwd_grid(hp.p, Cfg::kBlockN, sizeof(T), int64_t{facts.l2_bytes} / 2);
+      grid = dim3(g.x, g.y, g.z);
+    }
     const bool split = !kSparse && !P.deterministic && P.tail.active();
     if (split) grid = dim3(static_cast<unsigned>(P.tail.ctas()));  // whole tiles, then the split ones' parts
     if (kSparse && P.deterministic) grid = dim3(dq_plan->num_tiles() * (bs->kv_block_size / Cfg::kBlockN));

@@ -95,8 +95,9 @@ __device__ __forceinline__ sched::TileCoord ordinary_bwd_tile(const detail::BwdK
   return c;
 }
 
-// Ordinary mode: the 3D grid (kv block, head, sequence), or with a tail split a 1D grid of whole
-// tiles and parts (sched::tail_work). Deterministic: a 1D grid in the plan's
+// Ordinary mode: the 3D grid (kv block, head, sequence), for masked work a 1D grid over the tile
+// order (detail::dense_bwd_grid), or with a tail split a 1D grid of whole tiles and parts
+// (sched::tail_work). Deterministic: a 1D grid in the plan's
 // tile order, which CTAs start in, as the turn order's deadlock freedom assumes. kSparse: the 3D
 // grid over the kernel's 128-key blocks, the steps from the block mask's lists.
 template <typename Cfg, bool kSparse = false, typename Params>
@@ -117,6 +118,9 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
     t.n = c.block, t.h = c.head, t.b = c.batch;
   } else if (!kSparse && P.tail.active()) {  // a 1D grid: whole tiles in (n, h, b) order, then parts
     const sched::TileCoord c = ordinary_bwd_tile(P, sched::tail_work(P.tail, blockIdx.x, 0).tile);
+    t.n = c.block, t.h = c.head, t.b = c.batch;
+  } else if (!kSparse && p.order.num_tiles > 0) {  // masked work: a 1D grid over the tile order (dense_bwd_grid)
+    const sched::TileCoord c = sched::tile_at(p.order, blockIdx.x);
     t.n = c.block, t.h = c.head, t.b = c.batch;
   } else {
     t.n = blockIdx.x, t.h = blockIdx.y, t.b = blockIdx.z;

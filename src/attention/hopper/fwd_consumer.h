@@ -15,7 +15,6 @@
 #include "src/attention/hopper/gemm_turns.h"
 #include "src/attention/hopper/online_softmax.h"
 #include "src/attention/hopper/wg_gemm.h"
-#include "src/common/force_inline.h"
 #include "src/common/quad_transpose.h"
 
 namespace flare::hopper {
@@ -176,67 +175,28 @@ __device__ __forceinline__ FwdTailPart fwd_tail_part(const HopperFwdParams<Cfg, 
   return part;
 }
 
-// The tiles a consumer warpgroup takes after its first: none where a CTA has one tile.
-struct FwdOneTile {
-  static constexpr bool kMore = false;
-  template <typename Tile>
-  __device__ __forceinline__ bool wait(Tile&) const { return false; }
-  __device__ __forceinline__ void tile_done() const {}
-};
-// A persistent CTA's next tiles: wait(t) waits for the next Q stage to fill and reads its tile into
-// t (false: none left); it has no other effect, so it may be called twice for one stage.
-// tile_done() follows each tile's epilogue.
-template <typename Wait, typename Done>
-struct FwdNextTiles {
-  static constexpr bool kMore = true;
-  Wait wait;
-  Done tile_done;
-};
-template <typename Wait, typename Done>
-__device__ __forceinline__ FwdNextTiles<Wait, Done> fwd_next_tiles(Wait wait, Done done) {
-  return {wait, done};
-}
-
-// Where a warpgroup's epilogue writes its rows of a tile: what it needs of the tile once the
-// consumers have moved on to the next (consume's carried tiles).
-template <typename T>
-struct FwdOutRows {
-  T* out;
-  float* lse;
-  int wg_row0, row0, seqlen_q, id;
-};
-
-// One consumer warpgroup's 64 rows of its CTA's tiles: the first, t, then those `next` gives (the
-// persistent grid's). q_waited: the caller has already waited for t's Q stage to fill (the
-// persistent grid, where every tile has one).
-//
-// A persistent CTA carries the end of one tile into the next where both warpgroups start the next
-// tile at its first key tile (carry_into, hp.carry): the last P V GEMM of the tile goes to the
-// tensor cores in one turn with the next tile's first S GEMM, the next tile's first softmax runs
-// under it, and the epilogue follows, under the other warpgroup's GEMMs. Otherwise the last P V
-// takes a turn of its own and the epilogue comes before the next tile's first GEMM.
-template <typename Cfg, typename T, typename Walk, typename Smem, typename Next = FwdOneTile>
-__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem& sm, FwdTile<Walk> t,
-                                        int consumer_thread, PipePos& pos, bool q_waited = false,
-                                        Next next = Next{}) {
+// One consumer warpgroup's 64 rows of the tile. q_waited: the caller has already waited for the
+// tile's Q stage to fill (the persistent grid, where every tile has one).
+template <typename Cfg, typename T, typename Walk, typename Smem>
+__device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem& sm,
+                                        const FwdTile<Walk>& t, int consumer_thread, PipePos& pos,
+                                        bool q_waited = false) {
   using namespace cute;
   using L = FwdLayouts<Cfg, T>;
   const detail::FwdKernelParams& p = hp.p;
   const int wg = warpgroup_leader(consumer_thread) / 128;  // warp-uniform to the compiler (wg_gemm.h)
   const int lane = consumer_thread % 32, warp_in_wg = (consumer_thread % 128) / 32;
   const int quad_row = 16 * warp_in_wg + lane / 4, quad_col = 2 * (lane % 4);
+  const int wg_row0 = t.row0 + 64 * wg;
 
   typename L::MmaQK mma_qk;
   typename L::MmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(128 * wg);  // descriptors only: the warpgroup's (wg_gemm.h)
   auto thr_pv = mma_pv.get_thread_slice(128 * wg);
-  auto q_frag_of = [&](int stage) {  // descriptors of a Q stage
-    return thr_qk.partition_fragment_A(
-        make_tensor(make_smem_ptr(sm.q.data() + stage * sm.kQElems), typename L::SmemQ{}));
-  };
+  Tensor sQ = make_tensor(make_smem_ptr(sm.q.data() + pos.q.index * sm.kQElems), typename L::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(sm.k.data()), typename L::SmemKV{});
   Tensor sVt = make_tensor(make_smem_ptr(sm.v.data()), typename L::SmemVt{});
-  Tensor q_frag = q_frag_of(pos.q.index);
+  Tensor q_frag = thr_qk.partition_fragment_A(sQ);   // descriptors
   Tensor k_frag = thr_qk.partition_fragment_B(sK);   // (.., stage)
   Tensor vt_frag = thr_pv.partition_fragment_B(sVt);  // (.., stage)
   Tensor s_acc = partition_fragment_C(mma_qk, Shape<typename L::BM, typename L::BN>{});
@@ -250,325 +210,213 @@ __device__ __forceinline__ void consume(const HopperFwdParams<Cfg, T>& hp, Smem&
 
   const bool softcap = p.softcap > 0.f;  // once: a per-step read of the parameter waited on the constant cache
   const float score_scale = softcap ? 1.f : p.scale_log2;
-  using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
-  RingPos& kpos = pos.k;
-  RingPos& vpos = pos.v;
-  unsigned long long* tl = timeline_of(hp);
-  const bool marks = consumer_thread == 0;  // warpgroup 0's stamps (fwd_timeline.h)
-
-  // One CTA per tile: a split tile's part (a persistent CTA's tiles are whole).
-  auto tail_part = [&]() FLARE_INLINE { return Next::kMore ? FwdTailPart{} : fwd_tail_part(hp); };
-  // The tile's state: its warpgroup rows, FULL key tiles, walk cursor, current key tile.
-  int wg_row0 = t.row0 + 64 * wg;
-  sched::BlockRange full;
-  typename Walk::Cursor c;
-  int n = 0, tiles = 0;
-  bool masked = false;
+  const sched::BlockRange full =
+      sched::full_kv_blocks(t.band, wg_row0 > 0 ? wg_row0 : 0, wg_row0 + 64, t.seq.seqlen_k, Cfg::kBlockN);
   OnlineSoftmax softmax;
-  RowScale alpha;
-  auto begin_tile = [&]() FLARE_INLINE {  // softmax and O for t
-    wg_row0 = t.row0 + 64 * wg;
-    full = sched::full_kv_blocks(t.band, wg_row0 > 0 ? wg_row0 : 0, wg_row0 + 64, t.seq.seqlen_k, Cfg::kBlockN);
-    // A split tile's sink joins the softmax of its first part only (fwd_tail_part).
-    const bool sink = p.sinks != nullptr && tail_part().index <= 0;
-    softmax.init(sink ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, sink && lane % 4 == 0);
-    tiles = 1;
-  };
-  auto next_key_tile = [&]() FLARE_INLINE {  // the walk runs one tile ahead: the next is looked up while this one computes
-    n = t.kv.tile(c);
-    masked = t.kv.element_masked(c);
-    t.kv.advance(c);
-  };
-  auto to_p = [&](auto& p_out) FLARE_INLINE {
+  // A split tile's sink joins the softmax of its first part only (fwd_tail_part).
+  const bool sink = p.sinks != nullptr && fwd_tail_part(hp).index <= 0;
+  softmax.init(sink ? p.sinks[t.h] * static_cast<float>(M_LOG2E) : -INFINITY, sink && lane % 4 == 0);
+  clear(o_acc);
+
+  auto to_p = [&](auto& p_out) {
     CUTE_UNROLL
     for (int i = 0; i < size(s_acc); ++i) p_out(i) = static_cast<typename L::Elem>(s_acc(i));
   };
-  auto scores_to_p = [&]() FLARE_INLINE {  // S of key tile n: the masks, then the online softmax
-#if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
-    alpha = RowScale{{1.f, 1.f}};
-#else
-    prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
-    alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
-#endif
-  };
-  auto release_q = [&]() FLARE_INLINE {  // every thread: its own reads of the stage (and of its tile index)
-    sm.q_ring.release(pos.q);
+  using Turns = GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>;
+  // The tile has a Q stage when the producer loaded one: always in the persistent grid, else
+  // where it has keys to visit, or a block mask (its Q is issued before the list is read).
+  const bool has_q = q_waited || Walk::kSparse || !t.kv.empty();
+  if (has_q && !q_waited) sm.q_ring.wait_full(pos.q);
+  unsigned long long* tl = timeline_of(hp);
+  const bool marks = consumer_thread == 0;  // warpgroup 0's stamps (fwd_timeline.h)
+  if (t.kv.empty() && has_q) {  // nothing to compute: hand the stage back at once
+    sm.q_ring.release(pos.q);  // every thread: its own reads of the stage's tile index
     pos.q.template advance<Smem::kQStages>();
-  };
-  // A PV GEMM issued whose V stage is not yet released: retired after the wait for it, at the
-  // step's end with one P set, after the next S GEMM's issue with two (where O is rescaled).
-  bool pv_pending = false;
-  auto retire_pv = [&]() FLARE_INLINE {
-    if (!pv_pending) return;  // warp-uniform
-    pv_pending = false;
-    if (lane == 0) sm.v_ring.release(vpos);
-    vpos.template advance<Cfg::kStages>();
-  };
-  // Step n: S_n with P_{n-1} V_{n-1}; p_use holds P_{n-1}, p_fill receives P_n.
-  auto step = [&](auto& p_use, auto& p_fill) FLARE_INLINE {
-    ++tiles;
-    next_key_tile();
-    sm.k_ring.wait_full(kpos);
-    Turns::wait(wg);
-    const bool step_marks = marks && tiles >= kTimelineStep && tiles <= kTimelineStep + 1;  // timeline builds only
-    if (step_marks) timeline_mark(tl, t.id, tiles == kTimelineStep ? kMarkStepTurn : kMarkStepNext);
-    wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
-    if constexpr (Cfg::kTwoP) {
-      wg_wait<1>(o_acc);  // P_{n-2} V done (S_n runs on)
-      retire_pv();
+  }
+  // No rows here: nothing to compute or write. (Dense tiles only: in the block-sparse kernel,
+  // whose q blocks are whole CTAs, the extra path spilled inside the main loop.)
+  if constexpr (Cfg::kSkipIdleWGs && !Walk::kSparse) {
+    if (wg_row0 >= t.seq.seqlen_q || wg_row0 + 64 <= 0) {
+      if (!t.kv.empty()) pass_tile_without_rows(sm, t, pos, wg, lane);
+      return;
     }
-    softmax.rescale(o_acc, alpha);  // while S_n is on the tensor cores
-    sm.v_ring.wait_full(vpos);
-    wg_gemm<false>(mma_pv, p_use, vt_frag(_, _, _, vpos.index), o_acc);
-    pv_pending = true;
-    Turns::pass(wg);
-    const bool stamp = marks && tiles == kTimelineStep;
-    if (stamp) timeline_mark(tl, t.id, kMarkStepIssued);
-    wg_wait<1>(s_acc);
-    if (stamp) timeline_mark(tl, t.id, kMarkStepSDone);
-    if (lane == 0) sm.k_ring.release(kpos);
-    kpos.template advance<Cfg::kStages>();
-    scores_to_p();
-    if (stamp) timeline_mark(tl, t.id, kMarkStepSoftmax);
-    if constexpr (!Cfg::kTwoP) {
-      wg_wait<0>(o_acc);
-      retire_pv();
-    }
-    if (stamp) timeline_mark(tl, t.id, kMarkStepPVDone);
-    to_p(p_fill);
-  };
-  // The last P V, once every S GEMM has completed.
-  auto last_pv = [&](auto& p_last) FLARE_INLINE {
-    if constexpr (Cfg::kTwoP) {  // one P set: the step already waited for its PV GEMM
-      wg_wait<0>(o_acc);
-      retire_pv();
-    }
-    softmax.rescale(o_acc, alpha);
-    sm.v_ring.wait_full(vpos);
-    Turns::wait(wg);
-    wg_gemm<false>(mma_pv, p_last, vt_frag(_, _, _, vpos.index), o_acc);
-    Turns::pass(wg);
-    wg_wait<0>(o_acc);
-    if (lane == 0) sm.v_ring.release(vpos);
-    vpos.template advance<Cfg::kStages>();
-  };
-  auto out_rows_of = [&](const FwdTile<Walk>& u) FLARE_INLINE {
-    const bool varlen = p.cu_seqlens_q != nullptr;
-    FwdOutRows<T> d;
-    d.out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, varlen ? 0 : u.b, u.seq.q_start, u.h);
-    d.lse = p.lse ? p.lse + u.b * p.lse_batch_stride + u.h * p.lse_head_stride + u.seq.q_start : nullptr;
-    d.wg_row0 = u.row0 + 64 * wg;
-    d.row0 = u.row0;
-    d.seqlen_q = u.seq.seqlen_q;
-    d.id = u.id;
-    return d;
-  };
-  // Whether the next tile u can take the carry (carry_into): every warpgroup has rows of it and
-  // starts at its walk's first key tile. The same answer in every warpgroup, which keeps their
-  // turns in step.
-  // The current tile t must have rows in every warpgroup too: a warpgroup without (pass_tile_without_rows)
-  // takes the last P V's turn on its own and would fall a turn behind the others.
-  auto carries_into = [&](const FwdTile<Walk>& u) FLARE_INLINE {
-    if (u.kv.empty()) return false;
-    CUTE_UNROLL
-    for (int w = 0; w < Cfg::kConsumerWGs; ++w) {
-      const int r0 = u.row0 + 64 * w, t0 = t.row0 + 64 * w;
-      if (Cfg::kSkipIdleWGs && !Walk::kSparse &&
-          (r0 >= u.seq.seqlen_q || r0 + 64 <= 0 || t0 >= t.seq.seqlen_q || t0 + 64 <= 0))
-        return false;
-      if (leading_masked_tiles<Cfg>(u, r0) > 0) return false;
-    }
-    return true;
-  };
-
-  // The epilogue of rows d with the softmax `done` of their tile.
-  auto epilogue = [&](const FwdOutRows<T>& d, OnlineSoftmax& done) FLARE_INLINE {
-    // O / sum and the LSE from the accumulator layout (element i = 4 j + 2 r + c at row
-    // quad_row + 8 r, column 8 j + quad_col + c). Where the tile's rows are 16-byte aligned, each
-    // 16 x 16 block of a warp goes through the quad transpose (quad_transpose16): one 16-byte store
-    // a lane, whole 32-byte sectors, instead of four 4-byte stores filling half of each (the store
-    // phase took about 1.6 us of a 15 us CTA at d128 s1024: bench/RESULTS.md, session 17).
-    const RowScale inv = done.finish();
-    if (const FwdTailPart part = tail_part(); part.slot != nullptr) {  // a split tile's part: O (normalized) and the LSE to its slot, fp32
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int local = 64 * wg + quad_row + 8 * r;
-        if (d.row0 + local >= d.seqlen_q) continue;
-        float* row = part.slot + local * Cfg::kHeadDim;
-        CUTE_UNROLL
-        for (int j = 0; j < size(o_acc) / 4; ++j)
-          *reinterpret_cast<float2*>(row + 8 * j + quad_col) =
-              make_float2(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
-        if (lane % 4 == 0) part.slot[FwdPartSlot<Cfg>::kLse + local] = done.lse(r);
-      }
-    } else {
-      const bool rows16 = rows_16b_aligned(d.out, p.out_str.row);
-      if (rows16) {
-        const int t4 = lane % 4, my_row = d.wg_row0 + quad_row + 8 * (t4 / 2), my_col = 8 * (t4 % 2);
-        T* out_row = d.out + static_cast<int64_t>(my_row) * p.out_str.row + my_col;
-        const bool row_ok = my_row >= 0 && my_row < d.seqlen_q;
-        CUTE_UNROLL
-        for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks
-          const uint4 v = accumulator_piece<T>([&](int i) { return o_acc(i); }, b, inv.v[0], inv.v[1], t4);
-          if (row_ok && 16 * b + my_col < p.head_dim) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
-        }
-      }
-      CUTE_UNROLL
-      for (int r = 0; r < 2; ++r) {
-        const int row = d.wg_row0 + quad_row + 8 * r;
-        if (row < 0 || row >= d.seqlen_q) continue;
-        if (!rows16) {
-          T* out_row = d.out + row * p.out_str.row;
-          CUTE_UNROLL
-          for (int j = 0; j < size(o_acc) / 4; ++j) {
-            const int col = 8 * j + quad_col;
-            if (col < p.head_dim)
-              *reinterpret_cast<uint32_t*>(out_row + col) = portable::ElemTraits<T>::pack(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
-          }
-        }
-        if (d.lse != nullptr && lane % 4 == 0) d.lse[row] = done.lse(r);
-      }
-      if (marks) timeline_mark(tl, d.id, kMarkEpilogue0);
-    }
-    if (consumer_thread % 128 == 0) {
-      timeline_mark_latest(tl, d.id, kMarkEnd);
-      timeline_mark_global_latest(tl, d.id, kMarkGlobalEnd);
-    }
-  };
-
-  // The carry into the next tile u (carries_into): its first S GEMM and the last P V of t, whose
-  // P is in p_last, in one turn; u's first softmax while the P V runs; t's epilogue after it.
-  auto carry_into = [&](auto& p_last, const FwdTile<Walk>& u) FLARE_INLINE {
-    const FwdOutRows<T> done_rows = out_rows_of(t);
-    OnlineSoftmax done = softmax;
-    t = u;
-    q_frag = q_frag_of(pos.q.index);
-    begin_tile();
-    c = t.kv.begin();
-    next_key_tile();
+  }
+  if (!t.kv.empty()) {
+    RingPos& kpos = pos.k;
+    RingPos& vpos = pos.v;
     if (marks) timeline_mark(tl, t.id, kMarkQLanded);
+    int tiles = 1;
+    // The walk runs one tile ahead: the next tile is looked up (a block mask's list entry) while
+    // this one computes, not after it.
+    typename Walk::Cursor c = t.kv.begin();
+    const int passed = leading_masked_tiles<Cfg>(t, wg_row0);
+    if (passed > 0) pass_tiles(sm, t, c, pos, wg, lane, passed);
+    int n = t.kv.tile(c);
+    bool masked = t.kv.element_masked(c);
+    t.kv.advance(c);
     sm.k_ring.wait_full(kpos);
+    if (marks) timeline_mark(tl, t.id, kMarkKLanded);
     Turns::wait(wg);
     if (marks) timeline_mark(tl, t.id, kMarkFirstGemm);
     wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
-    if constexpr (Cfg::kTwoP) {
-      wg_wait<1>(o_acc);  // the P V before the last done (S runs on)
-      retire_pv();
-    }
-    done.rescale(o_acc, alpha);
-    sm.v_ring.wait_full(vpos);
-    wg_gemm<false>(mma_pv, p_last, vt_frag(_, _, _, vpos.index), o_acc);
-    pv_pending = true;
     Turns::pass(wg);
-    wg_wait<1>(s_acc);
+    if (passed > 0) {  // the last passed tile's V, which this step would have multiplied
+      sm.v_ring.wait_full(vpos);
+      if (lane == 0) sm.v_ring.release(vpos);
+      vpos.template advance<Cfg::kStages>();
+    }
+    wg_wait<0>(s_acc);
     if (lane == 0) sm.k_ring.release(kpos);
     kpos.template advance<Cfg::kStages>();
-    scores_to_p();
-    wg_wait<0>(o_acc);
-    retire_pv();
-    epilogue(done_rows, done);
-    next.tile_done();
-    clear(o_acc);
+    prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
+    RowScale alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
     to_p(p_even);
-  };
-  // The end of t's walk, P_last in p_last: true where it carried into the next tile (t is that
-  // tile now), false after the last P V (t's epilogue still to do).
-  auto end_walk = [&](auto& p_last) FLARE_INLINE {
+    // A PV GEMM issued whose V stage is not yet released: retired after the wait for it, at the
+    // step's end with one P set, after the next S GEMM's issue with two (where O is rescaled).
+    bool pv_pending = false;
+    auto retire_pv = [&] {
+      if (!pv_pending) return;  // warp-uniform
+      pv_pending = false;
+      if (lane == 0) sm.v_ring.release(vpos);
+      vpos.template advance<Cfg::kStages>();
+    };
+    // Step n: S_n with P_{n-1} V_{n-1}; p_use holds P_{n-1}, p_fill receives P_n.
+    auto step = [&](auto& p_use, auto& p_fill) {
+      ++tiles;
+      n = t.kv.tile(c);
+      masked = t.kv.element_masked(c);
+      t.kv.advance(c);
+      sm.k_ring.wait_full(kpos);
+      Turns::wait(wg);
+      const bool step_marks = marks && tiles >= kTimelineStep && tiles <= kTimelineStep + 1;  // timeline builds only
+      if (step_marks) timeline_mark(tl, t.id, tiles == kTimelineStep ? kMarkStepTurn : kMarkStepNext);
+      wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
+      if constexpr (Cfg::kTwoP) {
+        wg_wait<1>(o_acc);  // P_{n-2} V done (S_n runs on)
+        retire_pv();
+      }
+      softmax.rescale(o_acc, alpha);  // while S_n is on the tensor cores
+      sm.v_ring.wait_full(vpos);
+      wg_gemm<false>(mma_pv, p_use, vt_frag(_, _, _, vpos.index), o_acc);
+      pv_pending = true;
+      Turns::pass(wg);
+      const bool stamp = marks && tiles == kTimelineStep;
+      if (stamp) timeline_mark(tl, t.id, kMarkStepIssued);
+      wg_wait<1>(s_acc);
+      if (stamp) timeline_mark(tl, t.id, kMarkStepSDone);
+      if (lane == 0) sm.k_ring.release(kpos);
+      kpos.template advance<Cfg::kStages>();
+#if FLARE_HOPPER_SKIP_SOFTMAX  // experiment: the pipeline and GEMMs alone (wrong results)
+      alpha = RowScale{{1.f, 1.f}};
+#else
+      prepare_scores<Cfg>(s_acc, p, hp.bs.element, masked, t, full, softcap, wg_row0, n, quad_row, quad_col);
+      alpha = softmax.template update_scores<Cfg::kExp2PolyEvery, Cfg::kLazyRescale>(s_acc, score_scale);
+#endif
+      if (stamp) timeline_mark(tl, t.id, kMarkStepSoftmax);
+      if constexpr (!Cfg::kTwoP) {
+        wg_wait<0>(o_acc);
+        retire_pv();
+      }
+      if (stamp) timeline_mark(tl, t.id, kMarkStepPVDone);
+      to_p(p_fill);
+    };
+    // The last P V, once every S GEMM has completed.
+    auto last_pv = [&](auto& p_last) {
+      sm.q_ring.release(pos.q);  // every thread: its own reads of the stage's tile index
+      pos.q.template advance<Smem::kQStages>();
+      if constexpr (Cfg::kTwoP) {  // one P set: the step already waited for its PV GEMM
+        wg_wait<0>(o_acc);
+        retire_pv();
+      }
+      softmax.rescale(o_acc, alpha);
+      sm.v_ring.wait_full(vpos);
+      Turns::wait(wg);
+      wg_gemm<false>(mma_pv, p_last, vt_frag(_, _, _, vpos.index), o_acc);
+      Turns::pass(wg);
+      wg_wait<0>(o_acc);
+      if (lane == 0) sm.v_ring.release(vpos);
+      vpos.template advance<Cfg::kStages>();
+    };
+    if constexpr (Cfg::kTwoP) {
+      for (;;) {  // two steps a turn of the loop: each P set keeps its registers
+        if (!t.kv.more(c)) {
+          last_pv(p_even);
+          break;
+        }
+        step(p_even, p_odd);
+        if (!t.kv.more(c)) {
+          last_pv(p_odd);
+          break;
+        }
+        step(p_odd, p_even);
+      }
+    } else {
+      while (t.kv.more(c)) step(p_even, p_even);
+      last_pv(p_even);
+    }
     if (marks) {
       timeline_mark(tl, t.id, kMarkLoopDone);
       timeline_set(tl, t.id, kMarkTiles, static_cast<unsigned long long>(tiles));
     }
-    release_q();  // every S GEMM of the tile has completed
-    if constexpr (Next::kMore) {
-      FwdTile<Walk> u;  // with the carry off, the last P V does not wait for the next Q
-      if (hp.carry && next.wait(u) && carries_into(u)) {
-        carry_into(p_last, u);
-        return true;
-      }
-    }
-    last_pv(p_last);
-    return false;
-  };
+  }
 
-  begin_tile();
-  clear(o_acc);
-  // The tile has a Q stage when the producer loaded one: always in the persistent grid, else
-  // where it has keys to visit, or a block mask (its Q is issued before the list is read).
-  bool carried = false;  // t's first key tile is computed (carry_into)
-  for (;;) {  // the CTA's tiles
-    if (!carried) {
-      const bool has_q = q_waited || Walk::kSparse || !t.kv.empty();
-      if (has_q && !q_waited) sm.q_ring.wait_full(pos.q);
-      if (t.kv.empty() && has_q) release_q();  // nothing to compute: hand the stage back at once
-      bool idle = false;
-      // No rows here: nothing to compute or write. (Dense tiles only: in the block-sparse kernel,
-      // whose q blocks are whole CTAs, the extra path spilled inside the main loop.)
-      if constexpr (Cfg::kSkipIdleWGs && !Walk::kSparse) {
-        if (wg_row0 >= t.seq.seqlen_q || wg_row0 + 64 <= 0) {
-          if (!t.kv.empty()) pass_tile_without_rows(sm, t, pos, wg, lane);
-          idle = true;
-        }
-      }
-      if (!idle && !t.kv.empty()) {  // the first key tile the warpgroup sees: its S and softmax
-        if (marks) timeline_mark(tl, t.id, kMarkQLanded);
-        c = t.kv.begin();
-        const int passed = leading_masked_tiles<Cfg>(t, wg_row0);
-        if (passed > 0) pass_tiles(sm, t, c, pos, wg, lane, passed);
-        next_key_tile();
-        sm.k_ring.wait_full(kpos);
-        if (marks) timeline_mark(tl, t.id, kMarkKLanded);
-        Turns::wait(wg);
-        if (marks) timeline_mark(tl, t.id, kMarkFirstGemm);
-        wg_gemm<true>(mma_qk, q_frag, k_frag(_, _, _, kpos.index), s_acc);
-        Turns::pass(wg);
-        if (passed > 0) {  // the last passed tile's V, which this step would have multiplied
-          sm.v_ring.wait_full(vpos);
-          if (lane == 0) sm.v_ring.release(vpos);
-          vpos.template advance<Cfg::kStages>();
-        }
-        wg_wait<0>(s_acc);
-        if (lane == 0) sm.k_ring.release(kpos);
-        kpos.template advance<Cfg::kStages>();
-        scores_to_p();
-        to_p(p_even);
-      }
-      if (idle) {
-        if constexpr (!Next::kMore) return;
-        next.tile_done();
-        if (!next.wait(t)) return;
-        q_frag = q_frag_of(pos.q.index);
-        begin_tile();
-        continue;
+  // Epilogue: O / sum and the LSE from the accumulator layout (element i = 4 j + 2 r + c at row
+  // quad_row + 8 r, column 8 j + quad_col + c). Where the tile's rows are 16-byte aligned, each
+  // 16 x 16 block of a warp goes through the quad transpose (quad_transpose16): one 16-byte store
+  // a lane, whole 32-byte sectors, instead of four 4-byte stores filling half of each (the store
+  // phase took about 1.6 us of a 15 us CTA at d128 s1024: bench/RESULTS.md, session 17).
+  const RowScale inv = softmax.finish();
+  if (const FwdTailPart part = fwd_tail_part(hp); part.slot != nullptr) {  // a split tile's part: O (normalized) and the LSE to its slot, fp32
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int local = 64 * wg + quad_row + 8 * r;
+      if (t.row0 + local >= t.seq.seqlen_q) continue;
+      float* row = part.slot + local * Cfg::kHeadDim;
+      CUTE_UNROLL
+      for (int j = 0; j < size(o_acc) / 4; ++j)
+        *reinterpret_cast<float2*>(row + 8 * j + quad_col) =
+            make_float2(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
+      if (lane % 4 == 0) part.slot[FwdPartSlot<Cfg>::kLse + local] = softmax.lse(r);
+    }
+    if (consumer_thread % 128 == 0) {
+      timeline_mark_latest(tl, t.id, kMarkEnd);
+      timeline_mark_global_latest(tl, t.id, kMarkGlobalEnd);
+    }
+    return;
+  }
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  T* out = static_cast<T*>(p.out) + detail::row_offset(p.out_str, varlen ? 0 : t.b, t.seq.q_start, t.h);
+  float* lse = p.lse ? p.lse + t.b * p.lse_batch_stride + t.h * p.lse_head_stride + t.seq.q_start : nullptr;
+  const bool rows16 = rows_16b_aligned(out, p.out_str.row);
+  if (rows16) {
+    const int t4 = lane % 4, my_row = wg_row0 + quad_row + 8 * (t4 / 2), my_col = 8 * (t4 % 2);
+    T* out_row = out + static_cast<int64_t>(my_row) * p.out_str.row + my_col;
+    const bool row_ok = my_row >= 0 && my_row < t.seq.seqlen_q;
+    CUTE_UNROLL
+    for (int b = 0; b < size(o_acc) / 8; ++b) {  // 16-column blocks
+      const uint4 v = accumulator_piece<T>([&](int i) { return o_acc(i); }, b, inv.v[0], inv.v[1], t4);
+      if (row_ok && 16 * b + my_col < p.head_dim) *reinterpret_cast<uint4*>(out_row + 16 * b) = v;
+    }
+  }
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = wg_row0 + quad_row + 8 * r;
+    if (row < 0 || row >= t.seq.seqlen_q) continue;
+    if (!rows16) {
+      T* out_row = out + row * p.out_str.row;
+      CUTE_UNROLL
+      for (int j = 0; j < size(o_acc) / 4; ++j) {
+        const int col = 8 * j + quad_col;
+        if (col < p.head_dim)
+          *reinterpret_cast<uint32_t*>(out_row + col) = portable::ElemTraits<T>::pack(o_acc(4 * j + 2 * r) * inv.v[r], o_acc(4 * j + 2 * r + 1) * inv.v[r]);
       }
     }
-    carried = false;
-    if (!t.kv.empty()) {
-      if constexpr (Cfg::kTwoP) {
-        for (;;) {  // two steps a turn of the loop: each P set keeps its registers
-          if (!t.kv.more(c)) {
-            carried = end_walk(p_even);
-            break;
-          }
-          step(p_even, p_odd);
-          if (!t.kv.more(c)) {
-            carried = end_walk(p_odd);
-            break;
-          }
-          step(p_odd, p_even);
-        }
-      } else {
-        while (t.kv.more(c)) step(p_even, p_even);
-        carried = end_walk(p_even);
-      }
-    }
-    if (carried) continue;
-    epilogue(out_rows_of(t), softmax);
-    if constexpr (!Next::kMore) return;
-    next.tile_done();
-    if (!next.wait(t)) return;
-    q_frag = q_frag_of(pos.q.index);
-    begin_tile();
-    clear(o_acc);
+    if (lse != nullptr && lane % 4 == 0) lse[row] = softmax.lse(r);
+  }
+  if (marks) timeline_mark(tl, t.id, kMarkEpilogue0);
+  if (consumer_thread % 128 == 0) {
+    timeline_mark_latest(tl, t.id, kMarkEnd);
+    timeline_mark_global_latest(tl, t.id, kMarkGlobalEnd);
   }
 }
 

@@ -44,6 +44,10 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //   hopper_fwd_tail_split below): a few query rows against many keys (100 rows, 8 heads, 32k keys:
 //   8 tiles) pad most of a tile, but their parts fill the SMs where the persistent grid would run
 //   8 CTAs.
+// These were measured while the one-CTA-per-tile grid ran causal tiles reversed inside each head;
+// since session 52 it takes the L2-grouped tile order (d256 causal 8k: 0.942 of the time), and the
+// persistent grid's order puts its partial L2 group first (d256 causal 1k-4k 0.92-0.94, d128 2k
+// 0.91), so the causal limits above may have moved (not re-measured).
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says.
 inline constexpr double kFwdPersistentPaddedShare = 0.06;

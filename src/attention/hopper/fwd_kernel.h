@@ -41,9 +41,7 @@ namespace flare::hopper {
 // from a counter (hp.next_tile: dynamic, so uneven tiles balance), writes it beside the
 // tile's Q stage and loads Q and K/V while the consumers finish the current tile (two Q stages
 // where they fit); the consumers learn the tile from the stage once its Q has landed (the
-// barrier's arrival publishes the producer's write), and stop at the -1 of an empty one. The
-// consumers run all their tiles in one call of consume, which carries each tile's last P V into
-// the next tile's first turn (hp.carry).
+// barrier's arrival publishes the producer's write), and stop at the -1 of an empty one.
 // Otherwise one CTA per tile, launched longest first when rows see different numbers of keys.
 // kSparse: the key tiles of hp.bs's lists. One CTA per tile: in hp.sparse_order's order where
 // given, else the last q blocks first (the longest lists of causal-like masks); the first consumer
@@ -106,7 +104,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     tile.id = i;
     return tile;
   };
-  auto this_ctas_tile = [&] {  // one CTA per tile: longest first where rows see different key counts
+  auto this_ctas_tile = [&] {  // one CTA per tile; rows that see different key counts: longest first
     if constexpr (!kSparse) {
       if (hp.tail.active()) {  // a 1D grid: whole tiles, then the split ones' parts
         const sched::TileCoord c = split_fwd_tile<Cfg>(p, sched::tail_work(hp.tail, blockIdx.x, 0).tile);
@@ -117,6 +115,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         tile.id = cta;
         return tile;
       }
+      if (p.order.num_tiles > 0) return tile_at_order(blockIdx.x);  // masked: a 1D grid over the tile order
     }
     if constexpr (kSparse) {
       if (ordered >= 0) {
@@ -126,7 +125,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         return tile;
       }
     }
-    const bool longest_first = kSparse || p.causal || p.window_left >= 0;
+    const bool longest_first = kSparse;  // block-sparse without a CTA order: the last q blocks first
     FwdTile<Walk> tile =
         fwd_tile_of<Cfg, Walk>(hp, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
     tile.id = cta;
@@ -141,23 +140,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
     } else {
       cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
       GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
-      // The next stage's tile as the producer announced it ({order index, encoded tile, ..}; -1:
-      // none left), read before the consumers release the stage (consume), as the dense grid's
-      // tile_of_q.
-      auto wait = [&](FwdTile<Walk>& tile) {
+      for (;;) {
         sm.q_ring.wait_full(pos.q);
+        // The stage's tile as the producer announced it ({order index, encoded tile, ..}; -1: none
+        // left), read before the consumers release the stage (consume), as the dense grid's tile_of_q.
         const int4 a = sm.announced[pos.q.index];
-        if (a.x < 0) return false;
-        tile = ordered_sparse_tile<Cfg, Walk>(hp, a.y);
+        if (a.x < 0) return;
+        FwdTile<Walk> tile = ordered_sparse_tile<Cfg, Walk>(hp, a.y);
         tile.id = a.x;
         tile.kv = sparse_walk(sm.lists[pos.q.index], pos.q.phase);
-        return true;
-      };
-      auto done = [&] {
+        consume<Cfg, T>(hp, sm, tile, threadIdx.x - 128, pos, /*q_waited=*/true);
         if (threadIdx.x == 128) atomicAdd(hp.next_tile + 1, 1);  // tiles done (a test checks: each once)
-      };
-      FwdTile<Walk> first;
-      if (wait(first)) consume<Cfg, T>(hp, sm, first, threadIdx.x - 128, pos, /*q_waited=*/true, fwd_next_tiles(wait, done));
+      }
     }
   } else {
     if (wg == 0) {
@@ -198,18 +192,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
       cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
       GemmTurns<Cfg::kConsumerWGs, Cfg::kPingPong>::start(wg - 1);
       if constexpr (kPersistent) {
-        // Every consumer thread releases the Q stage (consume) after its read of the stage's tile:
-        // the producer, which rewrites the slot after the release, is ordered after each reader by
-        // that reader's own arrive (a lane-0 arrive after __syncwarp left racecheck hazards at d64).
-        auto wait = [&](FwdTile<Walk>& tile) {
+        for (;;) {
           sm.q_ring.wait_full(pos.q);
+          // Every consumer thread releases the Q stage (consume) after this read: the producer, which
+          // rewrites the slot after the release, is ordered after each reader by that reader's own
+          // arrive (a lane-0 arrive after __syncwarp left racecheck hazards at d64).
           const int i = sm.tile_of_q[pos.q.index];
-          if (i < 0) return false;
-          tile = tile_at_order(i);
-          return true;
-        };
-        FwdTile<Walk> first;
-        if (wait(first)) consume<Cfg, T>(hp, sm, first, threadIdx.x - 128, pos, /*q_waited=*/true, fwd_next_tiles(wait, [] {}));
+          if (i < 0) return;
+          consume<Cfg, T>(hp, sm, tile_at_order(i), threadIdx.x - 128, pos, /*q_waited=*/true);
+        }
       } else {
         FwdTile<Walk> tile = this_ctas_tile();
         if (tile.rows <= 0) return;

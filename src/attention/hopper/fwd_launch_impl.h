@@ -67,10 +67,6 @@ HopperFwdParams<Cfg, T> hopper_fwd_params(const detail::FwdKernelParams& p) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   HopperFwdParams<Cfg, T> hp;
   hp.p = p;
-  // FLARE_HOPPER_FWD_CARRY=0 turns the persistent grids' tile overlap off (A/B), read at each launch
-  // (a test compares the two in one process).
-  const char* carry = std::getenv("FLARE_HOPPER_FWD_CARRY");
-  hp.carry = carry != nullptr && carry[0] == '0' ? 0 : 1;
 #if FLARE_HOPPER_FWD_TIMELINE
   hp.timeline = fwd_timeline_buffer();
 #endif
@@ -113,6 +109,12 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
       FLARE_RETURN_IF_ERROR(forward_scratch(p, bytes, stream, &owned, &partial));
       hp.partial = static_cast<float*>(partial);
       grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
+    } else if ((p.causal || p.window_left >= 0 || p.window_right >= 0)) {
+      // Rows that see different key counts: a 1D grid over the L2-grouped, longest-first tile order,
+      // which the hardware dispatches in index order (as the portable forward's fwd_tiled_grid).
+      hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                             detail::current_device_facts().l2_bytes / 2);
+      grid = dim3(static_cast<unsigned>(hp.p.order.num_tiles));
     }
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
     const cudaError_t launched = cudaGetLastError();

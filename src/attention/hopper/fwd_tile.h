@@ -52,9 +52,6 @@ struct HopperFwdParams {
   // LSE go to its slot of `partial` (FwdPartSlot, [split tile, part]).
   sched::TailSplit tail;
   float* partial = nullptr;
-  // Persistent grids: each tile's last P V GEMM issued in one turn with the next tile's first S
-  // GEMM, its epilogue after (fwd_consumer.h, consume); 0: the last P V and the epilogue first (A/B).
-  int carry = 1;
 #if FLARE_HOPPER_FWD_TIMELINE
   unsigned long long* timeline = nullptr;  // fwd_timeline.h
 #endif

@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd2_kernel(const BwdK
   constexpr bool kStaggerDq = FLARE_PORTABLE_BWD2_STAGGER && Cfg::kHeadDim != 128;
   const detail::FwdKernelParams& p = P.fwd;
 
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int n = kv_block_of(P, blockIdx.x);
+  const sched::TileCoord cta = bwd_cta_tile(P);
+  const int h = cta.head, b = cta.batch, n = cta.block;
   const detail::SeqInfo seq = detail::seq_info(p, b);
   const int col0 = n * kBlockN;  // first key of this block
   if (col0 >= seq.seqlen_k) return;
@@ -353,7 +353,7 @@ Status launch_portable_bwd2_order(const BwdKernelParams& P, Stream stream) {
   auto kernel = portable_bwd2_kernel<Cfg, T, kDqFirst>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward (2-D tiling): shared memory attribute");
-  return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, P, stream, "portable backward (2-D tiling) launch");
+  return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, Cfg::kBlockN, P, stream, "portable backward (2-D tiling) launch");
 }
 template <typename Cfg, typename T>
 Status launch_portable_bwd2_cfg(const BwdKernelParams& P, Stream stream) {

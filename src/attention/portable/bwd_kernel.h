@@ -65,6 +65,14 @@ __device__ __forceinline__ bool descending_kv_order(const BwdKernelParams& P) { 
 __device__ __forceinline__ int kv_block_of(const BwdKernelParams& P, int x) {
   return descending_kv_order(P) ? P.num_n_blocks - 1 - x : x;
 }
+// This CTA's (sequence, head, kv block): the 3D grid's, or for the ordinary mode's masked work the
+// tile order's (detail::dense_bwd_grid).
+__device__ __forceinline__ sched::TileCoord bwd_cta_tile(const BwdKernelParams& P) {
+  if (P.fwd.order.num_tiles > 0) return sched::tile_at(P.fwd.order, blockIdx.x);
+  sched::TileCoord c;
+  c.batch = blockIdx.z, c.head = blockIdx.y, c.block = kv_block_of(P, blockIdx.x);
+  return c;
+}
 
 // dQ turn of kv block n at query block m: its rank among the kv blocks that see m, in launch
 // order (descending n for causal, ascending otherwise).
@@ -378,8 +386,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_bwd_kernel(const BwdKe
   constexpr int kDqTiles = Cfg::kDqCols / 8;
   const detail::FwdKernelParams& p = P.fwd;
 
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int n = kv_block_of(P, blockIdx.x);
+  const sched::TileCoord cta = bwd_cta_tile(P);
+  const int h = cta.head, b = cta.batch, n = cta.block;
   const detail::SeqInfo seq = detail::seq_info(p, b);
   const int col0 = n * kBlockN;  // first key of this block
   if (col0 >= seq.seqlen_k) return;
@@ -587,16 +595,18 @@ Status launch_bwd_finish(const BwdKernelParams& P, Stream stream) {
   return Status::Ok();
 }
 
-// A dense backward's launches: dpsum, `kernel` on a CTA per (key block, head, sequence), the
-// finishing kernels. (Its shared-memory attribute is the caller's, set once per kernel.)
+// A dense backward's launches: dpsum, `kernel` on a CTA per (key block, head, sequence) (grid:
+// detail::dense_bwd_grid), the finishing kernels. (Its shared-memory attribute is the caller's, set once per kernel.)
 template <typename T>
-Status launch_bwd_passes(void (*kernel)(BwdKernelParams), int threads, int smem, const BwdKernelParams& P,
+Status launch_bwd_passes(void (*kernel)(BwdKernelParams), int threads, int smem, int block_n, const BwdKernelParams& P,
                          Stream stream, const char* what) {
   const detail::FwdKernelParams& p = P.fwd;
   launch_bwd_dpsum<T>(P, stream);
   if (p.seqlen_k > 0 && P.num_n_blocks > 0) {
-    dim3 grid(P.num_n_blocks, p.heads, p.batch);
-    kernel<<<grid, threads, smem, stream>>>(P);
+    BwdKernelParams ordered = P;
+    const detail::GridDims g =
+        detail::dense_bwd_grid(ordered, block_n, sizeof(T), int64_t{detail::current_device_facts().l2_bytes} / 2);
+    kernel<<<dim3(g.x, g.y, g.z), threads, smem, stream>>>(ordered);
   }
   FLARE_RETURN_IF_ERROR(launch_bwd_finish<T>(P, stream));
   return detail::cuda_status(cudaGetLastError(), what);
@@ -609,7 +619,7 @@ Status launch_portable_bwd_cfg(const BwdKernelParams& P, Stream stream) {
   auto kernel = portable_bwd_kernel<Cfg, T>;
   static const cudaError_t attr = prepare_smem(kernel, kSmem);
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable backward: shared memory attribute");
-  return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, P, stream, "portable backward launch");
+  return launch_bwd_passes<T>(kernel, Cfg::kThreads, kSmem, Cfg::kBlockN, P, stream, "portable backward launch");
 }
 
 // launch_portable_bwd (bwd_launch.h) is defined in bwd2_kernel.h, which picks between this design

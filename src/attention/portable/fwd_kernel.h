@@ -378,11 +378,30 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_fwd_kernel(const FwdKe
       fwd_tile<Cfg, T>(p, sm, c.block, c.head, c.batch);
       __syncthreads();  // the epilogue's shared-memory reads end before the next tile's loads
     }
+  } else if (p.order.num_tiles > 0) {
+    // Masked work (fwd_tiled_grid): one CTA per index of the L2-grouped, longest-first order.
+    const sched::TileCoord c = sched::tile_at(p.order, blockIdx.x);
+    fwd_tile<Cfg, T>(p, sm, c.block, c.head, c.batch);
   } else {
-    // Causal and windowed rows further down see more keys: launch those blocks first.
-    const bool longest_first = p.causal || p.window_left >= 0;
-    fwd_tile<Cfg, T>(p, sm, longest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z);
+    fwd_tile<Cfg, T>(p, sm, blockIdx.x, blockIdx.y, blockIdx.z);
   }
+}
+
+// The one-CTA-per-tile grid. Uniform work: (q block, head, batch). Masked work (causal, window),
+// whose rows see different numbers of keys: a 1-D grid over the tile order (p.order), which the
+// hardware dispatches in index order, so that within each L2 group of heads the longest tiles
+// start first and short ones fill the tail. (Until session 52 the grid was (q block, head, batch)
+// with the q blocks reversed: longest first inside each head only, so the last heads' long tiles
+// started near the end; a CPU model of d256 causal 1k put the makespan 14 % above the work / CTA
+// slots, against 3 % for the order.)
+template <typename Cfg, typename T>
+dim3 fwd_tiled_grid(FwdKernelParams& p, int64_t l2_budget_bytes) {
+  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
+  p.order = sched::TileOrder{};
+  if (uniform) return dim3((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+  p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
+                                      l2_budget_bytes);
+  return dim3(static_cast<unsigned>(p.order.num_tiles));
 }
 
 // Raises the kernel's shared-memory limit and asks for the largest carveout, so that as many
@@ -397,8 +416,8 @@ cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
 }
 
 // Uniform work (no causal or window mask) runs on a persistent grid over the L2-grouped tile
-// order; masked work keeps one CTA per tile, launched longest first, so the hardware's block
-// scheduler balances the uneven tiles (measured: persistent static round-robin lost 2-10 % on
+// order; masked work keeps one CTA per tile, dispatched in that order (fwd_tiled_grid), so the
+// hardware's block scheduler balances the uneven tiles (measured: persistent static round-robin lost 2-10 % on
 // causal runs and won 1-4 % on uniform ones; bench/RESULTS.md). persistent: -1 the rule, 0 one CTA
 // per tile, 1 the persistent grid. kWithPersistent = false: one CTA per tile only, and the
 // persistent kernel not instantiated (the library's split shapes, which never take it).
@@ -436,8 +455,9 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
       return detail::cuda_status(cudaGetLastError(), "portable forward launch");
     }
   }
-  dim3 grid((params.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, params.heads, params.batch);
-  tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(params);
+  FwdKernelParams p = params;
+  const dim3 grid = fwd_tiled_grid<Cfg, T>(p, detail::current_device_facts().l2_bytes / 2);
+  tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
   return detail::cuda_status(cudaGetLastError(), "portable forward launch");
 }
 
