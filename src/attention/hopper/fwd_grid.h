@@ -27,14 +27,14 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //     consumer warpgroups, no spills since session 19's changes) persistent, 4-7 % faster at 1k-8k
 //     and causal 16k, 4 % slower non-causal at 16k (tune_hopper_fwd, session 23); in the library,
 //     three alternating bench_attention rounds: causal 3-9 %, non-causal 1-6 % faster.
-//   d256, causal up to kFwdD256CausalPersistentMaxKeys keys. On the H100 the persistent grid lost
+//   d256, causal. On the H100 the persistent grid lost
 //     0-12 % (session 23's sweep). On the H200 (session 37; the tiles kernel spills 60 bytes, at a
 //     tile's start and end and in the producer's waits, the persistent one none), three alternating
 //     rounds of bench_attention, persistent / one CTA per tile: causal 1k, 2k, 4k 0.944, 0.947,
 //     0.948; 8k 1.017, 16k 0.989; non-causal 1k-16k 0.98-1.003.
 //   d128 (both grids on the two-P configuration since session 37), H200, three alternating rounds
 //   of bench_attention (bench/RESULTS.md, session 37), one CTA per tile / persistent:
-//   - causal: 1k-8k 1.10, 1.08, 1.04, 1.06; 16k 0.969. Persistent up to kFwdD128CausalPersistentMaxKeys.
+//   - causal: 1k-8k 1.10, 1.08, 1.04, 1.06; 16k 0.969.
 //   - non-causal: 1k 1.044 (tiles of 8 key blocks: the prologue and epilogue the persistent
 //     producer hides are a large part of them); at 4k and 16k tune_hopper_fwd (no tail split) put
 //     one CTA per tile 3 % and 1 % ahead. Persistent up to
@@ -44,16 +44,15 @@ constexpr bool hopper_fwd_has_persistent(int head_dim) { return head_dim == 64 |
 //   hopper_fwd_tail_split below): a few query rows against many keys (100 rows, 8 heads, 32k keys:
 //   8 tiles) pad most of a tile, but their parts fill the SMs where the persistent grid would run
 //   8 CTAs.
-// These were measured while the one-CTA-per-tile grid ran causal tiles reversed inside each head;
-// since session 52 it takes the L2-grouped tile order (d256 causal 8k: 0.942 of the time), and the
-// persistent grid's order puts its partial L2 group first (d256 causal 1k-4k 0.92-0.94, d128 2k
-// 0.91), so the causal limits above may have moved (not re-measured).
+// These were measured while the one-CTA-per-tile grid ran causal tiles reversed inside each head.
+// Session 52 (H200): that grid takes the L2-grouped tile order and the persistent grid's order puts
+// its partial L2 group first; then persistent / one CTA per tile, causal, 3 alternating rounds:
+// d128 1k 0.84, 8k 0.98, 16k 0.99; d256 4k 0.96, 8k 0.98, 16k 0.98. So causal runs take the
+// persistent grid at every length (the limits kFwdD128/D256CausalPersistentMaxKeys are gone).
 // FLARE_HOPPER_FWD_PERSISTENT=0|1 forces either where the head dim has a persistent form (tests,
 // A/B); other head dims run one CTA per tile whatever it says.
 inline constexpr double kFwdPersistentPaddedShare = 0.06;
 inline constexpr int kFwdD128PersistentMaxKeys = 1024;
-inline constexpr int kFwdD128CausalPersistentMaxKeys = 8192;
-inline constexpr int kFwdD256CausalPersistentMaxKeys = 4096;
 template <int kHeadDim>
 inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_splits) {
   if constexpr (!hopper_fwd_has_persistent(kHeadDim)) {
@@ -67,8 +66,8 @@ inline bool hopper_fwd_persistent(const detail::FwdKernelParams& p, bool tail_sp
     if (forced >= 0) return forced == 1;
     if (p.cu_seqlens_q != nullptr || p.window_left >= 0 || p.window_right >= 0) return false;
     if constexpr (kHeadDim == 64) return p.causal || p.seqlen_k <= 8192;
-    if constexpr (kHeadDim == 256) return p.causal && p.seqlen_k <= kFwdD256CausalPersistentMaxKeys;
-    if (p.causal) return p.seqlen_k <= kFwdD128CausalPersistentMaxKeys;
+    if constexpr (kHeadDim == 256) return p.causal;
+    if (p.causal) return true;
     return !tail_splits && (p.seqlen_k <= kFwdD128PersistentMaxKeys ||
                             sched::padded_share(p.seqlen_q, HopperFwdConfigFor<kHeadDim>::type::kBlockM) >
                                 kFwdPersistentPaddedShare);
