@@ -120,8 +120,7 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
 GridDims dense_bwd_grid(BwdKernelParams& P, int block_n, int elem_bytes, int64_t l2_budget_bytes) {
   const FwdKernelParams& p = P.fwd;
   P.fwd.order = sched::TileOrder{};
-  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
-  if (P.deterministic || !masked || P.tail.active())
+  if (P.deterministic || !has_band(p) || P.tail.active())
     return GridDims{static_cast<unsigned>(P.num_n_blocks), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch)};
   // The order's q_block only shapes the forward axis; its key blocks are the kernel's.
   P.fwd.order = sched::make_backward_order(forward_tile_shape(p, block_n, block_n, elem_bytes), l2_budget_bytes,

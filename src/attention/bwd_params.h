@@ -145,16 +145,11 @@ BwdKernelParams make_bwd_kernel_params(const AttentionBackwardParams& p, const F
                                        const AttentionShape& s, const BwdWorkspaceLayout& layout, void* workspace,
                                        int block_m, int block_n, const sched::TailSplit& tail = sched::TailSplit{});
 
-// The CTAs of a dense backward's grid of one CTA per key block, {x, y, z}: (key block, head,
-// sequence). The ordinary mode's masked work (causal, window: its key blocks see different numbers
-// of query blocks) instead takes {tiles, 1, 1} over the L2-grouped, longest-first backward tile
-// order, written to P.fwd.order (the kernels' tile: sched::tile_at(P.fwd.order, blockIdx.x)),
-// which the hardware dispatches in index order: the longest tiles of every head in a group start
-// first, where the 3D grid's last heads started theirs near the end (the forward's
-// fwd_tiled_grid, session 52). The deterministic mode and a tail split keep their own grids.
-struct GridDims {
-  unsigned x = 1, y = 1, z = 1;
-};
+// The dense backward's grid of one CTA per key block: (key block, head, sequence). The ordinary
+// mode's banded work (has_band: its key blocks see different numbers of query blocks) instead
+// takes {tiles, 1, 1} over the L2-grouped, longest-first backward tile order, written to
+// P.fwd.order, as dense_fwd_grid does for the forward. The deterministic mode and a tail split
+// keep their own grids.
 GridDims dense_bwd_grid(BwdKernelParams& P, int block_n, int elem_bytes, int64_t l2_budget_bytes);
 
 }  // namespace flare::detail

@@ -34,6 +34,15 @@ sched::TileShape forward_tile_shape(const FwdKernelParams& p, int q_block, int k
   return shape;
 }
 
+GridDims dense_fwd_grid(FwdKernelParams& p, int block_m, int block_n, int elem_bytes, int64_t l2_budget_bytes) {
+  p.order = sched::TileOrder{};
+  if (!has_band(p))
+    return GridDims{static_cast<unsigned>((p.seqlen_q + block_m - 1) / block_m), static_cast<unsigned>(p.heads),
+                    static_cast<unsigned>(p.batch)};
+  p.order = sched::make_forward_order(forward_tile_shape(p, block_m, block_n, elem_bytes), l2_budget_bytes);
+  return GridDims{static_cast<unsigned>(p.order.num_tiles), 1, 1};
+}
+
 FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const AttentionShape& s) {
   FwdKernelParams k;
   k.q = p.q.data;

@@ -80,6 +80,24 @@ RowStrides row_strides(const TensorView& t, bool varlen);
 sched::TileShape forward_tile_shape(const FwdKernelParams& p, int q_block, int kv_block, int elem_bytes);
 FwdKernelParams make_fwd_kernel_params(const AttentionForwardParams& p, const AttentionShape& s);
 
+// Whether rows see different numbers of keys: a causal mask or a window.
+inline bool has_band(const FwdKernelParams& p) { return p.causal || p.window_left >= 0 || p.window_right >= 0; }
+
+// A grid's CTAs, {x, y, z} (dim3 without the CUDA headers).
+struct GridDims {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+// The dense forward's grid of one CTA per block_m-row tile. Uniform work: (q block, head, batch).
+// Banded work (has_band), whose rows see different numbers of keys: {tiles, 1, 1} over the
+// L2-grouped, longest-first forward tile order, written to p.order (the kernels' tile:
+// sched::tile_at(p.order, blockIdx.x)), which the hardware dispatches in index order, so that the
+// longest tiles of every head in a group start first and short ones fill the tail. (Until session
+// 52 the grid was (q block, head, batch), longest first inside each head only: the last heads' long
+// tiles started near the end; a CPU model of d256 causal 1k put the makespan 14 % above the work /
+// CTA slots, against 3 % for the order.)
+GridDims dense_fwd_grid(FwdKernelParams& p, int block_m, int block_n, int elem_bytes, int64_t l2_budget_bytes);
+
 // The simple fp32-arithmetic kernel (Backend::kReference).
 Status naive_attention_forward(const FwdKernelParams& p, DType dtype, Stream stream);
 

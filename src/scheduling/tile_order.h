@@ -106,15 +106,14 @@ struct TileOrder {
   int num_units = 0;        // batch * heads_kv: (batch, kv head) pairs, b-major
   int units_per_group = 1;  // units whose shared bytes fit the L2 budget together
   int tiles_per_group = 0;  // units_per_group * group * blocks.num_blocks
-  int first_units = 1;      // units of the first group, the partial one (units_per_group where none is);
-                            // 1..units_per_group, a partial group after it where num_units asks
+  int first_units = 1;      // units of the first group: the partial one, or units_per_group; the rest are full
   bool head_major = false;  // true: a head's blocks are consecutive; false: block rank outer
   BlockFold blocks;         // order of the block axis (q-blocks forward, kv-blocks backward)
 };
 
 // The tile at linear index `tile` in [0, num_tiles). The divisors are plan constants: a kernel
 // that finds these divisions on its critical path would keep fast divisors (multiplier and
-// shift, one for tiles_per_group, heads, num_blocks and the full and last groups' head counts)
+// shift, one for tiles_per_group, heads, num_blocks and the first and full groups' head counts)
 // next to this struct; plain division is kept until a profile asks for it.
 FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
   // Group 0 holds units [0, first_units); group g >= 1 the units_per_group after it.
@@ -124,7 +123,7 @@ FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
     const int group_index = (tile - first_tiles) / o.tiles_per_group;
     in_group = tile - first_tiles - group_index * o.tiles_per_group;
     first_unit = o.first_units + group_index * o.units_per_group;
-    heads_here = order_detail::min_int(o.units_per_group, o.num_units - first_unit) * o.group;
+    heads_here = o.units_per_group * o.group;
   }
   int head_in_group, rank;
   if (o.head_major) {
@@ -153,7 +152,7 @@ FLARE_HD int tile_index_of(const TileOrder& o, const TileCoord& c) {
     const int group_index = (unit - o.first_units) / o.units_per_group;
     group_start = o.first_units * o.group * o.blocks.num_blocks + group_index * o.tiles_per_group;
     first_unit = o.first_units + group_index * o.units_per_group;
-    heads_here = order_detail::min_int(o.units_per_group, o.num_units - first_unit) * o.group;
+    heads_here = o.units_per_group * o.group;
   }
   const int head_in_group = flat_head - first_unit * o.group;
   const int rank = rank_of_block(o.blocks, c.block);

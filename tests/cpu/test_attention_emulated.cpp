@@ -69,7 +69,7 @@ namespace portable = flare::portable;
 // A case and how it runs.
 struct EmuCase {
   AttnCase c;
-  // Forward grid: 0, one CTA per tile (fwd_tiled_grid: masks over the tile order); N > 0, the
+  // Forward grid: 0, one CTA per tile (detail::dense_fwd_grid: bands over the tile order); N > 0, the
   // persistent kernel on min(tiles, N) CTAs (the launcher's for uniform work, on a GPU of N
   // CTA slots), over the tile order for an L2 budget of l2_budget bytes.
   int persistent_ctas = 0;
@@ -143,8 +143,8 @@ void run_forward_kernels_cfg(FwdKernelParams p, const EmuCase& e) {
   static_assert(portable::fwd_smem_bytes<Cfg, T>() <= static_cast<int>(cuda_emu::kSharedBytes));
   if (p.seqlen_q == 0 || p.batch == 0) return;
   if (e.persistent_ctas == 0) {
-    const dim3 grid = portable::fwd_tiled_grid<Cfg, T>(p, e.l2_budget);
-    cuda_emu::launch(grid, Cfg::kThreads, portable::smem_raw,
+    const flare::detail::GridDims g = flare::detail::dense_fwd_grid(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T), e.l2_budget);
+    cuda_emu::launch(dim3(g.x, g.y, g.z), Cfg::kThreads, portable::smem_raw,
                      [&] { portable::portable_fwd_kernel<Cfg, T, false>(p); });
     return;
   }

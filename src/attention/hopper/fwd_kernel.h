@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) hopper_fwd_kernel(const __gr
         tile.id = cta;
         return tile;
       }
-      if (p.order.num_tiles > 0) return tile_at_order(blockIdx.x);  // masked: a 1D grid over the tile order
+      if (p.order.num_tiles > 0) return tile_at_order(blockIdx.x);  // banded: detail::dense_fwd_grid
     }
     if constexpr (kSparse) {
       if (ordered >= 0) {

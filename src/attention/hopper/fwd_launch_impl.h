@@ -100,7 +100,10 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
   if (p.seqlen_q == 0 || p.batch == 0) return Status::Ok();
   HopperFwdParams<Cfg, T> hp = hopper_fwd_params<Cfg, T>(p);
   if constexpr (!kPersistent) {
-    dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
+    // Banded work over the tile order (detail::dense_fwd_grid); a tail split is uniform work's.
+    const detail::GridDims g =
+        detail::dense_fwd_grid(hp.p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T), detail::current_device_facts().l2_bytes / 2);
+    dim3 grid(g.x, g.y, g.z);
     void* owned = nullptr;  // the split slots' scratch where the caller gave no workspace
     hp.tail = tail;
     const std::size_t bytes = hopper_fwd_tail_bytes<Cfg>(tail);
@@ -109,12 +112,6 @@ Status launch_hopper_fwd_cfg(const detail::FwdKernelParams& p, Stream stream,
       FLARE_RETURN_IF_ERROR(forward_scratch(p, bytes, stream, &owned, &partial));
       hp.partial = static_cast<float*>(partial);
       grid = dim3(static_cast<unsigned>(hp.tail.ctas()));  // whole tiles, then the split ones' parts
-    } else if ((p.causal || p.window_left >= 0 || p.window_right >= 0)) {
-      // Rows that see different key counts: a 1D grid over the L2-grouped, longest-first tile order,
-      // which the hardware dispatches in index order (as the portable forward's fwd_tiled_grid).
-      hp.p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
-                                             detail::current_device_facts().l2_bytes / 2);
-      grid = dim3(static_cast<unsigned>(hp.p.order.num_tiles));
     }
     kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(hp);
     const cudaError_t launched = cudaGetLastError();

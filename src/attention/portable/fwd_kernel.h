@@ -379,29 +379,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) portable_fwd_kernel(const FwdKe
       __syncthreads();  // the epilogue's shared-memory reads end before the next tile's loads
     }
   } else if (p.order.num_tiles > 0) {
-    // Masked work (fwd_tiled_grid): one CTA per index of the L2-grouped, longest-first order.
+    // Banded work (detail::dense_fwd_grid): one CTA per index of the L2-grouped, longest-first order.
     const sched::TileCoord c = sched::tile_at(p.order, blockIdx.x);
     fwd_tile<Cfg, T>(p, sm, c.block, c.head, c.batch);
   } else {
     fwd_tile<Cfg, T>(p, sm, blockIdx.x, blockIdx.y, blockIdx.z);
   }
-}
-
-// The one-CTA-per-tile grid. Uniform work: (q block, head, batch). Masked work (causal, window),
-// whose rows see different numbers of keys: a 1-D grid over the tile order (p.order), which the
-// hardware dispatches in index order, so that within each L2 group of heads the longest tiles
-// start first and short ones fill the tail. (Until session 52 the grid was (q block, head, batch)
-// with the q blocks reversed: longest first inside each head only, so the last heads' long tiles
-// started near the end; a CPU model of d256 causal 1k put the makespan 14 % above the work / CTA
-// slots, against 3 % for the order.)
-template <typename Cfg, typename T>
-dim3 fwd_tiled_grid(FwdKernelParams& p, int64_t l2_budget_bytes) {
-  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
-  p.order = sched::TileOrder{};
-  if (uniform) return dim3((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.heads, p.batch);
-  p.order = sched::make_forward_order(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
-                                      l2_budget_bytes);
-  return dim3(static_cast<unsigned>(p.order.num_tiles));
 }
 
 // Raises the kernel's shared-memory limit and asks for the largest carveout, so that as many
@@ -416,7 +399,7 @@ cudaError_t prepare_smem(Kernel kernel, int smem_bytes) {
 }
 
 // Uniform work (no causal or window mask) runs on a persistent grid over the L2-grouped tile
-// order; masked work keeps one CTA per tile, dispatched in that order (fwd_tiled_grid), so the
+// order; masked work keeps one CTA per tile, dispatched in that order (detail::dense_fwd_grid), so the
 // hardware's block scheduler balances the uneven tiles (measured: persistent static round-robin lost 2-10 % on
 // causal runs and won 1-4 % on uniform ones; bench/RESULTS.md). persistent: -1 the rule, 0 one CTA
 // per tile, 1 the persistent grid. kWithPersistent = false: one CTA per tile only, and the
@@ -435,7 +418,7 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
   if (attr != cudaSuccess) return detail::cuda_status(attr, "portable forward: shared memory attribute");
   if (params.seqlen_q == 0 || params.batch == 0) return Status::Ok();
   if constexpr (kWithPersistent) {
-    const bool uniform = !params.causal && params.window_left < 0 && params.window_right < 0;
+    const bool uniform = !detail::has_band(params);
     auto persistent_kernel = portable_fwd_kernel<Cfg, T, true>;
     // A persistent variant that spills (its loop costs registers; d64 does at 255) is never chosen.
     static const bool persistent_spills = [&] {
@@ -456,8 +439,9 @@ Status launch_portable_fwd_cfg(const FwdKernelParams& params, Stream stream, int
     }
   }
   FwdKernelParams p = params;
-  const dim3 grid = fwd_tiled_grid<Cfg, T>(p, detail::current_device_facts().l2_bytes / 2);
-  tiled<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  const detail::GridDims g =
+      detail::dense_fwd_grid(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T), detail::current_device_facts().l2_bytes / 2);
+  tiled<<<dim3(g.x, g.y, g.z), Cfg::kThreads, kSmem, stream>>>(p);
   return detail::cuda_status(cudaGetLastError(), "portable forward launch");
 }
 
