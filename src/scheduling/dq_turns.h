@@ -15,7 +15,8 @@
 // - Deadlock. If the turn a tile waits for belongs to a tile that is not resident yet, and that
 //   tile can only become resident after the waiting one finishes, nothing moves.
 //
-// The orders. The deterministic tile order (tile_order.h) is head-major with n descending.
+// The orders. The deterministic tile order (tile_order.h) is head-major with n descending
+// (longest first: the L2-grouped order with n ascending).
 // - Tile order (shortest first): every tile walks its q-blocks ascending and the turns at m
 //   follow the tile index: the largest n adds first. The first q-block of kv block n never
 //   decreases with n, so the earlier tile reaches m in no more steps: no waits, except that
@@ -33,6 +34,15 @@
 //   early tiles wait for later ones, which the simulation shows costs more than the stagger.
 // - Auto (default): diagonal for rectangle sequences, tile order otherwise. Decided per
 //   sequence from its own lengths, so every tile of a head agrees.
+// - Longest first: the tile order is head-major with n ascending (for causal attention the
+//   longest tile of a head first, as the ordinary grid runs), every tile walks its q-blocks
+//   descending and the turns at m follow the tile index: the smallest n adds first. The last
+//   q-block of kv block n never decreases with n, so the earlier tile reaches m in no more steps
+//   (for causal attention every tile of a head reaches m at the same step: they tie, and a head's
+//   tiles started together drift apart by one add each, once). Every wait points to a lower tile
+//   index, so it is deadlock-free on any residency, as tile order is. What it buys: tile order
+//   starts a head's longest tile last, so under the dynamic scheduler the last heads' longest
+//   tiles run alone at the end of the grid, the tail the ordinary grid does not have.
 //
 // Deadlock freedom of the rotation. Residency is cut into rounds of R = resident CTAs
 // consecutive tile indices. Turns follow the rotation only within a round; across rounds they
@@ -64,10 +74,12 @@ enum class DqScheme : int {
   kAuto = 0,       // diagonal for rectangle sequences, tile order otherwise
   kDiagonal = 1,   // rotated walks, turns by rotation within a residency round
   kTileOrder = 2,  // ascending walks, turns in tile-index order (shortest first)
+  kLongestFirst = 3,  // n ascending tiles, descending walks, turns in tile-index order
 };
 
 struct DqPlan {
   TileOrder order;  // make_backward_order(..., deterministic=true): head-major, n descending
+                    // (n ascending for kLongestFirst)
   DqScheme scheme = DqScheme::kAuto;
   int round_tiles = 1;  // tiles resident together: the rotation never crosses a round
   int q_block = 128, kv_block = 128;
@@ -79,7 +91,8 @@ struct DqPlan {
 inline DqPlan make_dq_plan(const TileShape& s, int64_t l2_budget_bytes, int resident_ctas,
                            DqScheme scheme = DqScheme::kAuto) {
   DqPlan p;
-  p.order = make_backward_order(s, l2_budget_bytes, /*deterministic=*/true);
+  p.order = make_backward_order(s, l2_budget_bytes, /*deterministic=*/true,
+                                /*longest_first=*/scheme == DqScheme::kLongestFirst);
   p.scheme = scheme;
   p.round_tiles = resident_ctas < 1 ? 1 : resident_ctas;
   p.q_block = s.q_block, p.kv_block = s.kv_block;
@@ -94,6 +107,7 @@ struct DqSequence {
   int num_q_blocks = 0, num_kv_blocks = 0;
   int period = 1;       // Q of the rotation: >= any walk's length and any q-block's contributor count
   bool rotate = false;  // diagonal walks and turns (else tile order)
+  bool descending = false;  // kLongestFirst: walks descending, turns in ascending n
 };
 
 // The kv blocks touching q-block m (those whose tile adds into its dQ), and the reverse.
@@ -122,6 +136,7 @@ FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k) {
   s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
   s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
   s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
+  s.descending = p.scheme == DqScheme::kLongestFirst;
   s.rotate = p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s));
   return s;
 }
@@ -131,9 +146,11 @@ FLARE_HD int positive_mod(int a, int b) {
   return r < 0 ? r + b : r;
 }
 
-// A tile's walk over its q-blocks: [first, first + count), beginning at `start` and wrapping.
+// A tile's walk over its q-blocks: [first, first + count), beginning at `start` and wrapping, or
+// (descending) from the last down to `first`.
 struct DqWalk {
   int first = 0, count = 0, start = 0;
+  bool descending = false;
 };
 
 FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
@@ -143,6 +160,7 @@ FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
   w.first = r.first;
   w.count = r.last - r.first;
   w.start = r.first;
+  w.descending = s.descending;
   if (s.rotate) {
     // The smallest T(n, m) = (m - n) mod Q is 0 at the first m = n (mod Q), if the range has one;
     // otherwise T grows along the whole range (count <= Q) and the walk starts at `first`.
@@ -154,6 +172,7 @@ FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
 
 // The q-block of a walk's step in [0, count).
 FLARE_HD int q_block_at(const DqWalk& w, int step) {
+  if (w.descending) return w.first + w.count - 1 - step;
   const int m = w.start + step;
   return m < w.first + w.count ? m : m - w.count;
 }
@@ -168,6 +187,7 @@ FLARE_HD int dq_num_turns(const DqPlan& p, const DqSequence& s, int m) {
 // when its add may start.
 FLARE_HD int dq_turn(const DqPlan& p, const DqSequence& s, int b, int h, int n, int m) {
   const BlockRange touching = kv_blocks_touching(p, s, m);
+  if (s.descending) return n - touching.first;  // the touching tiles in tile-index order: n ascending
   // The touching tiles in tile-index order are n = last-1, last-2, ..., first (n descending),
   // at consecutive indices; `position` is n's place among them.
   const int count = touching.last - touching.first;
@@ -226,7 +246,10 @@ FLARE_HD DqTurnCursor dq_turn_cursor(const DqPlan& p, const DqSequence& s, int b
 
 // Equals dq_turn(p, s, c.b, c.h, c.n, m) when p.scheme is not kDiagonal.
 FLARE_HD int dq_turn_at(const DqTurnCursor& c, const DqPlan& p, const DqSequence& s, int m) {
-  if (!c.rect) return kv_blocks_touching(p, s, m).last - 1 - c.n;
+  if (!c.rect) {
+    const BlockRange touching = kv_blocks_touching(p, s, m);
+    return s.descending ? c.n - touching.first : touching.last - 1 - c.n;
+  }
   const int t0 = positive_mod(m - c.lead_position, s.period);
   if (t0 + c.in_round <= s.period) return c.in_round_begin + c.j;
   const int wrap = s.period - t0;

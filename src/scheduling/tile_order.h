@@ -21,9 +21,9 @@
 // - Longest first (forward, non-deterministic backward). Inside a group the block axis is
 //   visited from the blocks with the most work to the blocks with the least, heads innermost,
 //   so the short tiles fill the tail of the grid.
-// - Head-major, shortest first (deterministic backward). Each (batch, head)'s kv blocks are
-//   consecutive, in descending n: dq_turns.h ties the dQ turn order to this tile order, which
-//   is what keeps the semaphores deadlock-free. Consecutive tiles share a head, so L2 reuse
+// - Head-major (deterministic backward). Each (batch, head)'s kv blocks are consecutive, in
+//   descending n (shortest first for causal) or ascending n (longest first): dq_turns.h ties the
+//   dQ turn order to this tile order, which is what keeps the semaphores deadlock-free. Consecutive tiles share a head, so L2 reuse
 //   needs no grouping there.
 //
 // Block order along an axis ("fold"). A tile's work is the number of blocks on the other axis
@@ -243,15 +243,17 @@ inline TileOrder make_forward_order(const TileShape& s, int64_t l2_budget_bytes)
 }
 
 // Backward: (b, h, kv-block). Non-deterministic: longest first inside each L2 group. Deterministic:
-// head-major, kv blocks descending (shortest first for causal), the order dq_turns.h builds on.
-inline TileOrder make_backward_order(const TileShape& s, int64_t l2_budget_bytes, bool deterministic) {
+// head-major, kv blocks descending (shortest first for causal), or ascending (`longest_first`:
+// longest first for causal), the orders dq_turns.h builds on.
+inline TileOrder make_backward_order(const TileShape& s, int64_t l2_budget_bytes, bool deterministic,
+                                     bool longest_first = false) {
   if (!deterministic)
     return order_of(s, backward_fold(s), backward_unit_bytes(s), l2_budget_bytes, /*head_major=*/false);
-  BlockFold descending;  // the whole axis as the middle: visited in descending order
-  descending.num_blocks = s.num_kv_blocks();
-  descending.mid_begin = 0;
-  descending.mid_end = descending.num_blocks;
-  return order_of(s, descending, backward_unit_bytes(s), l2_budget_bytes, /*head_major=*/true);
+  BlockFold axis;  // the whole axis as the middle (descending), or as the upper ramp (ascending)
+  axis.num_blocks = s.num_kv_blocks();
+  axis.mid_begin = 0;
+  axis.mid_end = longest_first ? 0 : axis.num_blocks;
+  return order_of(s, axis, backward_unit_bytes(s), l2_budget_bytes, /*head_major=*/!longest_first);
 }
 
 }  // namespace flare::sched

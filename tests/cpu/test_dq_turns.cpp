@@ -84,7 +84,8 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
       for (int kb : {16, 32})
         for (int max_sq : {40, 96})
           for (int max_sk : {40, 130})
-            for (DqScheme scheme : {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder})
+            for (DqScheme scheme :
+                 {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder, DqScheme::kLongestFirst})
               for (int round : {1, 2, 7, 132}) {
                 TileShape shape;
                 shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
@@ -98,7 +99,7 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
                     ++sequences;
                   }
               }
-  EXPECT_GT(sequences, 20000);
+  EXPECT_GT(sequences, 25000);
 }
 
 // Auto rotates exactly the sequences where every kv block touches every q block.
@@ -171,6 +172,47 @@ TEST(DqTurns, LockstepNeverWaitsForSquareCausalFullAndSlidingWindow) {
         expect_lockstep_without_waiting(shape);
       }
     }
+}
+
+// Longest first: a head's kv blocks in ascending tile index, walks descending, and at every q-block
+// the tile with the earlier turn has the lower index (it starts no later) and reaches m in no more
+// steps, so started in index order no tile waits on one that started after it.
+TEST(DqTurns, LongestFirstTurnsFollowIndexAndArrival) {
+  int checked = 0;
+  for (const BandCase& bc : kBands)
+    for (int sq : {1, 40, 96, 300})
+      for (int sk : {1, 40, 130, 300}) {
+        TileShape shape;
+        shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
+        shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
+        shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
+        const DqPlan p = make_dq_plan(shape, 1LL << 30, 132, DqScheme::kLongestFirst);
+        EXPECT_FALSE(p.order.head_major);
+        const DqSequence s = dq_sequence(p, sq, sk);
+        ASSERT_TRUE(s.descending && !s.rotate);
+        for (int b = 0; b < 2; ++b)
+          for (int h = 0; h < 4; ++h) {
+            std::vector<std::vector<std::pair<int, int>>> by_turn(s.num_q_blocks);  // (index, step) per turn
+            for (int m = 0; m < s.num_q_blocks; ++m) by_turn[m].assign(dq_num_turns(p, s, m), {-1, -1});
+            for (int n = 0; n < s.num_kv_blocks; ++n) {
+              if (n > 0)
+                ASSERT_LT(tile_index_of(p.order, TileCoord{b, h, n - 1}), tile_index_of(p.order, TileCoord{b, h, n}));
+              const DqWalk w = dq_walk(p, s, n);
+              for (int step = 0; step < w.count; ++step) {
+                const int m = q_block_at(w, step);
+                if (step > 0) ASSERT_LT(m, q_block_at(w, step - 1)) << "descending";
+                by_turn[m][dq_turn(p, s, b, h, n, m)] = {tile_index_of(p.order, TileCoord{b, h, n}), step};
+              }
+            }
+            for (int m = 0; m < s.num_q_blocks; ++m)
+              for (size_t k = 1; k < by_turn[m].size(); ++k) {
+                ASSERT_LT(by_turn[m][k - 1].first, by_turn[m][k].first) << "m=" << m;
+                ASSERT_LE(by_turn[m][k - 1].second, by_turn[m][k].second) << "m=" << m << " turn " << k;
+                ++checked;
+              }
+          }
+      }
+  EXPECT_GT(checked, 9000);
 }
 
 TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {

@@ -118,10 +118,11 @@ TEST(TileOrder, EveryOrderIsABijection) {
       ++orders;
     }
     for (int64_t budget : budgets_for(backward_unit_bytes(s)))
-      for (bool det : {false, true}) {
-        expect_bijection(make_backward_order(s, budget, det), s, s.num_kv_blocks());
-        ++orders;
-      }
+      for (bool det : {false, true})
+        for (bool longest : {false, true}) {
+          expect_bijection(make_backward_order(s, budget, det, longest), s, s.num_kv_blocks());
+          ++orders;
+        }
   });
   EXPECT_GT(orders, 5000);
 }

@@ -180,6 +180,34 @@ TEST(HopperBackward, DeterministicDqReplicas) {
   unsetenv("FLARE_HOPPER_BWD_DQ_REPLICAS");
 }
 
+// The deterministic grid's two turn orders for banded work (hopper_bwd_det_scheme): shortest first and
+// longest first (sched::DqScheme::kLongestFirst), each against the oracle and bitwise reproducible:
+// causal with GQA and more tiles than the GPU holds at once, windows, seqlen_q != seqlen_k, varlen.
+TEST(HopperBackward, DeterministicTurnOrders) {
+  FLARE_REQUIRE_HOPPER();
+  uint64_t seed = 8800;
+  for (const char* order : {"shortest", "longest"}) {
+    ASSERT_EQ(setenv("FLARE_HOPPER_BWD_DET_ORDER", order, 1), 0);
+    SCOPED_TRACE(std::string("turn order ") + order);
+    for (int d : built_hopper_bwd_dims()) {
+      AttnCase big;
+      big.head_dim = d, big.seqlen_q = big.seqlen_k = reduced() ? 1000 : 3000;
+      big.heads = 16, big.heads_kv = 4, big.batch = 2, big.mask = MaskParams{true, -1, -1}, big.seed = seed++;
+      run_backward(big, true);
+      expect_bitwise_reproducible(big, Backend::kHopper, reduced() ? 2 : 5);
+      if (reduced()) continue;
+      for (const MaskParams& m : {MaskParams{false, 300, 0}, MaskParams{false, 100, 50}, MaskParams{true, 200, -1}}) {
+        AttnCase c = mask_ratio_case(m, 2, seed++);
+        c.head_dim = d, c.seqlen_q = 700, c.seqlen_k = 900;
+        run_backward(c, true);
+        expect_bitwise_reproducible(c, Backend::kHopper, 3);
+      }
+      run_backward(varlen_sinks_case(d, 2, MaskParams{true, -1, -1}, seed++), true);
+    }
+  }
+  unsetenv("FLARE_HOPPER_BWD_DET_ORDER");
+}
+
 // Outside its scope (soft-capping; head dims other than <= 128 and 256) a forced Hopper backward
 // refuses with a reason and kAuto runs the portable one, whose result is checked.
 TEST(HopperBackward, FallsBackOrRefusesOutsideItsScope) {

@@ -2,6 +2,8 @@
 // the conversions. Included by the generated per-(head dim, dtype) translation units only.
 #pragma once
 
+#include <cstdlib>
+
 #include "src/attention/hopper/bwd_kernel.h"
 #include "src/attention/hopper/bwd_split_kernel.h"
 #include "src/attention/hopper/bwd_launch.h"
@@ -39,6 +41,18 @@ cudaError_t hopper_bwd_kernel_for(bool deterministic, void (**kernel)(HopperBwdP
     }
     return hopper_bwd_take_kernel<hopper_bwd_kernel<Cfg, T, kSparse>, kSmem>(kernel);
   }
+}
+
+// The deterministic dense grid's turns (sched::dq_turns.h). Banded work (causal, windows): shortest
+// first (head-major, each head's kv blocks descending) or longest first (kLongestFirst: the L2-grouped
+// order with kv blocks ascending, walks descending); full attention rotates its rectangles (kAuto).
+// FLARE_HOPPER_BWD_DET_ORDER=shortest|longest forces the banded choice (read per call: A/B runs and
+// the tests of both).
+inline sched::DqScheme hopper_bwd_det_scheme(const detail::FwdKernelParams& p) {
+  if (!FLARE_HOPPER_BWD_ROTATE) return sched::DqScheme::kTileOrder;
+  bool longest = false;
+  if (const char* e = std::getenv("FLARE_HOPPER_BWD_DET_ORDER"); e != nullptr) longest = e[0] == 'l';
+  return longest && detail::has_band(p) ? sched::DqScheme::kLongestFirst : sched::DqScheme::kAuto;
 }
 
 // kSparse: the query steps of the block mask `bs`'s transposed lists, or in deterministic mode of
@@ -99,7 +113,9 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     const detail::DeviceFacts facts = detail::current_device_facts();
     hp.plan = sched::make_dq_plan(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
                                   int64_t{facts.l2_bytes} / 2, facts.num_sms,
-                                  FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto : sched::DqScheme::kTileOrder);
+                                  P.deterministic ? hopper_bwd_det_scheme(p)
+                                  : FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto
+                                                            : sched::DqScheme::kTileOrder);
     const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks * L::kStatsPieces;  // pieces
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
