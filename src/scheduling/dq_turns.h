@@ -106,8 +106,13 @@ struct DqSequence {
   int seqlen_q = 0, seqlen_k = 0;
   int num_q_blocks = 0, num_kv_blocks = 0;
   int period = 1;       // Q of the rotation: >= any walk's length and any q-block's contributor count
-  bool rotate = false;  // diagonal walks and turns (else tile order)
-  bool descending = false;  // kLongestFirst: walks descending, turns in ascending n
+  // The walks and turns: tile order (ascending walks), rotated (diagonal walks and turns) or
+  // descending (kLongestFirst: descending walks, turns in ascending n). One field, not two flags:
+  // the deterministic d128 kernel's dQ writer keeps it live across its loop, and a second byte
+  // there cost a spill (session 54).
+  enum class Walks : unsigned char { kTileOrder, kRotated, kDescending } walks = Walks::kTileOrder;
+  FLARE_HD bool rotate() const { return walks == Walks::kRotated; }
+  FLARE_HD bool descending() const { return walks == Walks::kDescending; }
 };
 
 // The kv blocks touching q-block m (those whose tile adds into its dQ), and the reverse.
@@ -136,8 +141,10 @@ FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k) {
   s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
   s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
   s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
-  s.descending = p.scheme == DqScheme::kLongestFirst;
-  s.rotate = p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s));
+  if (p.scheme == DqScheme::kLongestFirst)
+    s.walks = DqSequence::Walks::kDescending;
+  else if (p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s)))
+    s.walks = DqSequence::Walks::kRotated;
   return s;
 }
 
@@ -148,9 +155,12 @@ FLARE_HD int positive_mod(int a, int b) {
 
 // A tile's walk over its q-blocks: [first, first + count), beginning at `start` and wrapping, or
 // (descending) from the last down to `first`.
+// A descending walk has start kDescending (no flag of its own: the tile keeps its walk live through
+// the whole kernel, and the d128 deterministic kernel had no register left for one, session 54).
 struct DqWalk {
+  static constexpr int kDescending = -1;
   int first = 0, count = 0, start = 0;
-  bool descending = false;
+  FLARE_HD bool descending() const { return start == kDescending; }
 };
 
 FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
@@ -159,9 +169,8 @@ FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
   if (r.first >= r.last || n >= s.num_kv_blocks) return w;
   w.first = r.first;
   w.count = r.last - r.first;
-  w.start = r.first;
-  w.descending = s.descending;
-  if (s.rotate) {
+  w.start = s.descending() ? DqWalk::kDescending : r.first;
+  if (s.rotate()) {
     // The smallest T(n, m) = (m - n) mod Q is 0 at the first m = n (mod Q), if the range has one;
     // otherwise T grows along the whole range (count <= Q) and the walk starts at `first`.
     const int zero_at = r.first + positive_mod(n - r.first, s.period);
@@ -172,7 +181,7 @@ FLARE_HD DqWalk dq_walk(const DqPlan& p, const DqSequence& s, int n) {
 
 // The q-block of a walk's step in [0, count).
 FLARE_HD int q_block_at(const DqWalk& w, int step) {
-  if (w.descending) return w.first + w.count - 1 - step;
+  if (w.descending()) return w.first + w.count - 1 - step;
   const int m = w.start + step;
   return m < w.first + w.count ? m : m - w.count;
 }
@@ -187,12 +196,12 @@ FLARE_HD int dq_num_turns(const DqPlan& p, const DqSequence& s, int m) {
 // when its add may start.
 FLARE_HD int dq_turn(const DqPlan& p, const DqSequence& s, int b, int h, int n, int m) {
   const BlockRange touching = kv_blocks_touching(p, s, m);
-  if (s.descending) return n - touching.first;  // the touching tiles in tile-index order: n ascending
+  if (s.descending()) return n - touching.first;  // the touching tiles in tile-index order: n ascending
   // The touching tiles in tile-index order are n = last-1, last-2, ..., first (n descending),
   // at consecutive indices; `position` is n's place among them.
   const int count = touching.last - touching.first;
   const int position = touching.last - 1 - n;
-  if (!s.rotate) return position;
+  if (!s.rotate()) return position;
 
   TileCoord leader;
   leader.batch = b, leader.head = h, leader.block = touching.last - 1;
@@ -228,7 +237,7 @@ struct DqTurnCursor {
 FLARE_HD DqTurnCursor dq_turn_cursor(const DqPlan& p, const DqSequence& s, int b, int h, int n) {
   DqTurnCursor c;
   c.b = b, c.h = h, c.n = n;
-  if (!s.rotate || !is_rectangle(p, s)) return c;
+  if (!s.rotate() || !is_rectangle(p, s)) return c;
   const int count = s.num_kv_blocks;
   const int position = count - 1 - n;
   TileCoord leader;
@@ -248,7 +257,7 @@ FLARE_HD DqTurnCursor dq_turn_cursor(const DqPlan& p, const DqSequence& s, int b
 FLARE_HD int dq_turn_at(const DqTurnCursor& c, const DqPlan& p, const DqSequence& s, int m) {
   if (!c.rect) {
     const BlockRange touching = kv_blocks_touching(p, s, m);
-    return s.descending ? c.n - touching.first : touching.last - 1 - c.n;
+    return s.descending() ? c.n - touching.first : touching.last - 1 - c.n;
   }
   const int t0 = positive_mod(m - c.lead_position, s.period);
   if (t0 + c.in_round <= s.period) return c.in_round_begin + c.j;

@@ -48,7 +48,7 @@ void check_sequence(const DqPlan& p, int b, int h, int seqlen_q, int seqlen_k) {
       if (touches(p, s, n, m)) expected.push_back(m);
     ASSERT_EQ(sorted, expected) << "walk of n=" << n << " covers the wrong q-blocks";
     // The walk follows the rotation: T(n, m) = (m - n) mod Q strictly increasing.
-    if (s.rotate) {
+    if (s.rotate()) {
       for (size_t k = 1; k < walks[n].size(); ++k)
         ASSERT_LT(positive_mod(walks[n][k - 1] - n, s.period), positive_mod(walks[n][k] - n, s.period));
     }
@@ -60,7 +60,7 @@ void check_sequence(const DqPlan& p, int b, int h, int seqlen_q, int seqlen_k) {
     for (int n = 0; n < num_n; ++n) {
       if (!touches(p, s, n, m)) continue;
       const int index = tile_index_of(p.order, TileCoord{b, h, n});
-      if (s.rotate)
+      if (s.rotate())
         keyed.emplace_back(index / p.round_tiles, positive_mod(m - n, s.period), n);
       else
         keyed.emplace_back(index, 0, n);
@@ -116,7 +116,7 @@ TEST(DqTurns, AutoRotatesExactlyTheRectangles) {
         bool all = s.num_q_blocks > 0 && s.num_kv_blocks > 0;
         for (int n = 0; n < s.num_kv_blocks; ++n)
           for (int m = 0; m < s.num_q_blocks; ++m) all = all && touches(p, s, n, m);
-        EXPECT_EQ(s.rotate, all) << "sq=" << sq << " sk=" << sk << " causal=" << bc.causal << " l=" << bc.left;
+        EXPECT_EQ(s.rotate(), all) << "sq=" << sq << " sk=" << sk << " causal=" << bc.causal << " l=" << bc.left;
         (all ? rectangles : others)++;
       }
   EXPECT_GT(rectangles, 10);
@@ -189,7 +189,7 @@ TEST(DqTurns, LongestFirstTurnsFollowIndexAndArrival) {
         const DqPlan p = make_dq_plan(shape, 1LL << 30, 132, DqScheme::kLongestFirst);
         EXPECT_FALSE(p.order.head_major);
         const DqSequence s = dq_sequence(p, sq, sk);
-        ASSERT_TRUE(s.descending && !s.rotate);
+        ASSERT_TRUE(s.descending() && !s.rotate());
         for (int b = 0; b < 2; ++b)
           for (int h = 0; h < 4; ++h) {
             std::vector<std::vector<std::pair<int, int>>> by_turn(s.num_q_blocks);  // (index, step) per turn
