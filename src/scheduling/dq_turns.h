@@ -43,6 +43,17 @@
 //   index, so it is deadlock-free on any residency, as tile order is. What it buys: tile order
 //   starts a head's longest tile last, so under the dynamic scheduler the last heads' longest
 //   tiles run alone at the end of the grid, the tail the ordinary grid does not have.
+//   Measured (session 53) it took 1.09-1.14x tile order's time at d256 and 0.98-1.05x at d128:
+//   not the default.
+// - Shortest first, the last head longest first: tile order for every flat head b * heads + h
+//   but the last, whose kv blocks are ascending (the longest first), its walks descending and its
+//   turns in ascending n, as in longest first. Tile order's tail is the last head's longest tile,
+//   started last and running alone; here the last head starts its longest tile first and ends on
+//   its shortest. The turns still follow the tile index within the head (the ascending n are at
+//   ascending indices) and the dQ waits stay within a head, so it is deadlock-free as tile order
+//   is. The grid model (test_grid_sim) put the ordinary backward's time at 0.92-0.99 of
+//   its time where tile order is at 0.89-0.93 (causal d128 and d256, 4k-16k); reversing more heads (2 to 16, or all)
+//   did worse than one.
 //
 // Deadlock freedom of the rotation. Residency is cut into rounds of R = resident CTAs
 // consecutive tile indices. Turns follow the rotation only within a round; across rounds they
@@ -75,11 +86,15 @@ enum class DqScheme : int {
   kDiagonal = 1,   // rotated walks, turns by rotation within a residency round
   kTileOrder = 2,  // ascending walks, turns in tile-index order (shortest first)
   kLongestFirst = 3,  // n ascending tiles, descending walks, turns in tile-index order
+  kShortestTail = 4,  // tile order, but the last flat head as kLongestFirst
 };
+
+// Flat heads reversed by kShortestTail (the grid model's best count: one).
+inline constexpr int kShortestTailHeads = 1;
 
 struct DqPlan {
   TileOrder order;  // make_backward_order(..., deterministic=true): head-major, n descending
-                    // (n ascending for kLongestFirst)
+                    // (n ascending for kLongestFirst; for kShortestTail's last heads)
   DqScheme scheme = DqScheme::kAuto;
   int round_tiles = 1;  // tiles resident together: the rotation never crosses a round
   int q_block = 128, kv_block = 128;
@@ -93,6 +108,8 @@ inline DqPlan make_dq_plan(const TileShape& s, int64_t l2_budget_bytes, int resi
   DqPlan p;
   p.order = make_backward_order(s, l2_budget_bytes, /*deterministic=*/true,
                                 /*longest_first=*/scheme == DqScheme::kLongestFirst);
+  if (scheme == DqScheme::kShortestTail)
+    p.order.reversed_from_head = order_detail::max_int(0, s.batch * s.heads - kShortestTailHeads);
   p.scheme = scheme;
   p.round_tiles = resident_ctas < 1 ? 1 : resident_ctas;
   p.q_block = s.q_block, p.kv_block = s.kv_block;
@@ -100,16 +117,17 @@ inline DqPlan make_dq_plan(const TileShape& s, int64_t l2_budget_bytes, int resi
   return p;
 }
 
-// One sequence's geometry: its own lengths (varlen), or the batch lengths. Built once per tile.
+// One sequence's geometry: its own lengths (varlen), or the batch lengths, and how head (b, h)
+// walks it. Built once per tile.
 struct DqSequence {
   Band band;
   int seqlen_q = 0, seqlen_k = 0;
   int num_q_blocks = 0, num_kv_blocks = 0;
   int period = 1;       // Q of the rotation: >= any walk's length and any q-block's contributor count
   // The walks and turns: tile order (ascending walks), rotated (diagonal walks and turns) or
-  // descending (kLongestFirst: descending walks, turns in ascending n). One field, not two flags:
-  // the deterministic d128 kernel's dQ writer keeps it live across its loop, and a second byte
-  // there cost a spill (session 54).
+  // descending (kLongestFirst, kShortestTail's last heads: descending walks, turns in ascending n).
+  // One field, not two flags: the deterministic d128 kernel's dQ writer keeps it live across its
+  // loop, and a second byte there cost a spill (session 54).
   enum class Walks : unsigned char { kTileOrder, kRotated, kDescending } walks = Walks::kTileOrder;
   FLARE_HD bool rotate() const { return walks == Walks::kRotated; }
   FLARE_HD bool descending() const { return walks == Walks::kDescending; }
@@ -134,14 +152,15 @@ FLARE_HD bool is_rectangle(const DqPlan& p, const DqSequence& s) {
   return last.first == 0 && last.last > 0 && first.last == s.num_q_blocks;
 }
 
-FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k) {
+FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k, int b, int h) {
   DqSequence s;
   s.band = Band::make(p.causal, p.window_left, p.window_right, seqlen_q, seqlen_k);
   s.seqlen_q = seqlen_q, s.seqlen_k = seqlen_k;
   s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
   s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
   s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
-  if (p.scheme == DqScheme::kLongestFirst)
+  if (p.scheme == DqScheme::kLongestFirst ||
+      (p.scheme == DqScheme::kShortestTail && b * p.order.heads + h >= p.order.reversed_from_head))
     s.walks = DqSequence::Walks::kDescending;
   else if (p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s)))
     s.walks = DqSequence::Walks::kRotated;
@@ -253,7 +272,7 @@ FLARE_HD DqTurnCursor dq_turn_cursor(const DqPlan& p, const DqSequence& s, int b
   return c;
 }
 
-// Equals dq_turn(p, s, c.b, c.h, c.n, m) when p.scheme is not kDiagonal.
+// Equals dq_turn(p, s, c.b, c.h, c.n, m) when p.scheme is not kDiagonal (s built for c.b, c.h).
 FLARE_HD int dq_turn_at(const DqTurnCursor& c, const DqPlan& p, const DqSequence& s, int m) {
   if (!c.rect) {
     const BlockRange touching = kv_blocks_touching(p, s, m);

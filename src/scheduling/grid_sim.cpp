@@ -485,7 +485,7 @@ SimWorkload deterministic_backward_workload(const DqPlan& plan, const TileShape&
   for (int t = 0; t < plan.order.num_tiles; ++t) {
     const TileCoord c = tile_at(plan.order, t);
     const DqSequence seq = dq_sequence(plan, length_of(lengths.q, c.batch, shape.seqlen_q),
-                                       length_of(lengths.k, c.batch, shape.seqlen_k));
+                                       length_of(lengths.k, c.batch, shape.seqlen_k), c.batch, c.head);
     if (c.block >= seq.num_kv_blocks) continue;  // past the sequence's end
     const DqWalk walk = dq_walk(plan, seq, c.block);
     std::vector<SimStep>& steps = w.tiles[t];

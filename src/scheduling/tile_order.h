@@ -22,9 +22,10 @@
 //   visited from the blocks with the most work to the blocks with the least, heads innermost,
 //   so the short tiles fill the tail of the grid.
 // - Head-major (deterministic backward). Each (batch, head)'s kv blocks are consecutive, in
-//   descending n (shortest first for causal) or ascending n (longest first): dq_turns.h ties the
-//   dQ turn order to this tile order, which is what keeps the semaphores deadlock-free. Consecutive tiles share a head, so L2 reuse
-//   needs no grouping there.
+//   descending n (shortest first for causal; ascending for the heads from reversed_from_head on).
+//   dq_turns.h ties the dQ turn order to this tile order, which is what keeps the semaphores
+//   deadlock-free. Consecutive tiles share a head, so L2 reuse needs no grouping there. (Its
+//   longest-first variant is the L2-grouped order with kv blocks ascending.)
 //
 // Block order along an axis ("fold"). A tile's work is the number of blocks on the other axis
 // it visits. Along the axis, the lower side of the band is clamped at 0 on a prefix of blocks
@@ -109,7 +110,19 @@ struct TileOrder {
   int first_units = 1;      // units of the first group: the partial one, or units_per_group; the rest are full
   bool head_major = false;  // true: a head's blocks are consecutive; false: block rank outer
   BlockFold blocks;         // order of the block axis (q-blocks forward, kv-blocks backward)
+  // Flat heads b * heads + h from this one on visit their blocks in the fold's reverse (the
+  // deterministic backward's shortest-first order with its last heads longest first, dq_turns.h).
+  int reversed_from_head = 1 << 30;
 };
+
+// The block at `rank` of flat head `flat_head`'s visit, and the inverse.
+FLARE_HD int head_block_at_rank(const TileOrder& o, int flat_head, int rank) {
+  const int block = block_at_rank(o.blocks, rank);
+  return flat_head >= o.reversed_from_head ? o.blocks.num_blocks - 1 - block : block;
+}
+FLARE_HD int head_rank_of_block(const TileOrder& o, int flat_head, int block) {
+  return rank_of_block(o.blocks, flat_head >= o.reversed_from_head ? o.blocks.num_blocks - 1 - block : block);
+}
 
 // The tile at linear index `tile` in [0, num_tiles). The divisors are plan constants: a kernel
 // that finds these divisions on its critical path would keep fast divisors (multiplier and
@@ -139,7 +152,7 @@ FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
   TileCoord c;
   c.batch = flat_head / o.heads;
   c.head = flat_head - c.batch * o.heads;
-  c.block = block_at_rank(o.blocks, rank);
+  c.block = head_block_at_rank(o, flat_head, rank);
   return c;
 }
 
@@ -155,7 +168,7 @@ FLARE_HD int tile_index_of(const TileOrder& o, const TileCoord& c) {
     heads_here = o.units_per_group * o.group;
   }
   const int head_in_group = flat_head - first_unit * o.group;
-  const int rank = rank_of_block(o.blocks, c.block);
+  const int rank = head_rank_of_block(o, flat_head, c.block);
   const int in_group = o.head_major ? head_in_group * o.blocks.num_blocks + rank : rank * heads_here + head_in_group;
   return group_start + in_group;
 }

@@ -36,7 +36,7 @@ std::vector<int> walk_of(const DqPlan& p, const DqSequence& s, int n) {
 
 // Checks one (plan, b, h, sequence lengths) exhaustively against brute force.
 void check_sequence(const DqPlan& p, int b, int h, int seqlen_q, int seqlen_k) {
-  const DqSequence s = dq_sequence(p, seqlen_q, seqlen_k);
+  const DqSequence s = dq_sequence(p, seqlen_q, seqlen_k, b, h);
   const int num_m = s.num_q_blocks, num_n = s.num_kv_blocks;
   std::vector<std::vector<int>> walks(num_n);
   for (int n = 0; n < num_n; ++n) {
@@ -84,8 +84,8 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
       for (int kb : {16, 32})
         for (int max_sq : {40, 96})
           for (int max_sk : {40, 130})
-            for (DqScheme scheme :
-                 {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder, DqScheme::kLongestFirst})
+            for (DqScheme scheme : {DqScheme::kAuto, DqScheme::kDiagonal, DqScheme::kTileOrder,
+                                    DqScheme::kLongestFirst, DqScheme::kShortestTail})
               for (int round : {1, 2, 7, 132}) {
                 TileShape shape;
                 shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
@@ -95,11 +95,12 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
                 // Varlen: shorter sequences than the max, including empty and single-row ones.
                 for (int sq : {max_sq, 0, 1, max_sq / 2 + 1})
                   for (int sk : {max_sk, 0, 1, max_sk / 3 + 2}) {
-                    check_sequence(p, 1, 3, sq, sk);
+                    check_sequence(p, 1, 3, sq, sk);  // the last flat head
                     ++sequences;
+                    if (scheme == DqScheme::kShortestTail) check_sequence(p, 1, 2, sq, sk);
                   }
               }
-  EXPECT_GT(sequences, 25000);
+  EXPECT_GT(sequences, 30000);
 }
 
 // Auto rotates exactly the sequences where every kv block touches every q block.
@@ -112,7 +113,7 @@ TEST(DqTurns, AutoRotatesExactlyTheRectangles) {
         shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
         shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
         const DqPlan p = make_dq_plan(shape, 1LL << 30, 132);
-        const DqSequence s = dq_sequence(p, sq, sk);
+        const DqSequence s = dq_sequence(p, sq, sk, 0, 0);
         bool all = s.num_q_blocks > 0 && s.num_kv_blocks > 0;
         for (int n = 0; n < s.num_kv_blocks; ++n)
           for (int m = 0; m < s.num_q_blocks; ++m) all = all && touches(p, s, n, m);
@@ -131,7 +132,7 @@ TEST(DqTurns, CausalSquareIsShortestFirst) {
   shape.q_block = shape.kv_block = 64, shape.causal = true;
   for (int round : {1, 5, 132}) {
     const DqPlan p = make_dq_plan(shape, 1LL << 30, round, DqScheme::kDiagonal);
-    const DqSequence s = dq_sequence(p, 1000, 1000);
+    const DqSequence s = dq_sequence(p, 1000, 1000, 0, 1);
     for (int n = 0; n < s.num_kv_blocks; ++n) {
       const DqWalk w = dq_walk(p, s, n);
       EXPECT_EQ(w.start, n);
@@ -146,7 +147,7 @@ TEST(DqTurns, CausalSquareIsShortestFirst) {
 // which the tiles visit it strictly increase with the turn.
 void expect_lockstep_without_waiting(const TileShape& shape) {
   const DqPlan p = make_dq_plan(shape, 1LL << 30, /*resident_ctas=*/1 << 20, DqScheme::kAuto);
-  const DqSequence s = dq_sequence(p, shape.seqlen_q, shape.seqlen_k);
+  const DqSequence s = dq_sequence(p, shape.seqlen_q, shape.seqlen_k, 0, 0);
   std::vector<std::vector<int>> step_of_turn(s.num_q_blocks);
   for (int m = 0; m < s.num_q_blocks; ++m) step_of_turn[m].assign(dq_num_turns(p, s, m), -1);
   for (int n = 0; n < s.num_kv_blocks; ++n) {
@@ -174,45 +175,53 @@ TEST(DqTurns, LockstepNeverWaitsForSquareCausalFullAndSlidingWindow) {
     }
 }
 
-// Longest first: a head's kv blocks in ascending tile index, walks descending, and at every q-block
-// the tile with the earlier turn has the lower index (it starts no later) and reaches m in no more
-// steps, so started in index order no tile waits on one that started after it.
+// Longest first, and the last head of shortest-first-with-tail: a head's kv blocks in ascending
+// tile index, walks descending, and at every q-block the tile with the earlier turn has the lower
+// index (it starts no later) and reaches m in no more steps, so started in index order no tile waits
+// on one that started after it. The other heads of kShortestTail: kv blocks in descending index,
+// walks ascending, the same two properties (tile order's).
 TEST(DqTurns, LongestFirstTurnsFollowIndexAndArrival) {
-  int checked = 0;
-  for (const BandCase& bc : kBands)
-    for (int sq : {1, 40, 96, 300})
-      for (int sk : {1, 40, 130, 300}) {
-        TileShape shape;
-        shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
-        shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
-        shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
-        const DqPlan p = make_dq_plan(shape, 1LL << 30, 132, DqScheme::kLongestFirst);
-        EXPECT_FALSE(p.order.head_major);
-        const DqSequence s = dq_sequence(p, sq, sk);
-        ASSERT_TRUE(s.descending() && !s.rotate());
-        for (int b = 0; b < 2; ++b)
-          for (int h = 0; h < 4; ++h) {
-            std::vector<std::vector<std::pair<int, int>>> by_turn(s.num_q_blocks);  // (index, step) per turn
-            for (int m = 0; m < s.num_q_blocks; ++m) by_turn[m].assign(dq_num_turns(p, s, m), {-1, -1});
-            for (int n = 0; n < s.num_kv_blocks; ++n) {
-              if (n > 0)
-                ASSERT_LT(tile_index_of(p.order, TileCoord{b, h, n - 1}), tile_index_of(p.order, TileCoord{b, h, n}));
-              const DqWalk w = dq_walk(p, s, n);
-              for (int step = 0; step < w.count; ++step) {
-                const int m = q_block_at(w, step);
-                if (step > 0) ASSERT_LT(m, q_block_at(w, step - 1)) << "descending";
-                by_turn[m][dq_turn(p, s, b, h, n, m)] = {tile_index_of(p.order, TileCoord{b, h, n}), step};
+  int checked = 0, reversed_heads = 0;
+  for (DqScheme scheme : {DqScheme::kLongestFirst, DqScheme::kShortestTail})
+    for (const BandCase& bc : kBands)
+      for (int sq : {1, 40, 96, 300})
+        for (int sk : {1, 40, 130, 300}) {
+          TileShape shape;
+          shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
+          shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
+          shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
+          const DqPlan p = make_dq_plan(shape, 1LL << 30, 132, scheme);
+          EXPECT_EQ(p.order.head_major, scheme == DqScheme::kShortestTail);
+          for (int b = 0; b < 2; ++b)
+            for (int h = 0; h < 4; ++h) {
+              const DqSequence s = dq_sequence(p, sq, sk, b, h);
+              const bool longest = scheme == DqScheme::kLongestFirst || (b == 1 && h == 3);
+              ASSERT_EQ(s.descending(), longest);
+              ASSERT_FALSE(s.rotate());
+              reversed_heads += scheme == DqScheme::kShortestTail && longest;
+              std::vector<std::vector<std::pair<int, int>>> by_turn(s.num_q_blocks);  // (index, step) per turn
+              for (int m = 0; m < s.num_q_blocks; ++m) by_turn[m].assign(dq_num_turns(p, s, m), {-1, -1});
+              for (int n = 0; n < s.num_kv_blocks; ++n) {
+                if (n > 0)
+                  ASSERT_EQ(tile_index_of(p.order, TileCoord{b, h, n - 1}) < tile_index_of(p.order, TileCoord{b, h, n}),
+                            longest);
+                const DqWalk w = dq_walk(p, s, n);
+                for (int step = 0; step < w.count; ++step) {
+                  const int m = q_block_at(w, step);
+                  if (step > 0) ASSERT_EQ(m < q_block_at(w, step - 1), longest) << "walk direction";
+                  by_turn[m][dq_turn(p, s, b, h, n, m)] = {tile_index_of(p.order, TileCoord{b, h, n}), step};
+                }
               }
+              for (int m = 0; m < s.num_q_blocks; ++m)
+                for (size_t k = 1; k < by_turn[m].size(); ++k) {
+                  ASSERT_LT(by_turn[m][k - 1].first, by_turn[m][k].first) << "m=" << m;
+                  ASSERT_LE(by_turn[m][k - 1].second, by_turn[m][k].second) << "m=" << m << " turn " << k;
+                  ++checked;
+                }
             }
-            for (int m = 0; m < s.num_q_blocks; ++m)
-              for (size_t k = 1; k < by_turn[m].size(); ++k) {
-                ASSERT_LT(by_turn[m][k - 1].first, by_turn[m][k].first) << "m=" << m;
-                ASSERT_LE(by_turn[m][k - 1].second, by_turn[m][k].second) << "m=" << m << " turn " << k;
-                ++checked;
-              }
-          }
-      }
-  EXPECT_GT(checked, 9000);
+        }
+  EXPECT_GT(checked, 18000);
+  EXPECT_EQ(reversed_heads, 8 * 4 * 4);  // one head per shape
 }
 
 TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {

@@ -120,8 +120,12 @@ TEST(TileOrder, EveryOrderIsABijection) {
     for (int64_t budget : budgets_for(backward_unit_bytes(s)))
       for (bool det : {false, true})
         for (bool longest : {false, true}) {
-          expect_bijection(make_backward_order(s, budget, det, longest), s, s.num_kv_blocks());
-          ++orders;
+          TileOrder o = make_backward_order(s, budget, det, longest);
+          expect_bijection(o, s, s.num_kv_blocks());
+          // The last heads' blocks reversed (the deterministic kShortestTail order, dq_turns.h).
+          o.reversed_from_head = s.batch * s.heads - 1 - orders % 3;
+          expect_bijection(o, s, s.num_kv_blocks());
+          orders += 2;
         }
   });
   EXPECT_GT(orders, 5000);
@@ -249,14 +253,19 @@ TEST(TileOrder, CausalTailStaysShortWithAPartialGroup) {
   }
 }
 
+// Descending blocks, or ascending from reversed_from_head on.
 TEST(TileOrder, DeterministicBackwardIsHeadMajorWithDescendingBlocks) {
   for_each_shape([&](const TileShape& s, const BandCase&) {
-    const TileOrder o = make_backward_order(s, backward_unit_bytes(s), /*deterministic=*/true);
+    TileOrder o = make_backward_order(s, backward_unit_bytes(s), /*deterministic=*/true);
     const int blocks = s.num_kv_blocks();
-    for (int t = 0; t < o.num_tiles; ++t) {
-      const TileCoord c = tile_at(o, t);
-      ASSERT_EQ(c.batch * s.heads + c.head, t / blocks);
-      ASSERT_EQ(c.block, blocks - 1 - t % blocks);
+    for (int reversed_from : {1 << 30, s.batch * s.heads - 1}) {
+      o.reversed_from_head = reversed_from;
+      for (int t = 0; t < o.num_tiles; ++t) {
+        const TileCoord c = tile_at(o, t);
+        const int flat_head = c.batch * s.heads + c.head;
+        ASSERT_EQ(flat_head, t / blocks);
+        ASSERT_EQ(c.block, flat_head >= reversed_from ? t % blocks : blocks - 1 - t % blocks);
+      }
     }
   });
 }

@@ -180,13 +180,14 @@ TEST(HopperBackward, DeterministicDqReplicas) {
   unsetenv("FLARE_HOPPER_BWD_DQ_REPLICAS");
 }
 
-// The deterministic grid's two turn orders for banded work (hopper_bwd_det_scheme): shortest first and
-// longest first (sched::DqScheme::kLongestFirst), each against the oracle and bitwise reproducible:
-// causal with GQA and more tiles than the GPU holds at once, windows, seqlen_q != seqlen_k, varlen.
+// The deterministic grid's turn orders for banded work (hopper_bwd_det_scheme): shortest first,
+// longest first (sched::DqScheme::kLongestFirst) and shortest first with the last head longest first
+// (kShortestTail), each against the oracle and bitwise reproducible: causal with GQA and more tiles
+// than the GPU holds at once, windows, seqlen_q != seqlen_k, varlen.
 TEST(HopperBackward, DeterministicTurnOrders) {
   FLARE_REQUIRE_HOPPER();
   uint64_t seed = 8800;
-  for (const char* order : {"shortest", "longest"}) {
+  for (const char* order : {"shortest", "longest", "tail"}) {
     ASSERT_EQ(setenv("FLARE_HOPPER_BWD_DET_ORDER", order, 1), 0);
     SCOPED_TRACE(std::string("turn order ") + order);
     for (int d : built_hopper_bwd_dims()) {

@@ -108,7 +108,7 @@ __device__ __forceinline__ DqReplica dq_replica(const detail::BwdKernelParams& P
 template <typename Cfg, typename Params, typename Tile>
 __device__ __forceinline__ void bwd_write_dq(const Params& hp, const Tile& t, const DqWriterPart& part) {
   const detail::BwdKernelParams& P = hp.p;
-  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
+  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k, t.b, t.h);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   // writer_first_step(first_step, 0, ..) is first_step; written plainly, ptxas allocates the d128
   // writer's registers differently (5 more spill instructions, session 40), so the call stays.

@@ -114,7 +114,7 @@ template <typename Cfg, typename T>
 __device__ __forceinline__ void bwd_split_write_dq_steps(const HopperBwdParams<Cfg, T>& hp, BwdSplitSmem<Cfg, T>& sm,
                                                          const BwdTile& t, int j) {
   const detail::BwdKernelParams& P = hp.p;
-  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k);
+  const sched::DqSequence dq_seq = sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k, t.b, t.h);
   const sched::DqTurnCursor turns = sched::dq_turn_cursor(hp.plan, dq_seq, t.b, t.h, t.n);
   constexpr uint32_t kBytes = Cfg::kBlockM * (Cfg::kHeadDim / 2) * sizeof(float);
   constexpr int kChains = hopper_bwd_dq_chains(Cfg::kHeadDim);  // the workspace's semaphores per query block

@@ -151,7 +151,8 @@ __device__ __forceinline__ BwdTileT<kSparse> bwd_tile_of(const Params& hp) {
                                           bs.q_block_size, bs.num_q_blocks, t.seq.seqlen_q, Cfg::kBlockM);
     }
   } else {
-    if (t.keys > 0) t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k), t.n);
+    if (t.keys > 0)
+      t.walk = sched::dq_walk(hp.plan, sched::dq_sequence(hp.plan, t.seq.seqlen_q, t.seq.seqlen_k, t.b, t.h), t.n);
     t.walk_steps = t.walk.count;
     if (!P.deterministic && P.tail.active()) {
       const sched::TailWork w = sched::tail_work(P.tail, blockIdx.x, t.walk.count);
