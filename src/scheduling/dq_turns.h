@@ -45,15 +45,19 @@
 //   tiles run alone at the end of the grid, the tail the ordinary grid does not have.
 //   Measured (session 53) it took 1.09-1.14x tile order's time at d256 and 0.98-1.05x at d128:
 //   not the default.
-// - Shortest first, the last head longest first: tile order for every flat head b * heads + h
-//   but the last, whose kv blocks are ascending (the longest first), its walks descending and its
-//   turns in ascending n, as in longest first. Tile order's tail is the last head's longest tile,
-//   started last and running alone; here the last head starts its longest tile first and ends on
-//   its shortest. The turns still follow the tile index within the head (the ascending n are at
-//   ascending indices) and the dQ waits stay within a head, so it is deadlock-free as tile order
-//   is. The grid model (test_grid_sim) put the ordinary backward's time at 0.92-0.99 of
-//   its time where tile order is at 0.89-0.93 (causal d128 and d256, 4k-16k); reversing more heads (2 to 16, or all)
-//   did worse than one.
+// - Shortest first, the last heads longest first (kShortestTail): tile order for every flat head
+//   b * heads + h but the last G; those come after the others, interleaved (block rank outer,
+//   heads inner, as the ordinary grid is), with their kv blocks ascending (the longest first), their
+//   walks descending and their turns in ascending n, as in longest first. Tile order's tail is its
+//   last heads' longest tiles, started in the last wave and running alone; here the last waves'
+//   tiles go longest first. G = 2 ceil(P / kv blocks) for P resident CTAs: the heads of the last
+//   two waves (or G = 1, the last head: kShortestTailWaves says where each measured faster). The
+//   turns still follow the tile index within each head (a reversed head's ascending n are at
+//   ascending indices) and the dQ waits stay within a head; the GQA dK/dV turns go in
+//   q-head order, at lower indices for a lower q-head of one kv head (the interleaving keeps heads
+//   ascending within a rank). So it is deadlock-free on any residency, as tile order is. The grid
+//   model (test_grid_sim, causal d128 and d256, 4k-16k) puts it at 0.95-0.99 of the ordinary
+//   backward's speed where tile order is at 0.89-0.93 and the last head alone at 0.92-0.99.
 //
 // Deadlock freedom of the rotation. Residency is cut into rounds of R = resident CTAs
 // consecutive tile indices. Turns follow the rotation only within a round; across rounds they
@@ -86,15 +90,20 @@ enum class DqScheme : int {
   kDiagonal = 1,   // rotated walks, turns by rotation within a residency round
   kTileOrder = 2,  // ascending walks, turns in tile-index order (shortest first)
   kLongestFirst = 3,  // n ascending tiles, descending walks, turns in tile-index order
-  kShortestTail = 4,  // tile order, but the last flat head as kLongestFirst
+  kShortestTail = 4,  // tile order, but the last waves' heads interleaved as kLongestFirst
 };
 
-// Flat heads reversed by kShortestTail (the grid model's best count: one).
-inline constexpr int kShortestTailHeads = 1;
+// kShortestTail reverses the heads of this many last waves of resident CTAs (the grid model: two
+// gain 1-2 % over one, three less than 1 % more); a plan made with 0 waves reverses the last head
+// alone. On the H200 (session 55) two waves took 0.93-0.98 of shortest first's time at d128 causal
+// 4k-16k, where the last head alone took 0.96-1.01; at d256 (64-key tiles, short steps, two dQ
+// copies) two waves took 1.02-1.09, the last head alone 0.95-0.99.
+inline constexpr int kShortestTailWaves = 2;
 
 struct DqPlan {
   TileOrder order;  // make_backward_order(..., deterministic=true): head-major, n descending
-                    // (n ascending for kLongestFirst; for kShortestTail's last heads)
+                    // (n ascending for kLongestFirst; kShortestTail's last heads interleaved after
+                    // the others, n ascending)
   DqScheme scheme = DqScheme::kAuto;
   int round_tiles = 1;  // tiles resident together: the rotation never crosses a round
   int q_block = 128, kv_block = 128;
@@ -102,14 +111,17 @@ struct DqPlan {
   int window_left = -1, window_right = -1;
 };
 
-// round_tiles = resident CTAs (num_SMs * ctas_per_sm of the launch).
+// round_tiles = resident CTAs (num_SMs * ctas_per_sm of the launch). tail_waves: kShortestTail's.
 inline DqPlan make_dq_plan(const TileShape& s, int64_t l2_budget_bytes, int resident_ctas,
-                           DqScheme scheme = DqScheme::kAuto) {
+                           DqScheme scheme = DqScheme::kAuto, int tail_waves = kShortestTailWaves) {
   DqPlan p;
   p.order = make_backward_order(s, l2_budget_bytes, /*deterministic=*/true,
                                 /*longest_first=*/scheme == DqScheme::kLongestFirst);
-  if (scheme == DqScheme::kShortestTail)
-    p.order.reversed_from_head = order_detail::max_int(0, s.batch * s.heads - kShortestTailHeads);
+  if (scheme == DqScheme::kShortestTail) {
+    const int blocks = order_detail::max_int(1, s.num_kv_blocks());
+    const int per_wave = order_detail::ceil_div(order_detail::max_int(1, resident_ctas), blocks);
+    p.order.reversed_heads = order_detail::min_int(s.batch * s.heads, tail_waves > 0 ? tail_waves * per_wave : 1);
+  }
   p.scheme = scheme;
   p.round_tiles = resident_ctas < 1 ? 1 : resident_ctas;
   p.q_block = s.q_block, p.kv_block = s.kv_block;
@@ -160,7 +172,7 @@ FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k, int
   s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
   s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
   if (p.scheme == DqScheme::kLongestFirst ||
-      (p.scheme == DqScheme::kShortestTail && b * p.order.heads + h >= p.order.reversed_from_head))
+      (p.scheme == DqScheme::kShortestTail && b * p.order.heads + h >= first_reversed_head(p.order)))
     s.walks = DqSequence::Walks::kDescending;
   else if (p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s)))
     s.walks = DqSequence::Walks::kRotated;

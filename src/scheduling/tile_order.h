@@ -22,9 +22,11 @@
 //   visited from the blocks with the most work to the blocks with the least, heads innermost,
 //   so the short tiles fill the tail of the grid.
 // - Head-major (deterministic backward). Each (batch, head)'s kv blocks are consecutive, in
-//   descending n (shortest first for causal; ascending for the heads from reversed_from_head on).
-//   dq_turns.h ties the dQ turn order to this tile order, which is what keeps the semaphores
-//   deadlock-free. Consecutive tiles share a head, so L2 reuse needs no grouping there. (Its
+//   descending n (shortest first for causal). dq_turns.h ties the dQ turn order to this tile
+//   order, which is what keeps the semaphores deadlock-free. Consecutive tiles share a head, so L2
+//   reuse needs no grouping there. Its `reversed_heads` last flat heads instead come last
+//   interleaved, block rank outer and heads inner, with their kv blocks ascending (longest first
+//   for causal): the grid's last waves then end on short tiles, as the ordinary grid does. (The
 //   longest-first variant is the L2-grouped order with kv blocks ascending.)
 //
 // Block order along an axis ("fold"). A tile's work is the number of blocks on the other axis
@@ -110,25 +112,30 @@ struct TileOrder {
   int first_units = 1;      // units of the first group: the partial one, or units_per_group; the rest are full
   bool head_major = false;  // true: a head's blocks are consecutive; false: block rank outer
   BlockFold blocks;         // order of the block axis (q-blocks forward, kv-blocks backward)
-  // Flat heads b * heads + h from this one on visit their blocks in the fold's reverse (the
-  // deterministic backward's shortest-first order with its last heads longest first, dq_turns.h).
-  int reversed_from_head = 1 << 30;
+  // Head-major orders only: the last flat heads (b * heads + h), interleaved after the others
+  // with their blocks in the fold's reverse (the deterministic backward's kShortestTail, dq_turns.h).
+  int reversed_heads = 0;
 };
 
-// The block at `rank` of flat head `flat_head`'s visit, and the inverse.
-FLARE_HD int head_block_at_rank(const TileOrder& o, int flat_head, int rank) {
-  const int block = block_at_rank(o.blocks, rank);
-  return flat_head >= o.reversed_from_head ? o.blocks.num_blocks - 1 - block : block;
-}
-FLARE_HD int head_rank_of_block(const TileOrder& o, int flat_head, int block) {
-  return rank_of_block(o.blocks, flat_head >= o.reversed_from_head ? o.blocks.num_blocks - 1 - block : block);
-}
+// The first flat head of a head-major order's reversed tail, and the tile index where it begins.
+FLARE_HD int first_reversed_head(const TileOrder& o) { return o.num_units * o.group - o.reversed_heads; }
+FLARE_HD int reversed_tail_begin(const TileOrder& o) { return first_reversed_head(o) * o.blocks.num_blocks; }
 
 // The tile at linear index `tile` in [0, num_tiles). The divisors are plan constants: a kernel
 // that finds these divisions on its critical path would keep fast divisors (multiplier and
 // shift, one for tiles_per_group, heads, num_blocks and the first and full groups' head counts)
 // next to this struct; plain division is kept until a profile asks for it.
 FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
+  if (o.head_major && tile >= reversed_tail_begin(o)) {  // the reversed heads, block rank outer
+    const int k = tile - reversed_tail_begin(o);
+    const int rank = k / o.reversed_heads;
+    const int flat_head = first_reversed_head(o) + (k - rank * o.reversed_heads);
+    TileCoord c;
+    c.batch = flat_head / o.heads;
+    c.head = flat_head - c.batch * o.heads;
+    c.block = o.blocks.num_blocks - 1 - block_at_rank(o.blocks, rank);
+    return c;
+  }
   // Group 0 holds units [0, first_units); group g >= 1 the units_per_group after it.
   const int first_tiles = o.first_units * o.group * o.blocks.num_blocks;
   int in_group = tile, first_unit = 0, heads_here = o.first_units * o.group;
@@ -152,13 +159,16 @@ FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
   TileCoord c;
   c.batch = flat_head / o.heads;
   c.head = flat_head - c.batch * o.heads;
-  c.block = head_block_at_rank(o, flat_head, rank);
+  c.block = block_at_rank(o.blocks, rank);
   return c;
 }
 
 // The inverse of tile_at.
 FLARE_HD int tile_index_of(const TileOrder& o, const TileCoord& c) {
   const int flat_head = c.batch * o.heads + c.head;
+  if (o.head_major && flat_head >= first_reversed_head(o))
+    return reversed_tail_begin(o) + rank_of_block(o.blocks, o.blocks.num_blocks - 1 - c.block) * o.reversed_heads +
+           (flat_head - first_reversed_head(o));
   const int unit = flat_head / o.group;
   int group_start = 0, first_unit = 0, heads_here = o.first_units * o.group;
   if (unit >= o.first_units) {
@@ -168,7 +178,7 @@ FLARE_HD int tile_index_of(const TileOrder& o, const TileCoord& c) {
     heads_here = o.units_per_group * o.group;
   }
   const int head_in_group = flat_head - first_unit * o.group;
-  const int rank = head_rank_of_block(o, flat_head, c.block);
+  const int rank = rank_of_block(o.blocks, c.block);
   const int in_group = o.head_major ? head_in_group * o.blocks.num_blocks + rank : rank * heads_here + head_in_group;
   return group_start + in_group;
 }

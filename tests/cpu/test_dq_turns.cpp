@@ -97,7 +97,7 @@ TEST(DqTurns, TurnsAreARankingOfTheTouchingTilesAgainstBruteForce) {
                   for (int sk : {max_sk, 0, 1, max_sk / 3 + 2}) {
                     check_sequence(p, 1, 3, sq, sk);  // the last flat head
                     ++sequences;
-                    if (scheme == DqScheme::kShortestTail) check_sequence(p, 1, 2, sq, sk);
+                    if (scheme == DqScheme::kShortestTail) check_sequence(p, 0, 1, sq, sk);
                   }
               }
   EXPECT_GT(sequences, 30000);
@@ -175,53 +175,71 @@ TEST(DqTurns, LockstepNeverWaitsForSquareCausalFullAndSlidingWindow) {
     }
 }
 
-// Longest first, and the last head of shortest-first-with-tail: a head's kv blocks in ascending
-// tile index, walks descending, and at every q-block the tile with the earlier turn has the lower
-// index (it starts no later) and reaches m in no more steps, so started in index order no tile waits
-// on one that started after it. The other heads of kShortestTail: kv blocks in descending index,
-// walks ascending, the same two properties (tile order's).
+// Longest first, and the reversed heads of kShortestTail: a head's kv blocks in ascending tile
+// index, walks descending, and at every q-block the tile with the earlier turn has the lower index
+// (it starts no later) and reaches m in no more steps, so started in index order no tile waits on
+// one that started after it. The other heads of kShortestTail: kv blocks in descending index, walks
+// ascending, the same two properties (tile order's). GQA: the q-heads of a kv head reach each kv
+// block in q-head order (the dK/dV turns'). Rounds of 2 and 132 CTAs reverse some heads and all.
 TEST(DqTurns, LongestFirstTurnsFollowIndexAndArrival) {
-  int checked = 0, reversed_heads = 0;
+  int checked = 0, reversed_heads = 0, kept_heads = 0;
   for (DqScheme scheme : {DqScheme::kLongestFirst, DqScheme::kShortestTail})
-    for (const BandCase& bc : kBands)
-      for (int sq : {1, 40, 96, 300})
-        for (int sk : {1, 40, 130, 300}) {
-          TileShape shape;
-          shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
-          shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
-          shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
-          const DqPlan p = make_dq_plan(shape, 1LL << 30, 132, scheme);
-          EXPECT_EQ(p.order.head_major, scheme == DqScheme::kShortestTail);
-          for (int b = 0; b < 2; ++b)
-            for (int h = 0; h < 4; ++h) {
-              const DqSequence s = dq_sequence(p, sq, sk, b, h);
-              const bool longest = scheme == DqScheme::kLongestFirst || (b == 1 && h == 3);
-              ASSERT_EQ(s.descending(), longest);
-              ASSERT_FALSE(s.rotate());
-              reversed_heads += scheme == DqScheme::kShortestTail && longest;
-              std::vector<std::vector<std::pair<int, int>>> by_turn(s.num_q_blocks);  // (index, step) per turn
-              for (int m = 0; m < s.num_q_blocks; ++m) by_turn[m].assign(dq_num_turns(p, s, m), {-1, -1});
-              for (int n = 0; n < s.num_kv_blocks; ++n) {
-                if (n > 0)
-                  ASSERT_EQ(tile_index_of(p.order, TileCoord{b, h, n - 1}) < tile_index_of(p.order, TileCoord{b, h, n}),
-                            longest);
-                const DqWalk w = dq_walk(p, s, n);
-                for (int step = 0; step < w.count; ++step) {
-                  const int m = q_block_at(w, step);
-                  if (step > 0) ASSERT_EQ(m < q_block_at(w, step - 1), longest) << "walk direction";
-                  by_turn[m][dq_turn(p, s, b, h, n, m)] = {tile_index_of(p.order, TileCoord{b, h, n}), step};
+    for (int round : {2, 132})
+      for (const BandCase& bc : kBands)
+        for (int sq : {1, 40, 96, 300})
+          for (int sk : {1, 40, 130, 300}) {
+            TileShape shape;
+            shape.batch = 2, shape.heads = 4, shape.heads_kv = 2;
+            shape.seqlen_q = sq, shape.seqlen_k = sk, shape.q_block = 16, shape.kv_block = 32;
+            shape.causal = bc.causal, shape.window_left = bc.left, shape.window_right = bc.right;
+            const DqPlan p = make_dq_plan(shape, 1LL << 30, round, scheme);
+            EXPECT_EQ(p.order.head_major, scheme == DqScheme::kShortestTail);
+            for (int b = 0; b < 2; ++b)
+              for (int h = 0; h < 4; ++h) {
+                const DqSequence s = dq_sequence(p, sq, sk, b, h);
+                const bool longest = scheme == DqScheme::kLongestFirst || b * 4 + h >= 8 - p.order.reversed_heads;
+                ASSERT_EQ(s.descending(), longest);
+                ASSERT_FALSE(s.rotate());
+                if (scheme == DqScheme::kShortestTail) (longest ? reversed_heads : kept_heads)++;
+                std::vector<std::vector<std::pair<int, int>>> by_turn(s.num_q_blocks);  // (index, step) per turn
+                for (int m = 0; m < s.num_q_blocks; ++m) by_turn[m].assign(dq_num_turns(p, s, m), {-1, -1});
+                for (int n = 0; n < s.num_kv_blocks; ++n) {
+                  const int index = tile_index_of(p.order, TileCoord{b, h, n});
+                  if (n > 0) ASSERT_EQ(tile_index_of(p.order, TileCoord{b, h, n - 1}) < index, longest);
+                  if (h % 2 == 1) ASSERT_LT(tile_index_of(p.order, TileCoord{b, h - 1, n}), index) << "dK/dV turn order";
+                  const DqWalk w = dq_walk(p, s, n);
+                  for (int step = 0; step < w.count; ++step) {
+                    const int m = q_block_at(w, step);
+                    if (step > 0) ASSERT_EQ(m < q_block_at(w, step - 1), longest) << "walk direction";
+                    by_turn[m][dq_turn(p, s, b, h, n, m)] = {index, step};
+                  }
                 }
+                for (int m = 0; m < s.num_q_blocks; ++m)
+                  for (size_t k = 1; k < by_turn[m].size(); ++k) {
+                    ASSERT_LT(by_turn[m][k - 1].first, by_turn[m][k].first) << "m=" << m;
+                    ASSERT_LE(by_turn[m][k - 1].second, by_turn[m][k].second) << "m=" << m << " turn " << k;
+                    ++checked;
+                  }
               }
-              for (int m = 0; m < s.num_q_blocks; ++m)
-                for (size_t k = 1; k < by_turn[m].size(); ++k) {
-                  ASSERT_LT(by_turn[m][k - 1].first, by_turn[m][k].first) << "m=" << m;
-                  ASSERT_LE(by_turn[m][k - 1].second, by_turn[m][k].second) << "m=" << m << " turn " << k;
-                  ++checked;
-                }
-            }
-        }
-  EXPECT_GT(checked, 18000);
-  EXPECT_EQ(reversed_heads, 8 * 4 * 4);  // one head per shape
+          }
+  EXPECT_GT(checked, 36000);
+  EXPECT_GT(reversed_heads, 100);  // 132 CTAs reverse every head of these small shapes
+  EXPECT_GT(kept_heads, 100);      // 2 CTAs keep most
+}
+
+// kShortestTail's reversed heads: those of the last `tail_waves` waves of resident CTAs, at least one
+// and at most all; none for any other scheme.
+TEST(DqTurns, ShortestTailReversesTheLastWavesHeads) {
+  TileShape shape;
+  shape.batch = 4, shape.heads = 16, shape.heads_kv = 16, shape.seqlen_q = shape.seqlen_k = 4096;
+  shape.q_block = 64, shape.kv_block = 128, shape.causal = true;  // 32 kv blocks, 64 heads
+  EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kShortestTail).order.reversed_heads, 10);  // 2 x ceil(132 / 32)
+  EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kShortestTail, 1).order.reversed_heads, 5);
+  EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kShortestTail, 0).order.reversed_heads, 1);
+  EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 1 << 20, DqScheme::kShortestTail).order.reversed_heads, 64);
+  EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kAuto).order.reversed_heads, 0);
+  EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kTileOrder).order.reversed_heads, 0);
+  EXPECT_EQ(first_reversed_head(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kShortestTail).order), 54);
 }
 
 TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {

@@ -620,16 +620,16 @@ TEST(BufferedGridSim, ReportsWhatWritersAndCopiesBuy) {
 }
 
 // Shortest first (kAuto for causal) against longest first (kLongestFirst) and shortest first with
-// the last head longest first (kShortestTail) on issue 5's causal shapes, with the d <= 128
+// the last two waves' heads longest first (kShortestTail) on issue 5's causal shapes, with the d <= 128
 // kernel's form (two writers, a CTA per tile draining its adds), one and two dQ copies. The model
 // (session 53): longest first gains 3-4 % where a turn is held half a step (d128 4k 0.918 -> 0.955,
 // two copies 0.967; d256 8k 0.921 -> 0.946 / 0.960); held a step, it needs the second copy (one
 // copy 0.88 / 0.76 at d128 / d256 8k): a head's tiles that start together tie at every q-block and
 // drift apart by one hold each. On the GPU it lost at d256 (bench/RESULTS.md, session 53).
-// Session 54: the tail head moves one copy from 0.91-0.93 to 0.92-0.99, more the longer the sequence.
+// Session 55: the last waves' heads move one copy from 0.89-0.93 to 0.95-0.99.
 TEST(BufferedGridSim, ReportsWhatLongestFirstBuysTheDeterministicBackward) {
   std::printf("%-4s %6s | %5s | det / ord (drain, 2 writers), 1 and 2 copies: shortest first | longest first | "
-              "shortest, the last head longest\n",
+              "shortest, the last waves' heads longest\n",
               "d", "seqlen", "hold");
   for (int d : {128, 256})
     for (int seqlen : {4096, 8192, 16384})
@@ -645,7 +645,7 @@ TEST(BufferedGridSim, ReportsWhatLongestFirstBuysTheDeterministicBackward) {
             ASSERT_TRUE(r.completed);
             std::printf(" %5.3f", st.ordinary / r.makespan);
             if (copies == 1 && scheme == DqScheme::kAuto) shortest = r.makespan;
-            // The tail head's gain the model shows, kept (16k: 0.93 -> 0.99).
+            // The gain the model shows, kept.
             if (copies == 1 && scheme == DqScheme::kShortestTail) EXPECT_LT(r.makespan, shortest);
           }
           std::printf(" |");

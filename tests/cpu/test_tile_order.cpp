@@ -122,10 +122,14 @@ TEST(TileOrder, EveryOrderIsABijection) {
         for (bool longest : {false, true}) {
           TileOrder o = make_backward_order(s, budget, det, longest);
           expect_bijection(o, s, s.num_kv_blocks());
-          // The last heads' blocks reversed (the deterministic kShortestTail order, dq_turns.h).
-          o.reversed_from_head = s.batch * s.heads - 1 - orders % 3;
-          expect_bijection(o, s, s.num_kv_blocks());
-          orders += 2;
+          ++orders;
+          if (!o.head_major) continue;
+          // The last heads interleaved with their blocks reversed (kShortestTail, dq_turns.h).
+          for (int reversed : {1, 3, s.batch * s.heads}) {
+            o.reversed_heads = std::min(reversed, s.batch * s.heads);
+            expect_bijection(o, s, s.num_kv_blocks());
+            ++orders;
+          }
         }
   });
   EXPECT_GT(orders, 5000);
@@ -253,18 +257,25 @@ TEST(TileOrder, CausalTailStaysShortWithAPartialGroup) {
   }
 }
 
-// Descending blocks, or ascending from reversed_from_head on.
+// Descending blocks, head by head; the `reversed_heads` last heads after them, block rank outer
+// and heads inner, blocks ascending.
 TEST(TileOrder, DeterministicBackwardIsHeadMajorWithDescendingBlocks) {
   for_each_shape([&](const TileShape& s, const BandCase&) {
     TileOrder o = make_backward_order(s, backward_unit_bytes(s), /*deterministic=*/true);
-    const int blocks = s.num_kv_blocks();
-    for (int reversed_from : {1 << 30, s.batch * s.heads - 1}) {
-      o.reversed_from_head = reversed_from;
+    const int blocks = s.num_kv_blocks(), heads = s.batch * s.heads;
+    for (int reversed : {0, 1, 2, heads}) {
+      o.reversed_heads = std::min(reversed, heads);
+      const int tail = (heads - o.reversed_heads) * blocks;
       for (int t = 0; t < o.num_tiles; ++t) {
         const TileCoord c = tile_at(o, t);
         const int flat_head = c.batch * s.heads + c.head;
-        ASSERT_EQ(flat_head, t / blocks);
-        ASSERT_EQ(c.block, flat_head >= reversed_from ? t % blocks : blocks - 1 - t % blocks);
+        if (t < tail) {
+          ASSERT_EQ(flat_head, t / blocks);
+          ASSERT_EQ(c.block, blocks - 1 - t % blocks);
+        } else {
+          ASSERT_EQ(flat_head, heads - o.reversed_heads + (t - tail) % o.reversed_heads);
+          ASSERT_EQ(c.block, (t - tail) / o.reversed_heads);
+        }
       }
     }
   });

@@ -181,7 +181,7 @@ TEST(HopperBackward, DeterministicDqReplicas) {
 }
 
 // The deterministic grid's turn orders for banded work (hopper_bwd_det_scheme): shortest first,
-// longest first (sched::DqScheme::kLongestFirst) and shortest first with the last head longest first
+// longest first (sched::DqScheme::kLongestFirst) and shortest first with the last waves' heads longest first
 // (kShortestTail), each against the oracle and bitwise reproducible: causal with GQA and more tiles
 // than the GPU holds at once, windows, seqlen_q != seqlen_k, varlen.
 TEST(HopperBackward, DeterministicTurnOrders) {

@@ -44,11 +44,11 @@ cudaError_t hopper_bwd_kernel_for(bool deterministic, void (**kernel)(HopperBwdP
 }
 
 // The deterministic dense grid's turns (sched::dq_turns.h). Banded work (causal, windows): shortest
-// first with the last head longest first (kShortestTail, the default: 0.94-0.99 of shortest first's
-// time on the H200, session 55), shortest first (head-major, each head's kv blocks descending) or
-// longest first (kLongestFirst: the L2-grouped order with kv blocks ascending, walks descending);
-// full attention rotates its rectangles (kAuto). FLARE_HOPPER_BWD_DET_ORDER=tail|shortest|longest
-// forces the banded choice (read per call: A/B runs and the tests of each).
+// first with the last waves' heads longest first (kShortestTail, the default, session 55), shortest
+// first (head-major, each head's kv blocks descending) or longest first (kLongestFirst: the
+// L2-grouped order with kv blocks ascending, walks descending); full attention rotates its
+// rectangles (kAuto). FLARE_HOPPER_BWD_DET_ORDER=tail|shortest|longest forces the banded choice
+// (read per call: A/B runs and the tests of each).
 inline sched::DqScheme hopper_bwd_det_scheme(const detail::FwdKernelParams& p) {
   if (!FLARE_HOPPER_BWD_ROTATE) return sched::DqScheme::kTileOrder;
   if (!detail::has_band(p)) return sched::DqScheme::kAuto;
@@ -118,7 +118,10 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
                                   int64_t{facts.l2_bytes} / 2, facts.num_sms,
                                   P.deterministic ? hopper_bwd_det_scheme(p)
                                   : FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto
-                                                            : sched::DqScheme::kTileOrder);
+                                                            : sched::DqScheme::kTileOrder,
+                                  // kShortestTail: the last two waves' heads at d <= 128, the last
+                                  // head at d256 (sched::kShortestTailWaves)
+                                  Cfg::kSplitHeadDim ? 0 : sched::kShortestTailWaves);
     const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks * L::kStatsPieces;  // pieces
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
