@@ -100,6 +100,15 @@ enum class DqScheme : int {
 // copies) two waves took 1.02-1.09, the last head alone 0.95-0.99.
 inline constexpr int kShortestTailWaves = 2;
 
+// kShortestTail's reversed heads capped by the L2 budget instead (a lead, session 55: the heads that
+// run together share the L2, and a d256 head's backward operands are 16.8 MB at 8k): as many heads as
+// the budget holds, at least one, at most every head.
+inline int shortest_tail_heads_in_l2(const TileShape& s, int64_t l2_budget_bytes) {
+  const int64_t unit = backward_unit_bytes(s) / order_detail::max_int(1, s.group());  // one q-head's
+  const int64_t fit = unit > 0 ? l2_budget_bytes / unit : s.batch * s.heads;
+  return (int)(fit < 1 ? 1 : (fit > s.batch * s.heads ? s.batch * s.heads : fit));
+}
+
 struct DqPlan {
   TileOrder order;  // make_backward_order(..., deterministic=true): head-major, n descending
                     // (n ascending for kLongestFirst; kShortestTail's last heads interleaved after

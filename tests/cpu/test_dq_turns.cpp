@@ -240,6 +240,15 @@ TEST(DqTurns, ShortestTailReversesTheLastWavesHeads) {
   EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kAuto).order.reversed_heads, 0);
   EXPECT_EQ(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kTileOrder).order.reversed_heads, 0);
   EXPECT_EQ(first_reversed_head(make_dq_plan(shape, 1LL << 30, 132, DqScheme::kShortestTail).order), 54);
+  // The L2-capped count: a head's Q, dO (bf16), dQ accumulator (fp32) and statistics, 4096 x 1032 bytes.
+  EXPECT_EQ(shortest_tail_heads_in_l2(shape, 25LL << 20), (25 << 20) / (4096 * 1032));  // 6
+  EXPECT_EQ(shortest_tail_heads_in_l2(shape, 1), 1);
+  EXPECT_EQ(shortest_tail_heads_in_l2(shape, 1LL << 40), 64);
+  TileShape d256 = shape;
+  d256.batch = 2, d256.heads = d256.heads_kv = 8, d256.seqlen_q = d256.seqlen_k = 8192, d256.head_dim = 256;
+  EXPECT_EQ(shortest_tail_heads_in_l2(d256, 25LL << 20), 1);  // 16.8 MB a head
+  d256.heads_kv = 2;  // GQA: still one q-head's bytes
+  EXPECT_EQ(shortest_tail_heads_in_l2(d256, 25LL << 20), 1);
 }
 
 TEST(DqTurns, DkvTurnsFollowTheQHeadsOfAGroup) {

@@ -58,6 +58,22 @@ inline sched::DqScheme hopper_bwd_det_scheme(const detail::FwdKernelParams& p) {
                                                                       : sched::DqScheme::kShortestTail;
 }
 
+// FLARE_HOPPER_BWD_DET_TAIL_HEADS (A/B runs of kShortestTail's head count, read per call): N > 0
+// reverses the last N flat heads, "l2" as many as half the L2 holds (sched::shortest_tail_heads_in_l2).
+inline void hopper_bwd_tail_heads_override(const detail::FwdKernelParams& p, int block_m, int block_n, int elem_bytes,
+                                           const detail::DeviceFacts& facts, sched::DqPlan* plan) {
+  const char* e = std::getenv("FLARE_HOPPER_BWD_DET_TAIL_HEADS");
+  if (e == nullptr || e[0] == 0) return;
+  const int heads = p.batch * p.heads;
+  int g = 0;
+  if (e[0] == 'l')
+    g = sched::shortest_tail_heads_in_l2(detail::forward_tile_shape(p, block_m, block_n, elem_bytes),
+                                         int64_t{facts.l2_bytes} / 2);
+  else
+    g = std::atoi(e);
+  if (g >= 1) plan->order.reversed_heads = g < heads ? g : heads;
+}
+
 // kSparse: the query steps of the block mask `bs`'s transposed lists, or in deterministic mode of
 // its plan `dq_plan` (the d <= 128 tiling).
 template <typename Cfg, typename T, bool kSparse = false>
@@ -122,6 +138,8 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
                                   // kShortestTail: the last two waves' heads at d <= 128, the last
                                   // head at d256 (sched::kShortestTailWaves)
                                   Cfg::kSplitHeadDim ? 0 : sched::kShortestTailWaves);
+    if (hp.plan.scheme == sched::DqScheme::kShortestTail)
+      hopper_bwd_tail_heads_override(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T), facts, &hp.plan);
     const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks * L::kStatsPieces;  // pieces
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
