@@ -144,8 +144,12 @@ void run_forward_kernels_cfg(FwdKernelParams p, const EmuCase& e) {
   if (p.seqlen_q == 0 || p.batch == 0) return;
   if (e.persistent_ctas == 0) {
     const flare::detail::GridDims g = flare::detail::dense_fwd_grid(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T), e.l2_budget);
-    cuda_emu::launch(dim3(g.x, g.y, g.z), Cfg::kThreads, portable::smem_raw,
-                     [&] { portable::portable_fwd_kernel<Cfg, T, false>(p); });
+    cuda_emu::launch(dim3(g.x, g.y, g.z), Cfg::kThreads, portable::smem_raw, [&] {
+      if (p.order.num_tiles > 0)
+        portable::portable_fwd_kernel<Cfg, T, false, true>(p);
+      else
+        portable::portable_fwd_kernel<Cfg, T, false>(p);
+    });
     return;
   }
   p.order = flare::sched::make_forward_order(
