@@ -369,8 +369,8 @@ __device__ __forceinline__ void fwd_tile(const FwdKernelParams& p, FwdSmem<Cfg, 
 
 // The launch mode is a template parameter so that each gets its own register allocation: tile
 // coordinates from blockIdx are re-read where needed, from the tile order (kOrdered, kPersistent) they
-// are held, and one kernel holding both paths spilled (session 55: 120 bytes at d128 on sm_80 and
-// sm_90, against 16 for the 3D grid alone and 88 for the ordered grid alone).
+// are held, and one kernel holding both paths spilled (session 55, d128: 120 bytes on sm_80, against
+// 16 for the 3D grid alone and 88 for the ordered grid alone; 0 and 28 on sm_90).
 template <typename Cfg, typename T, bool kPersistent, bool kOrdered = false>
 __global__ void __launch_bounds__(Cfg::kThreads) portable_fwd_kernel(const FwdKernelParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
