@@ -180,8 +180,8 @@ FLARE_HD DqSequence dq_sequence(const DqPlan& p, int seqlen_q, int seqlen_k, int
   s.num_q_blocks = order_detail::ceil_div(seqlen_q, p.q_block);
   s.num_kv_blocks = order_detail::ceil_div(seqlen_k, p.kv_block);
   s.period = order_detail::max_int(1, order_detail::max_int(s.num_q_blocks, s.num_kv_blocks));
-  if (p.scheme == DqScheme::kLongestFirst ||
-      (p.scheme == DqScheme::kShortestTail && b * p.order.heads + h >= first_reversed_head(p.order)))
+  // kShortestTail's reversed heads (no other scheme has any).
+  if (p.scheme == DqScheme::kLongestFirst || b * p.order.heads + h >= first_reversed_head(p.order))
     s.walks = DqSequence::Walks::kDescending;
   else if (p.scheme == DqScheme::kDiagonal || (p.scheme == DqScheme::kAuto && is_rectangle(p, s)))
     s.walks = DqSequence::Walks::kRotated;

@@ -112,8 +112,9 @@ struct TileOrder {
   int first_units = 1;      // units of the first group: the partial one, or units_per_group; the rest are full
   bool head_major = false;  // true: a head's blocks are consecutive; false: block rank outer
   BlockFold blocks;         // order of the block axis (q-blocks forward, kv-blocks backward)
-  // Head-major orders only: the last flat heads (b * heads + h), interleaved after the others
-  // with their blocks in the fold's reverse (the deterministic backward's kShortestTail, dq_turns.h).
+  // Head-major orders only (0 for the others): the last flat heads (b * heads + h), interleaved
+  // after the others with their blocks in the fold's reverse (the deterministic backward's
+  // kShortestTail, dq_turns.h).
   int reversed_heads = 0;
 };
 
@@ -126,7 +127,7 @@ FLARE_HD int reversed_tail_begin(const TileOrder& o) { return first_reversed_hea
 // shift, one for tiles_per_group, heads, num_blocks and the first and full groups' head counts)
 // next to this struct; plain division is kept until a profile asks for it.
 FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
-  if (o.head_major && tile >= reversed_tail_begin(o)) {  // the reversed heads, block rank outer
+  if (tile >= reversed_tail_begin(o)) {  // the reversed heads, block rank outer
     const int k = tile - reversed_tail_begin(o);
     const int rank = k / o.reversed_heads;
     const int flat_head = first_reversed_head(o) + (k - rank * o.reversed_heads);
@@ -166,7 +167,7 @@ FLARE_HD TileCoord tile_at(const TileOrder& o, int tile) {
 // The inverse of tile_at.
 FLARE_HD int tile_index_of(const TileOrder& o, const TileCoord& c) {
   const int flat_head = c.batch * o.heads + c.head;
-  if (o.head_major && flat_head >= first_reversed_head(o))
+  if (flat_head >= first_reversed_head(o))
     return reversed_tail_begin(o) + rank_of_block(o.blocks, o.blocks.num_blocks - 1 - c.block) * o.reversed_heads +
            (flat_head - first_reversed_head(o));
   const int unit = flat_head / o.group;

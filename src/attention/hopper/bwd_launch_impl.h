@@ -59,18 +59,13 @@ inline sched::DqScheme hopper_bwd_det_scheme(const detail::FwdKernelParams& p) {
 }
 
 // FLARE_HOPPER_BWD_DET_TAIL_HEADS (A/B runs of kShortestTail's head count, read per call): N > 0
-// reverses the last N flat heads, "l2" as many as half the L2 holds (sched::shortest_tail_heads_in_l2).
-inline void hopper_bwd_tail_heads_override(const detail::FwdKernelParams& p, int block_m, int block_n, int elem_bytes,
-                                           const detail::DeviceFacts& facts, sched::DqPlan* plan) {
+// reverses the last N flat heads, "l2" as many as the L2 budget holds (sched::shortest_tail_heads_in_l2).
+inline void hopper_bwd_tail_heads_override(const sched::TileShape& shape, int64_t l2_budget_bytes,
+                                           sched::DqPlan* plan) {
   const char* e = std::getenv("FLARE_HOPPER_BWD_DET_TAIL_HEADS");
   if (e == nullptr || e[0] == 0) return;
-  const int heads = p.batch * p.heads;
-  int g = 0;
-  if (e[0] == 'l')
-    g = sched::shortest_tail_heads_in_l2(detail::forward_tile_shape(p, block_m, block_n, elem_bytes),
-                                         int64_t{facts.l2_bytes} / 2);
-  else
-    g = std::atoi(e);
+  const int heads = shape.batch * shape.heads;
+  const int g = e[0] == 'l' ? sched::shortest_tail_heads_in_l2(shape, l2_budget_bytes) : std::atoi(e);
   if (g >= 1) plan->order.reversed_heads = g < heads ? g : heads;
 }
 
@@ -130,23 +125,23 @@ Status launch_hopper_bwd_cfg(const detail::BwdKernelParams& P, Stream stream,
     // Walks and turns; the deterministic grid follows the plan's tile order, one CTA per SM
     // resident (the rotation's rounds must not exceed that).
     const detail::DeviceFacts facts = detail::current_device_facts();
-    hp.plan = sched::make_dq_plan(detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T)),
-                                  int64_t{facts.l2_bytes} / 2, facts.num_sms,
+    const sched::TileShape shape = detail::forward_tile_shape(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T));
+    const int64_t l2_budget = int64_t{facts.l2_bytes} / 2;
+    hp.plan = sched::make_dq_plan(shape, l2_budget, facts.num_sms,
                                   P.deterministic ? hopper_bwd_det_scheme(p)
                                   : FLARE_HOPPER_BWD_ROTATE ? sched::DqScheme::kAuto
                                                             : sched::DqScheme::kTileOrder,
                                   // kShortestTail: the last two waves' heads at d <= 128, the last
                                   // head at d256 (sched::kShortestTailWaves)
                                   Cfg::kSplitHeadDim ? 0 : sched::kShortestTailWaves);
-    if (hp.plan.scheme == sched::DqScheme::kShortestTail)
-      hopper_bwd_tail_heads_override(p, Cfg::kBlockM, Cfg::kBlockN, sizeof(T), facts, &hp.plan);
+    if (hp.plan.scheme == sched::DqScheme::kShortestTail) hopper_bwd_tail_heads_override(shape, l2_budget, &hp.plan);
     const int32_t stats_blocks = p.batch * p.heads * P.num_m_blocks * L::kStatsPieces;  // pieces
     hp.shape_stats = typename L::StatsShape{typename L::StatsBlock{}, stats_blocks};
     hp.tma_stats = make_tma_copy(SM90_TMA_LOAD{}, L::stats_gtensor(P.row_stats, stats_blocks), typename L::SmemStats{},
                                  Shape<typename L::StatsBlock, _1>{}, _1{});
     dim3 grid = P.deterministic ? dim3(hp.plan.order.num_tiles) : dim3(P.num_n_blocks, p.heads, p.batch);
     if (!kSparse && !P.deterministic) {  // masked work: a 1D grid over the backward tile order
-      const detail::GridDims g = detail::dense_bwd_grid(hp.p, Cfg::kBlockN, sizeof(T), int64_t{facts.l2_bytes} / 2);
+      const detail::GridDims g = detail::dense_bwd_grid(hp.p, Cfg::kBlockN, sizeof(T), l2_budget);
       grid = dim3(g.x, g.y, g.z);
     }
     const bool split = !kSparse && !P.deterministic && P.tail.active();
